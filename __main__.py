@@ -1,0 +1,5 @@
+import sys
+
+from kvpool.tools.cli import main
+
+sys.exit(main())

@@ -1,0 +1,20 @@
+"""The kvpool client SDK: ``from kvpool.client import KVClient``."""
+
+from kvpool.client.kv_client import KVClient
+from kvpool.common.errors import (
+    AlreadyExists,
+    ClientClosed,
+    InvalidArgument,
+    KVPoolError,
+    MasterUnavailable,
+    NodeUnavailable,
+    NoSpace,
+    ObjectNotFound,
+    TransportError,
+    ValueTooLarge,
+)
+
+__all__ = [
+    "KVClient", "KVPoolError", "InvalidArgument", "ObjectNotFound", "AlreadyExists", "NoSpace",
+    "ValueTooLarge", "NodeUnavailable", "MasterUnavailable", "ClientClosed", "TransportError",
+]

@@ -1,0 +1,48 @@
+"""Byte views over caller buffers without copying: bytes, bytearray, memoryview, numpy, torch.
+
+torch is never imported here: a tensor is recognised by its type's module, so ``kvpool.client``
+imports without torch installed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+from kvpool.common.errors import InvalidArgument
+
+
+def byte_view(obj: object, *, writable: bool) -> memoryview:
+    """A flat, contiguous ``"B"`` memoryview over ``obj``'s own memory (no copy)."""
+    if type(obj).__module__.split(".")[0] == "torch":
+        return _tensor_view(obj, writable)
+    if isinstance(obj, np.ndarray):
+        if not obj.flags.c_contiguous:
+            raise InvalidArgument("numpy array must be C-contiguous (use np.ascontiguousarray)")
+        if writable and not obj.flags.writeable:
+            raise InvalidArgument("numpy array is read-only; get_into needs a writable buffer")
+        return memoryview(obj.reshape(-1).view(np.uint8))
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        view = memoryview(obj)
+        if not view.contiguous:
+            raise InvalidArgument("memoryview must be contiguous")
+        if writable and view.readonly:
+            raise InvalidArgument(f"{type(obj).__name__} is read-only; get_into needs a "
+                                  "writable buffer (bytearray, numpy array, torch tensor)")
+        return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    raise InvalidArgument(f"unsupported value type {type(obj).__name__}: expected bytes, "
+                          "bytearray, memoryview, numpy array or torch CPU tensor")
+
+
+def _tensor_view(t, writable: bool) -> memoryview:
+    if t.device.type != "cpu":
+        raise InvalidArgument(f"torch tensor is on {t.device}; only CPU tensors are supported")
+    if not t.is_contiguous():
+        raise InvalidArgument("torch tensor must be contiguous (use .contiguous())")
+    if writable and t.requires_grad:
+        raise InvalidArgument("cannot read into a tensor that requires grad")
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    # Any dtype (bfloat16 included) as raw bytes: a view of the tensor's own storage.
+    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")

@@ -1,0 +1,277 @@
+"""The shm transport: same-host clients map a node's segment and copy with one memcpy.
+
+On first use of a (node, segment) the client connects to the node's abstract unix socket
+(``"\\0" + node.shm_endpoint``; the endpoint is published without its NUL), asks for the segment
+by id and receives its memfd (SCM_RIGHTS), maps it MAP_SHARED and closes the fd. One unix
+connection per node stays open: when it polls hung up (the node closed it, or the node's process
+died and the kernel closed it), the node is gone; its mappings are dropped and ops on it fail with
+TransportError, so the client falls back to another replica (whose memory may still be correct,
+but nobody vouches for it any more).
+
+Hand-off wire format (served by :class:`kvpool.store_node.data_server.DataServer`):
+request ``HANDOFF_REQUEST`` (``!H`` segment id length) + segment id (utf-8); reply a
+``frames.RESPONSE`` header: OK with the segment size in its length field and the fd attached,
+or an error status with a utf-8 message of that length.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Sequence
+
+from kvpool.client.transport.base import IoOp, Transport, byte_views, group_by
+from kvpool.common.errors import ClientClosed, SegmentBoundsError, TransportError
+from kvpool.common.frames import (
+    HANDOFF_REQUEST,
+    MAX_ERROR_BYTES,
+    MAX_SEGMENT_ID_BYTES,
+    RESPONSE,
+    FrameStatus,
+)
+from kvpool.common.host import local_boot_id
+from kvpool.common.logging import get_logger
+from kvpool.common.types import NodeEndpoints
+
+log = get_logger(__name__)
+
+
+# A node's fd must be sealed against shrinking: otherwise a truncated memfd would SIGBUS us.
+_REQUIRED_SEALS = fcntl.F_SEAL_SHRINK
+# Not POLLIN: another thread's hand-off reply may be sitting in the socket. A peer that closes
+# (or dies) sets RDHUP/HUP on a unix stream socket; ERR/NVAL are reported regardless.
+_DEAD = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
+
+
+class _Mapping:
+    __slots__ = ("mmap", "view", "size")
+
+    def __init__(self, mm: mmap.mmap, size: int) -> None:
+        self.mmap = mm
+        self.view = memoryview(mm)
+        self.size = size
+
+    def close(self) -> None:
+        self.view.release()
+        try:
+            self.mmap.close()
+        except BufferError:
+            # Another thread is mid-copy on a slice; the pages go when its view is released.
+            pass
+
+
+class _NodeLink:
+    """The open hand-off connection to one node and the segments mapped through it."""
+
+    def __init__(self, endpoint: str, sock: socket.socket) -> None:
+        self.endpoint = endpoint
+        self.sock = sock
+        self.lock = threading.Lock()        # serializes hand-offs on the socket
+        self.mappings: dict[str, _Mapping] = {}
+        self.closed = False
+
+    def alive(self) -> bool:
+        """False once the node hung up (closed its end, or its process died)."""
+        if self.closed:
+            return False
+        poller = select.poll()
+        poller.register(self.sock, _DEAD)
+        return not poller.poll(0)
+
+    def mapping(self, segment_id: str, timeout_s: float) -> _Mapping:
+        found = self.mappings.get(segment_id)
+        if found is not None:
+            return found
+        with self.lock:
+            found = self.mappings.get(segment_id)
+            if found is None:
+                if self.closed:
+                    raise TransportError(f"shm node {self.endpoint} link closed")
+                found = self._handoff(segment_id, timeout_s)
+                self.mappings[segment_id] = found
+            return found
+
+    def _handoff(self, segment_id: str, timeout_s: float) -> _Mapping:
+        sid = segment_id.encode("utf-8")
+        if len(sid) > MAX_SEGMENT_ID_BYTES:
+            raise SegmentBoundsError(f"segment id of {len(sid)} bytes cannot exist")
+        self.sock.settimeout(timeout_s)
+        self.sock.sendall(HANDOFF_REQUEST.pack(len(sid)) + sid)
+        data, fds, flags, _ = socket.recv_fds(self.sock, RESPONSE.size, 1)
+        try:
+            if flags & socket.MSG_CTRUNC:
+                raise TransportError("shm hand-off: control data truncated")
+            data += _recv_exact(self.sock, RESPONSE.size - len(data))
+            status, length = RESPONSE.unpack(data)
+            if status != FrameStatus.OK:
+                if length > MAX_ERROR_BYTES:
+                    raise TransportError(f"shm hand-off: malformed reply ({length}-byte error)")
+                message = _recv_exact(self.sock, length).decode("utf-8", "replace")
+                if status in (FrameStatus.UNKNOWN_SEGMENT, FrameStatus.OUT_OF_BOUNDS):
+                    raise SegmentBoundsError(f"shm {self.endpoint}: {message}")
+                raise TransportError(f"shm {self.endpoint}: hand-off refused: {message}")
+            if len(fds) != 1:
+                raise TransportError("shm hand-off: no fd in the reply")
+            fd = fds[0]
+            if os.fstat(fd).st_size < length:
+                raise TransportError("shm hand-off: fd smaller than the segment")
+            if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _REQUIRED_SEALS != _REQUIRED_SEALS:
+                raise TransportError("shm hand-off: segment fd is not sealed against shrinking")
+            mm = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        log.debug("shm_segment_mapped", endpoint=self.endpoint, segment=segment_id, size=length)
+        return _Mapping(mm, length)
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            mappings, self.mappings = self.mappings, {}
+            for m in mappings.values():
+                m.close()
+            self.sock.close()
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    while got < size:
+        n = sock.recv_into(view[got:], size - got)
+        if n == 0:
+            raise TransportError("shm hand-off: node closed the connection")
+        got += n
+    return bytes(buf)
+
+
+class SHMTransport(Transport):
+    """Reads and writes same-host nodes' segments through shared mappings (one memcpy per op).
+
+    ``boot_id`` defaults to this host's (injectable for tests); a node is reachable when it
+    publishes an shm endpoint and the same non-empty boot id. ``timeout_s`` bounds the unix
+    connect and each hand-off; ``retry_after_s`` is how long a node whose hand-off socket
+    refused us (e.g. another network namespace) is failed fast before trying again.
+    """
+
+    scheme = "shm"
+
+    def __init__(self, timeout_s: float = 10.0, *, boot_id: str | None = None,
+                 retry_after_s: float = 5.0) -> None:
+        self._timeout_s = timeout_s
+        self._boot_id = local_boot_id() if boot_id is None else boot_id
+        self._retry_after_s = retry_after_s
+        self._lock = threading.Lock()
+        self._links: dict[str, _NodeLink] = {}
+        self._refused_until: dict[str, float] = {}
+        self._closed = False
+
+    def can_reach(self, node: NodeEndpoints) -> bool:
+        return bool(node.shm_endpoint) and bool(self._boot_id) and node.boot_id == self._boot_id
+
+    def read(self, ops: Sequence[IoOp]) -> list[TransportError | None]:
+        return self._run(ops, byte_views(ops, writable=True), write=False)
+
+    def write(self, ops: Sequence[IoOp]) -> list[TransportError | None]:
+        return self._run(ops, byte_views(ops, writable=False), write=True)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            links, self._links = self._links, {}
+        for link in links.values():
+            link.close()
+
+    # ----------------------------------------------------------------
+
+    def _run(self, ops: Sequence[IoOp], views: list[memoryview], *, write: bool
+             ) -> list[TransportError | None]:
+        if self._closed:
+            raise ClientClosed("transport is closed")
+        results: list[TransportError | None] = [None] * len(ops)
+        for endpoint, indexes in group_by(ops, lambda op: op.replica.node.shm_endpoint).items():
+            try:
+                link = self._link(endpoint)
+                if not link.alive():
+                    self._drop(link, "node hung up")
+                    raise TransportError(f"shm node {endpoint} hung up (node gone)")
+            except TransportError as exc:
+                for i in indexes:
+                    results[i] = TransportError(str(exc))
+                continue
+            for pos, i in enumerate(indexes):
+                try:
+                    self._copy(link, ops[i], views[i], write)
+                except SegmentBoundsError as exc:
+                    results[i] = exc
+                except TransportError as exc:
+                    self._drop(link, str(exc))
+                    for j in indexes[pos:]:
+                        results[j] = TransportError(str(exc))
+                    break
+        return results
+
+    def _copy(self, link: _NodeLink, op: IoOp, buf: memoryview, write: bool) -> None:
+        extent = op.replica.extent
+        try:
+            mapping = link.mapping(extent.segment_id, self._timeout_s)
+        except TransportError:
+            raise
+        except OSError as exc:
+            raise TransportError(f"shm hand-off with {link.endpoint} failed: {exc}") from exc
+        if extent.offset < 0 or extent.length < 0 or extent.end > mapping.size:
+            raise SegmentBoundsError(
+                f"[{extent.offset}, {extent.end}) is outside segment {extent.segment_id!r} "
+                f"of {mapping.size} bytes")
+        try:
+            region = mapping.view[extent.offset:extent.end]
+        except ValueError as exc:   # released: the link was dropped by another thread
+            raise TransportError(f"shm node {link.endpoint} mapping dropped") from exc
+        with region:
+            if write:
+                region[:] = buf
+            else:
+                buf[:] = region
+
+    def _link(self, endpoint: str) -> _NodeLink:
+        with self._lock:
+            link = self._links.get(endpoint)
+            if link is not None:
+                return link
+            if not endpoint:
+                raise TransportError("node publishes no shm endpoint")
+            if self._refused_until.get(endpoint, 0.0) > time.monotonic():
+                raise TransportError(f"shm node {endpoint} refused the hand-off recently")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.settimeout(self._timeout_s)
+        try:
+            sock.connect("\0" + endpoint)
+        except OSError as exc:
+            sock.close()
+            now = time.monotonic()
+            with self._lock:
+                for stale in [e for e, t in self._refused_until.items() if t <= now]:
+                    del self._refused_until[stale]
+                self._refused_until[endpoint] = now + self._retry_after_s
+            raise TransportError(f"shm node {endpoint} unreachable: {exc}") from exc
+        with self._lock:
+            if self._closed:
+                sock.close()
+                raise ClientClosed("transport is closed")
+            link = self._links.setdefault(endpoint, _NodeLink(endpoint, sock))
+        if link.sock is not sock:   # another thread connected first
+            sock.close()
+        return link
+
+    def _drop(self, link: _NodeLink, reason: str) -> None:
+        with self._lock:
+            if self._links.get(link.endpoint) is link:
+                del self._links[link.endpoint]
+        if not link.closed:
+            log.info("shm_node_dropped", endpoint=link.endpoint, reason=reason)
+        link.close()

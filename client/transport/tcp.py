@@ -1,0 +1,290 @@
+"""The tcp transport: the fallback every store node serves on its data port.
+
+Ops are grouped by endpoint and pipelined on one pooled connection per group: a window of
+requests goes out, responses are read in order, and more requests go out as responses come
+back. Reads ``recv_into`` the caller's buffer; writes ``sendmsg`` the caller's buffer; no copy
+in Python either way. Framing: :mod:`kvpool.common.frames`.
+
+Failures map to TransportError at one boundary (``_pipeline``'s caller): connection refused,
+reset, timed out, or a malformed reply discard that connection and fail the op in progress and
+every later op on that endpoint. A node refusing an op (OUT_OF_BOUNDS, UNKNOWN_SEGMENT) gives
+SegmentBoundsError for that op only; after a refused WRITE the node closes the connection by
+protocol, and the remaining ops (which it did not execute) continue on a fresh connection.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+
+from kvpool.client.transport.base import IoOp, Transport, byte_views, group_by
+from kvpool.common.errors import (
+    ClientClosed,
+    InvalidArgument,
+    SegmentBoundsError,
+    TransportError,
+)
+from kvpool.common.frames import (
+    MAX_ERROR_BYTES,
+    MAX_SEGMENT_ID_BYTES,
+    RESPONSE,
+    FrameStatus,
+    Op,
+    encode_request,
+)
+from kvpool.common.logging import get_logger
+from kvpool.common.types import NodeEndpoints
+
+log = get_logger(__name__)
+
+_UNSET = object()
+_U64 = 1 << 64
+_STATUSES = frozenset(s.value for s in FrameStatus)
+_STALE = select.POLLIN | select.POLLHUP | select.POLLERR | select.POLLNVAL
+
+
+def _parse_endpoint(endpoint: str) -> tuple[str, int]:
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise TransportError(f"malformed tcp endpoint {endpoint!r}; expected host:port")
+    return host.strip("[]"), int(port)
+
+
+def _recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    got, size = 0, len(view)
+    while got < size:
+        n = sock.recv_into(view[got:], size - got)
+        if n == 0:
+            raise TransportError("node closed the connection")
+        got += n
+
+
+def _send_all(sock: socket.socket, buffers: list) -> None:
+    views = [memoryview(b) for b in buffers if len(b)]
+    while views:
+        sent = sock.sendmsg(views)
+        while sent:
+            if sent >= views[0].nbytes:
+                sent -= views[0].nbytes
+                views.pop(0)
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+
+
+class _WriteRefused(Exception):
+    """The node refused a WRITE and, by protocol, is closing this connection."""
+
+
+class TCPTransport(Transport):
+    """Moves bytes over the store nodes' tcp data ports; thread-safe.
+
+    ``timeout_s`` bounds every blocking socket call (a hung node fails the ops instead of
+    hanging the client); ``connect_timeout_s`` defaults to it. At most ``max_idle_per_endpoint``
+    idle connections are pooled per node; ``window`` requests are in flight per connection.
+    Ops on different nodes run in parallel, ``max_parallel_endpoints`` nodes at a time.
+    """
+
+    scheme = "tcp"
+
+    def __init__(self, timeout_s: float = 10.0, *, connect_timeout_s: float | None = None,
+                 max_idle_per_endpoint: int = 4, window: int = 32,
+                 max_parallel_endpoints: int = 8) -> None:
+        if window < 1:
+            raise InvalidArgument("window must be at least 1")
+        self._timeout_s = timeout_s
+        self._connect_timeout_s = timeout_s if connect_timeout_s is None else connect_timeout_s
+        self._max_idle = max_idle_per_endpoint
+        self._window = window
+        self._max_parallel = max_parallel_endpoints
+        self._lock = threading.Lock()
+        self._idle: dict[str, list[socket.socket]] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    def can_reach(self, node: NodeEndpoints) -> bool:
+        return bool(node.tcp_endpoint)
+
+    def read(self, ops: Sequence[IoOp]) -> list[TransportError | None]:
+        return self._run(ops, byte_views(ops, writable=True), Op.READ)
+
+    def write(self, ops: Sequence[IoOp]) -> list[TransportError | None]:
+        return self._run(ops, byte_views(ops, writable=False), Op.WRITE)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, {}
+            executor, self._executor = self._executor, None
+        for socks in idle.values():
+            for sock in socks:
+                sock.close()
+        if executor is not None:
+            executor.shutdown(wait=False)
+
+    # ---------------------------------------------------------------- batching
+
+    def _run(self, ops: Sequence[IoOp], views: list[memoryview], op: Op
+             ) -> list[TransportError | None]:
+        if self._closed:
+            raise ClientClosed("transport is closed")
+        results: list = [_UNSET] * len(ops)
+        groups = group_by(ops, lambda o: o.replica.node.tcp_endpoint)
+        if len(groups) == 1 or self._max_parallel <= 1:
+            for endpoint, indexes in groups.items():
+                self._run_endpoint(endpoint, indexes, ops, views, op, results)
+        else:
+            executor = self._get_executor()
+            futures = [executor.submit(self._run_endpoint, endpoint, indexes, ops, views, op,
+                                       results)
+                       for endpoint, indexes in groups.items()]
+            wait(futures)
+            for f in futures:
+                f.result()   # re-raise bugs; transport failures are already in results
+        return results
+
+    def _get_executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._closed:
+                raise ClientClosed("transport is closed")
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self._max_parallel,
+                                                    thread_name_prefix="kvpool-tcp")
+            return self._executor
+
+    def _run_endpoint(self, endpoint: str, indexes: list[int], ops: Sequence[IoOp],
+                      views: list[memoryview], op: Op, results: list) -> None:
+        """Run one node's ops, filling ``results``; never raises a transport failure."""
+        pending: list[int] = []
+        for i in indexes:
+            refusal = _local_refusal(ops[i])
+            if refusal is None:
+                pending.append(i)
+            else:
+                results[i] = refusal
+        while pending:
+            sock = None
+            try:
+                sock = self._acquire(endpoint)
+                self._pipeline(sock, pending, ops, views, op, results)
+            except _WriteRefused:
+                sock.close()
+                pending = [i for i in pending if results[i] is _UNSET]
+                continue
+            except OSError as exc:   # the one boundary: every socket failure becomes this
+                if sock is not None:
+                    sock.close()
+                error = self._describe(endpoint, exc)
+                log.debug("tcp_ops_failed", endpoint=endpoint, error=str(error))
+                for i in pending:
+                    if results[i] is _UNSET:
+                        results[i] = TransportError(str(error))
+                return
+            self._release(endpoint, sock)
+            return
+
+    def _pipeline(self, sock: socket.socket, pending: list[int], ops: Sequence[IoOp],
+                  views: list[memoryview], op: Op, results: list) -> None:
+        """Send ``pending`` ops in order with up to ``window`` in flight; read replies in order."""
+        n, window = len(pending), self._window
+        sent = done = 0
+        header = bytearray(RESPONSE.size)
+        header_view = memoryview(header)
+        while done < n:
+            if sent < n and sent - done <= window // 2:
+                end = min(n, done + window)
+                if op is Op.READ:
+                    sock.sendall(b"".join(_request(op, ops[pending[j]]) for j in range(sent, end)))
+                else:
+                    for j in range(sent, end):
+                        i = pending[j]
+                        _send_all(sock, [_request(op, ops[i]), views[i]])
+                sent = end
+            i = pending[done]
+            _recv_exact_into(sock, header_view)
+            status, length = RESPONSE.unpack(header)
+            if status == FrameStatus.OK:
+                expected = views[i].nbytes if op is Op.READ else 0
+                if length != expected:
+                    raise TransportError(f"malformed reply: {length} bytes for a "
+                                         f"{expected}-byte {op.name}")
+                if expected:
+                    _recv_exact_into(sock, views[i])
+                results[i] = None
+                done += 1
+                continue
+            if status not in _STATUSES or length > MAX_ERROR_BYTES:
+                raise TransportError(f"malformed reply: status {status}, {length}-byte message")
+            message_view = memoryview(bytearray(length))
+            _recv_exact_into(sock, message_view)
+            message = message_view.tobytes().decode("utf-8", "replace")
+            if status == FrameStatus.BAD_REQUEST:
+                raise TransportError(f"node rejected the request as malformed: {message}")
+            results[i] = SegmentBoundsError(message)
+            done += 1
+            if op is Op.WRITE:
+                raise _WriteRefused()
+
+    @staticmethod
+    def _describe(endpoint: str, exc: OSError) -> TransportError:
+        if isinstance(exc, TransportError):
+            return TransportError(f"tcp {endpoint}: {exc}")
+        if isinstance(exc, TimeoutError):
+            return TransportError(f"tcp {endpoint}: timed out")
+        return TransportError(f"tcp {endpoint}: {exc.strerror or exc}")
+
+    # ---------------------------------------------------------------- connection pool
+
+    def _acquire(self, endpoint: str) -> socket.socket:
+        with self._lock:
+            if self._closed:
+                raise ClientClosed("transport is closed")
+            idle = self._idle.get(endpoint)
+            while idle:
+                sock = idle.pop()
+                if _usable(sock):
+                    return sock
+                sock.close()
+        host, port = _parse_endpoint(endpoint)
+        sock = socket.create_connection((host, port), timeout=self._connect_timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(self._timeout_s)
+        return sock
+
+    def _release(self, endpoint: str, sock: socket.socket) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(endpoint, [])
+            if not self._closed and len(idle) < self._max_idle:
+                idle.append(sock)
+                return
+        sock.close()
+
+
+def _usable(sock: socket.socket) -> bool:
+    """An idle connection is usable while it has nothing to read: the node never writes
+    unprompted, so readability means it closed (restart, stop) or broke."""
+    poller = select.poll()
+    poller.register(sock, _STALE)
+    return not poller.poll(0)
+
+
+def _request(op: Op, io: IoOp) -> bytes:
+    extent = io.replica.extent
+    return encode_request(op, extent.segment_id, extent.offset, extent.length)
+
+
+def _local_refusal(io: IoOp) -> SegmentBoundsError | None:
+    """Requests that cannot be encoded can address no segment: refuse without asking."""
+    extent = io.replica.extent
+    if not 0 <= extent.offset < _U64 or not 0 <= extent.length < _U64:
+        return SegmentBoundsError(f"[{extent.offset}, {extent.end}) is not a valid extent")
+    try:
+        size = len(extent.segment_id.encode("utf-8"))
+    except UnicodeEncodeError:
+        return SegmentBoundsError(f"segment id {extent.segment_id[:64]!r} is not valid utf-8")
+    if size > MAX_SEGMENT_ID_BYTES:
+        return SegmentBoundsError(f"segment id {extent.segment_id[:64]!r}... is too long")
+    return None

@@ -1,0 +1,133 @@
+"""Configuration: sizes ("4GiB") and durations ("10s") parsed in one place, and the defaults.
+
+Precedence everywhere: built-in defaults <- YAML file (``--config``) <- environment
+(``KVPOOL_<FIELD>``) <- command-line flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+_DURATION_UNITS = {"": 1.0, "ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+_NUMBER_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+class ConfigError(ValueError):
+    """A configuration value could not be understood; the message says what was expected."""
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a byte size such as ``4GiB``, ``512MiB``, ``1.5GB`` or ``4096`` into bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        m = _NUMBER_UNIT.match(str(text))
+        if not m or m.group(2).lower() not in _SIZE_UNITS:
+            raise ConfigError(f"invalid size {text!r}: expected a number with an optional unit "
+                              "(B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), e.g. 4GiB")
+        value, unit = float(m.group(1)), m.group(2).lower()
+    size = int(value * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise ConfigError(f"invalid size {text!r}: must be greater than zero")
+    return size
+
+
+def parse_duration(text: str | float) -> float:
+    """Parse a duration such as ``10s``, ``500ms``, ``2m`` or ``1.5`` (seconds) into seconds."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        m = _NUMBER_UNIT.match(str(text))
+        if not m or m.group(2).lower() not in _DURATION_UNITS:
+            raise ConfigError(f"invalid duration {text!r}: expected a number with an optional unit "
+                              "(ms, s, m, h), e.g. 10s")
+        value, unit = float(m.group(1)), m.group(2).lower()
+    seconds = value * _DURATION_UNITS[unit]
+    if seconds <= 0:
+        raise ConfigError(f"invalid duration {text!r}: must be greater than zero")
+    return seconds
+
+
+def format_size(n: int | float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class MasterConfig:
+    """The master's tunables. Units are in the names."""
+
+    put_timeout_s: float = 30.0        # a PENDING object is reclaimed this long after PutStart
+    lease_ttl_s: float = 5.0           # a read is protected from eviction/removal this long
+    node_ttl_s: float = 10.0           # a node silent this long is dead: segments and replicas gone
+    quarantine_s: float = 30.0         # reclaimed PENDING space waits this long before reuse
+    high_watermark: float = 0.95       # evict when a segment is fuller than this...
+    low_watermark: float = 0.85        # ...down to this
+    default_replicas: int = 1
+    alignment_bytes: int = 64          # extents start on this boundary (cache line)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.low_watermark < self.high_watermark <= 1:
+            raise ConfigError("watermarks must satisfy 0 < low_watermark < high_watermark <= 1")
+        if self.default_replicas < 1:
+            raise ConfigError("default_replicas must be at least 1")
+        for f in ("put_timeout_s", "lease_ttl_s", "node_ttl_s", "quarantine_s"):
+            if getattr(self, f) <= 0:
+                raise ConfigError(f"{f} must be greater than zero")
+
+
+_PARSERS = {"_s": parse_duration, "_bytes": parse_size}
+
+
+def load(cls: type, path: str | os.PathLike | None = None, env: dict[str, str] | None = None,
+         **overrides: Any) -> Any:
+    """Build config dataclass ``cls`` from defaults <- YAML ``path`` <- env <- ``overrides``."""
+    values: dict[str, Any] = {}
+    names = {f.name for f in fields(cls)}
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"cannot read config file {path}: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of settings")
+        unknown = set(data) - names
+        if unknown:
+            raise ConfigError(f"unknown settings in {path}: {', '.join(sorted(unknown))}")
+        values.update(data)
+    env = os.environ if env is None else env
+    for name in names:
+        if f"KVPOOL_{name.upper()}" in env:
+            values[name] = env[f"KVPOOL_{name.upper()}"]
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    for f in fields(cls):
+        if f.name in values:
+            values[f.name] = _coerce(f, values[f.name])
+    return cls(**values)
+
+
+def _coerce(f: dataclasses.Field, value: Any) -> Any:
+    for suffix, parse in _PARSERS.items():
+        if f.name.endswith(suffix):
+            return parse(value)
+    kind = {"int": int, "float": float, "str": str}.get(str(f.type), None)
+    try:
+        return kind(value) if kind else value
+    except ValueError:
+        raise ConfigError(f"invalid value {value!r} for {f.name}: expected {f.type}") from None

@@ -1,0 +1,103 @@
+"""The exception tree, and the one table from wire status codes to exceptions.
+
+Every error the SDK raises is a ``KVPoolError``; callers that only want to degrade gracefully
+(recompute instead of load) catch that one class.
+"""
+
+from __future__ import annotations
+
+from kvpool.protos.kvpool.v1 import master_pb2 as pb
+
+
+class KVPoolError(Exception):
+    """Root of every kvpool error."""
+
+
+class InvalidArgument(KVPoolError, ValueError):
+    """The request itself is wrong (empty key, oversized key, empty value, bad buffer...)."""
+
+
+class ObjectNotFound(KVPoolError, KeyError):
+    """No complete object is stored under this key."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; we want the message as written
+        return str(self.args[0]) if self.args else "object not found"
+
+
+class AlreadyExists(KVPoolError):
+    """The key is already stored (or being stored): keys are immutable, nothing was written."""
+
+
+class NoSpace(KVPoolError):
+    """The cluster has no room for the object, even after eviction."""
+
+
+class ValueTooLarge(NoSpace, InvalidArgument):
+    """The value is larger than any mounted segment: it can never be stored."""
+
+
+class NotPending(KVPoolError):
+    """PutEnd / PutRevoke on a key that is not being put (it timed out, or was never started)."""
+
+
+class NodeUnavailable(KVPoolError):
+    """No store node holding the object could be reached."""
+
+
+class UnknownNode(KVPoolError):
+    """The master does not know this store node (declared dead, or the master restarted)."""
+
+
+class MasterUnavailable(KVPoolError):
+    """The master could not be reached within the deadline."""
+
+
+class ClientClosed(KVPoolError):
+    """The client was used after ``close()``."""
+
+
+class TransportError(KVPoolError, OSError):
+    """Moving bytes to or from a store node failed (connection lost, refused, malformed reply)."""
+
+
+class SegmentBoundsError(TransportError):
+    """A store node refused a request outside its mounted segments."""
+
+
+_STATUS_TO_ERROR: dict[int, type[KVPoolError]] = {
+    pb.STATUS_NOT_FOUND: ObjectNotFound,
+    pb.STATUS_ALREADY_EXISTS: AlreadyExists,
+    pb.STATUS_NO_SPACE: NoSpace,
+    pb.STATUS_TOO_LARGE: ValueTooLarge,
+    pb.STATUS_INVALID_ARGUMENT: InvalidArgument,
+    pb.STATUS_NOT_PENDING: NotPending,
+    pb.STATUS_UNKNOWN_NODE: UnknownNode,
+}
+
+_ERROR_TO_STATUS: dict[type[KVPoolError], int] = {
+    ObjectNotFound: pb.STATUS_NOT_FOUND,
+    AlreadyExists: pb.STATUS_ALREADY_EXISTS,
+    NoSpace: pb.STATUS_NO_SPACE,
+    ValueTooLarge: pb.STATUS_TOO_LARGE,
+    InvalidArgument: pb.STATUS_INVALID_ARGUMENT,
+    NotPending: pb.STATUS_NOT_PENDING,
+    UnknownNode: pb.STATUS_UNKNOWN_NODE,
+}
+
+
+def error_for_status(status: int, key: str | None = None) -> KVPoolError | None:
+    """The exception for a per-key wire status, or None for STATUS_OK."""
+    if status == pb.STATUS_OK:
+        return None
+    cls = _STATUS_TO_ERROR.get(status, KVPoolError)
+    name = pb.Status.Name(status) if status in pb.Status.values() else str(status)
+    what = name.removeprefix("STATUS_").lower().replace("_", " ")
+    return cls(f"{key!r}: {what}" if key is not None else what)
+
+
+def status_for_error(exc: KVPoolError) -> int:
+    """The wire status for a domain exception (most specific class wins)."""
+    for cls in type(exc).__mro__:
+        if cls in _ERROR_TO_STATUS:
+            return _ERROR_TO_STATUS[cls]
+    raise TypeError(f"no wire status for {type(exc).__name__}")

@@ -1,0 +1,75 @@
+"""Domain value types shared by master, store nodes and clients (frozen, hashable)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from kvpool.common.errors import InvalidArgument
+
+MAX_KEY_BYTES = 1024
+
+
+class ObjectState(Enum):
+    PENDING = "pending"      # space allocated, bytes being written; invisible to readers
+    COMPLETE = "complete"    # readable; immutable
+
+
+@dataclass(frozen=True, slots=True)
+class NodeEndpoints:
+    """How to reach a store node's data: tcp always, shm from the same host (same boot id)."""
+
+    node_id: str
+    boot_id: str
+    tcp_endpoint: str            # "host:port"
+    shm_endpoint: str = ""       # abstract unix socket name for the fd hand-off; "" = none
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentInfo:
+    segment_id: str              # unique across the cluster and across node restarts
+    size_bytes: int
+    tier: str = "dram"
+
+
+@dataclass(frozen=True, slots=True)
+class Extent:
+    """A byte range inside one segment."""
+
+    segment_id: str
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    """A descriptor: where one copy of an object's bytes lives and how to reach it."""
+
+    node: NodeEndpoints
+    extent: Extent
+
+
+def validate_key(key: str) -> str:
+    """Return ``key`` if it is a valid object key, else raise InvalidArgument."""
+    if not isinstance(key, str):
+        raise InvalidArgument(f"key must be str, not {type(key).__name__}")
+    if not key:
+        raise InvalidArgument("key must not be empty")
+    size = len(key.encode("utf-8", "surrogatepass"))
+    if size > MAX_KEY_BYTES:
+        raise InvalidArgument(f"key is {size} bytes; the limit is {MAX_KEY_BYTES}")
+    return key
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectView:
+    """A readable object as the master describes it: size, version and where its replicas are."""
+
+    key: str
+    size: int
+    version: int             # unique per stored object; a key stored again gets a new one
+    replicas: tuple[Replica, ...]

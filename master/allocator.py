@@ -1,0 +1,119 @@
+"""Best-fit range allocator for one segment: offsets only, the master never touches the bytes.
+
+Sizes are rounded up to ``alignment_bytes`` so every extent starts on an aligned boundary
+(cache lines for CPU copies, and RDMA is happier with aligned buffers). A capacity that is not a
+multiple of the alignment leaves its tail unusable: ``capacity_bytes`` is the aligned-down size.
+"""
+
+from __future__ import annotations
+
+from sortedcontainers import SortedDict, SortedList
+
+
+class RangeAllocator:
+    """Allocates aligned ranges inside ``[0, capacity_bytes)``; O(log n) per operation.
+
+    Free space is kept twice: ``_by_size`` (length, offset) answers "the smallest range that
+    fits" with one bisect, and ``_by_offset`` (offset -> length) finds the neighbours to
+    coalesce with on free. Live allocations are remembered so a double or bogus free is an
+    error instead of silent corruption of the free lists.
+    """
+
+    def __init__(self, capacity_bytes: int, alignment_bytes: int = 64) -> None:
+        if alignment_bytes < 1:
+            raise ValueError(f"alignment_bytes must be >= 1, not {alignment_bytes}")
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, not {capacity_bytes}")
+        self._alignment = alignment_bytes
+        self._capacity = capacity_bytes - capacity_bytes % alignment_bytes
+        self._by_size: SortedList = SortedList()
+        self._by_offset: SortedDict = SortedDict()
+        self._allocated: dict[int, int] = {}   # offset -> rounded length
+        self._used = 0
+        if self._capacity:
+            self._add_free(0, self._capacity)
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Usable capacity: the constructor's capacity rounded down to the alignment."""
+        return self._capacity
+
+    @property
+    def alignment_bytes(self) -> int:
+        return self._alignment
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes in live allocations (rounded sizes)."""
+        return self._used
+
+    @property
+    def free_bytes(self) -> int:
+        return self._capacity - self._used
+
+    @property
+    def largest_free_bytes(self) -> int:
+        """Length of the largest free range: an allocation of up to this many bytes succeeds."""
+        return self._by_size[-1][0] if self._by_size else 0
+
+    def aligned_size(self, size: int) -> int:
+        """``size`` rounded up to the alignment: what an allocation of ``size`` really takes."""
+        if size <= 0:
+            raise ValueError(f"size must be >= 1, not {size}")
+        return -(-size // self._alignment) * self._alignment
+
+    def allocate(self, size: int) -> int | None:
+        """Allocate ``size`` bytes (best fit); return the offset, or None if no range fits."""
+        length = self.aligned_size(size)
+        # (length, -1) sorts before every (length, offset): the first hit is the smallest range
+        # that fits, lowest offset among ranges of that length.
+        i = self._by_size.bisect_left((length, -1))
+        if i == len(self._by_size):
+            return None
+        free_len, offset = self._by_size[i]
+        self._remove_free(offset, free_len)
+        if free_len > length:
+            self._add_free(offset + length, free_len - length)
+        self._allocated[offset] = length
+        self._used += length
+        return offset
+
+    def free(self, offset: int, size: int) -> None:
+        """Free an allocation made by ``allocate(size)`` that returned ``offset``.
+
+        Only whole allocations can be freed; anything else (double free, wrong size, a range
+        never allocated or outside the capacity) raises ValueError and changes nothing.
+        """
+        length = self.aligned_size(size)
+        if offset < 0 or offset + length > self._capacity:
+            raise ValueError(f"range [{offset}, {offset + length}) is outside the capacity "
+                             f"{self._capacity}")
+        if self._allocated.get(offset) != length:
+            raise ValueError(f"range [{offset}, {offset + length}) is not allocated "
+                             "(double free, or not the range allocate returned)")
+        del self._allocated[offset]
+        self._used -= length
+        # Coalesce with the free range ending exactly here and the one starting right after.
+        i = self._by_offset.bisect_left(offset)
+        if i > 0:
+            prev_off, prev_len = self._by_offset.peekitem(i - 1)
+            if prev_off + prev_len == offset:
+                self._remove_free(prev_off, prev_len)
+                offset, length = prev_off, prev_len + length
+        next_len = self._by_offset.get(offset + length)
+        if next_len is not None:
+            self._remove_free(offset + length, next_len)
+            length += next_len
+        self._add_free(offset, length)
+
+    def free_ranges(self) -> list[tuple[int, int]]:
+        """The free ranges as (offset, length), sorted by offset."""
+        return list(self._by_offset.items())
+
+    def _add_free(self, offset: int, length: int) -> None:
+        self._by_offset[offset] = length
+        self._by_size.add((length, offset))
+
+    def _remove_free(self, offset: int, length: int) -> None:
+        del self._by_offset[offset]
+        self._by_size.remove((length, offset))

@@ -1,0 +1,82 @@
+"""grpc.aio wiring for the master: the servicer, a periodic tick, clean shutdown on signals."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Callable
+
+import grpc
+from kvpool.common.config import MasterConfig
+from kvpool.common.logging import get_logger
+from kvpool.common.wire import GRPC_OPTIONS
+from kvpool.master.servicer import MasterServicer
+from kvpool.master.state import MasterState
+from kvpool.protos.kvpool.v1 import master_pb2_grpc
+
+log = get_logger(__name__)
+
+
+
+class MasterServer:
+    """A master process's server: ``await start()``, then ``await stop()``."""
+
+    def __init__(self, config: MasterConfig, host: str = "127.0.0.1", port: int = 0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.state = MasterState(config, clock)
+        self._host, self._port = host, port
+        self._server: grpc.aio.Server | None = None
+        self._ticker: asyncio.Task | None = None
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        return f"{self._host}:{self.port}"
+
+    async def start(self) -> str:
+        """Bind and serve; return the bound ``host:port``."""
+        self._server = grpc.aio.server(options=GRPC_OPTIONS)
+        master_pb2_grpc.add_MasterServicer_to_server(MasterServicer(self.state), self._server)
+        try:
+            self.port = self._server.add_insecure_port(f"{self._host}:{self._port}")
+        except RuntimeError as e:
+            raise OSError(f"cannot listen on {self._host}:{self._port}: {e}") from None
+        await self._server.start()
+        self._ticker = asyncio.create_task(self._tick_forever())
+        log.info("master_started", address=self.address, **vars(self.config))
+        return self.address
+
+    async def _tick_forever(self) -> None:
+        # Expiry resolution: a tenth of the shortest timeout, never busier than 20 Hz.
+        period = max(0.05, min(self.config.node_ttl_s, self.config.put_timeout_s,
+                               self.config.lease_ttl_s) / 10)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                self.state.tick()
+            except Exception:  # a bug in tick must not silently stop expiry forever
+                log.exception("tick_failed")
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        if self._ticker:
+            self._ticker.cancel()
+        if self._server:
+            await self._server.stop(grace_s)
+        log.info("master_stopped", address=self.address)
+
+
+async def serve(config: MasterConfig, host: str, port: int,
+                on_started: Callable[[str], None] | None = None) -> None:
+    """Run a master until SIGINT/SIGTERM."""
+    server = MasterServer(config, host, port)
+    address = await server.start()
+    if on_started:
+        on_started(address)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop()

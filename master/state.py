@@ -1,0 +1,444 @@
+"""The master's authoritative index, sans-IO: one method per RPC plus ``tick``.
+
+No grpc, no asyncio, no threads: the servicer calls these methods from one event loop, and time
+comes from an injected clock, so every rule below is tested with a hand-advanced fake clock.
+
+Batch methods return one result per key, in order; per-key errors are exception *instances*
+in the result list, never raised, so one bad key fails only its own slot.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from kvpool.common.config import MasterConfig
+from kvpool.common.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    KVPoolError,
+    NoSpace,
+    NotPending,
+    ObjectNotFound,
+    UnknownNode,
+    ValueTooLarge,
+)
+from kvpool.common.types import (
+    Extent,
+    NodeEndpoints,
+    ObjectState,
+    ObjectView,
+    Replica,
+    SegmentInfo,
+    validate_key,
+)
+from kvpool.master.allocator import RangeAllocator
+from kvpool.master.eviction import EvictionPolicy, LRUPolicy
+from kvpool.master.placement import choose_segments
+
+PENDING, COMPLETE = ObjectState.PENDING, ObjectState.COMPLETE
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentStats:
+    node_id: str
+    info: SegmentInfo
+    used_bytes: int          # aligned bytes held by indexed objects (PENDING and COMPLETE)
+    quarantined_bytes: int   # aligned bytes awaiting a deferred free (lease or put quarantine)
+    objects: int             # indexed objects with a replica here (PENDING and COMPLETE)
+
+
+@dataclass(frozen=True, slots=True)
+class MasterStats:
+    segments: tuple[SegmentStats, ...]
+    objects: int             # COMPLETE objects
+    pending_objects: int
+    hits: int
+    misses: int
+    evictions: int
+    nodes: int
+
+
+@dataclass(eq=False, slots=True)
+class _Node:
+    endpoints: NodeEndpoints
+    last_seen: float
+    segment_ids: set[str] = field(default_factory=set)
+
+
+@dataclass(eq=False, slots=True)
+class _Segment:
+    node_id: str
+    info: SegmentInfo
+    allocator: RangeAllocator
+    keys: set[str] = field(default_factory=set)   # indexed objects with a replica here
+    quarantined_bytes: int = 0
+
+
+@dataclass(eq=False, slots=True)
+class _Object:
+    key: str
+    size: int
+    version: int
+    replicas: list[Extent]   # only extents in mounted segments: dropped segments are stripped
+    put_deadline: float
+    state: ObjectState = PENDING
+    lease_until: float = 0.0
+    pinned: bool = False
+
+
+class MasterState:
+    """Segments, nodes and the object index, with leases, deferred frees and eviction."""
+
+    def __init__(self, config: MasterConfig, clock: Callable[[], float] = time.monotonic,
+                 policy: EvictionPolicy | None = None) -> None:
+        self._config = config
+        self._clock = clock
+        self._policy = policy if policy is not None else LRUPolicy()
+        self._nodes: dict[str, _Node] = {}
+        self._segments: dict[str, _Segment] = {}
+        self._objects: dict[str, _Object] = {}
+        # (free_at, seq, [(segment, extent)]): lease-deferred removals and put quarantine alike.
+        self._deferred: list[tuple[float, int, list[tuple[_Segment, Extent]]]] = []
+        self._put_deadlines: list[tuple[float, int, str]] = []   # (deadline, version, key)
+        self._versions = itertools.count(1)
+        self._seq = itertools.count()
+        self._pending = 0
+        self._hits = self._misses = self._evictions = 0
+
+    @property
+    def config(self) -> MasterConfig:
+        return self._config
+
+    # -- membership -----------------------------------------------------------------------
+
+    def mount_segment(self, node: NodeEndpoints, segment: SegmentInfo) -> None:
+        """Register ``segment`` on ``node`` (registering or updating the node); a heartbeat too.
+
+        Idempotent for the same (node, segment). InvalidArgument for a segment id mounted by
+        another node or with another size/tier, an empty id, or a segment below the alignment.
+        """
+        if not node.node_id or not segment.segment_id:
+            raise InvalidArgument("node_id and segment_id must not be empty")
+        if segment.size_bytes < self._config.alignment_bytes:
+            raise InvalidArgument(f"segment {segment.segment_id!r} has {segment.size_bytes} "
+                                  f"bytes; at least {self._config.alignment_bytes} are needed")
+        seg = self._segments.get(segment.segment_id)
+        if seg is not None and seg.node_id != node.node_id:
+            raise InvalidArgument(f"segment {segment.segment_id!r} is mounted by node "
+                                  f"{seg.node_id!r}")
+        if seg is not None and seg.info != segment:
+            raise InvalidArgument(f"segment {segment.segment_id!r} is mounted as {seg.info}")
+        now = self._clock()
+        n = self._nodes.get(node.node_id)
+        if n is not None and n.endpoints != node:
+            # Endpoints are fixed for a node process's life: new ones mean the node restarted
+            # (within node_ttl_s, so it never looked dead). Its old segments are gone with it.
+            for sid in list(n.segment_ids):
+                self._drop_segment(self._segments[sid])
+            seg = None
+        if n is None:
+            n = self._nodes[node.node_id] = _Node(node, now)
+        n.endpoints, n.last_seen = node, now
+        if seg is None:
+            alloc = RangeAllocator(segment.size_bytes, self._config.alignment_bytes)
+            self._segments[segment.segment_id] = _Segment(node.node_id, segment, alloc)
+            n.segment_ids.add(segment.segment_id)
+
+    def unmount_segment(self, node_id: str, segment_id: str) -> None:
+        """Drop a segment and every replica in it; a no-op if it is not mounted (retries)."""
+        self._live_node(node_id)
+        seg = self._segments.get(segment_id)
+        if seg is not None and seg.node_id != node_id:
+            raise InvalidArgument(f"segment {segment_id!r} is mounted by node {seg.node_id!r}")
+        if seg is not None:
+            self._drop_segment(seg)
+
+    def heartbeat(self, node_id: str) -> None:
+        """Keep ``node_id`` alive; UnknownNode tells the node to mount its segments again."""
+        self._live_node(node_id)
+
+    # -- objects ----------------------------------------------------------------------------
+
+    def put_start(self, keys: Sequence[str], sizes: Sequence[int],
+                  replicas: int | None = None) -> list[tuple[Replica, ...] | KVPoolError]:
+        """Allocate replicas for each new key (PENDING); returns where to write each one.
+
+        Raises InvalidArgument only when ``keys`` and ``sizes`` differ in length.
+        """
+        if len(keys) != len(sizes):
+            raise InvalidArgument(f"{len(keys)} keys but {len(sizes)} sizes")
+        n = self._config.default_replicas if replicas is None else replicas
+        now = self._clock()
+        seen: set[str] = set()
+        return [_attempt(self._put_one, key, size, n, now, seen) for key, size in zip(keys, sizes)]
+
+    def put_end(self, keys: Sequence[str]) -> list[KVPoolError | None]:
+        """Commit PENDING objects: readable and evictable from now on."""
+        return [_attempt(self._put_end_one, key) for key in keys]
+
+    def put_revoke(self, keys: Sequence[str]) -> list[KVPoolError | None]:
+        """Abandon PENDING objects; their space is free at once (the writer says it stopped)."""
+        return [_attempt(self._put_revoke_one, key) for key in keys]
+
+    def get_replicas(self, keys: Sequence[str]) -> list[ObjectView | KVPoolError]:
+        """Where each complete object lives; each one found is leased for ``lease_ttl_s``."""
+        now = self._clock()
+        return [_attempt(self._get_one, key, now) for key in keys]
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is a complete object (no lease, no LRU touch, no hit counted)."""
+        return [isinstance(k, str) and (o := self._objects.get(k)) is not None
+                and o.state is COMPLETE for k in keys]
+
+    def remove(self, keys: Sequence[str]) -> list[KVPoolError | None]:
+        """Remove complete objects; a leased one vanishes now but its space waits for the lease."""
+        now = self._clock()
+        return [_attempt(self._remove_one, key, now) for key in keys]
+
+    def pin(self, keys: Sequence[str]) -> list[KVPoolError | None]:
+        """Protect complete objects from eviction (not from remove or node loss)."""
+        return [_attempt(self._set_pinned, key, True) for key in keys]
+
+    def unpin(self, keys: Sequence[str]) -> list[KVPoolError | None]:
+        """Make pinned objects evictable again (pins do not nest)."""
+        return [_attempt(self._set_pinned, key, False) for key in keys]
+
+    def stats(self) -> MasterStats:
+        """Exact accounting of segments, objects and counters."""
+        segs = tuple(
+            SegmentStats(s.node_id, s.info, s.allocator.used_bytes - s.quarantined_bytes,
+                         s.quarantined_bytes, len(s.keys))
+            for s in self._segments.values())
+        return MasterStats(segs, len(self._objects) - self._pending, self._pending,
+                           self._hits, self._misses, self._evictions, len(self._nodes))
+
+    def tick(self) -> None:
+        """Expire silent nodes, reclaim timed-out puts, run due frees, evict above watermarks."""
+        now = self._clock()
+        self._expire_nodes(now)
+        self._reclaim_pending(now)
+        self._release_deferred(now)
+        self._evict_above_watermark(now)
+
+    # -- per-key operations -----------------------------------------------------------------
+
+    def _put_one(self, key: str, size: int, n: int, now: float,
+                 seen: set[str]) -> tuple[Replica, ...]:
+        validate_key(key)
+        # Before any other check, so a repeated key is refused whatever happened to the first.
+        if key in seen:
+            raise AlreadyExists(f"{key!r} appears more than once in this put")
+        seen.add(key)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise InvalidArgument(f"{key!r}: size must be an int >= 1, not {size!r}")
+        if not isinstance(n, int) or n < 1:
+            raise InvalidArgument(f"replicas must be >= 1, not {n!r}")
+        if key in self._objects:
+            raise AlreadyExists(f"{key!r} already exists")
+        nodes = {s.node_id for s in self._segments.values()}
+        if len(nodes) < n:
+            raise NoSpace(f"{key!r}: {n} replicas asked but only {len(nodes)} live nodes "
+                          "have segments")
+        fits = [s for s in self._segments.values()
+                if s.allocator.capacity_bytes >= s.allocator.aligned_size(size)]
+        if not fits:
+            raise ValueTooLarge(f"{key!r}: {size} bytes is larger than every segment")
+        if len({s.node_id for s in fits}) < n:
+            # Checked up front: otherwise eviction would flush the cache for a put that can
+            # never succeed.
+            raise NoSpace(f"{key!r}: fewer than {n} nodes have a segment of {size} bytes")
+        extents = self._place(size, n, fits, now)
+        if extents is None:
+            raise NoSpace(f"{key!r}: no room for {size} bytes x{n}, even after eviction")
+        obj = _Object(key, size, next(self._versions), extents,
+                      put_deadline=now + self._config.put_timeout_s)
+        self._objects[key] = obj
+        for e in extents:
+            self._segments[e.segment_id].keys.add(key)
+        self._pending += 1
+        heapq.heappush(self._put_deadlines, (obj.put_deadline, obj.version, key))
+        return self._replicas(obj)
+
+    def _place(self, size: int, n: int, fits: list[_Segment], now: float) -> list[Extent] | None:
+        extents = choose_segments(self._segments.values(), size, n)
+        if extents is not None:
+            return extents
+        # Only objects with a replica in a segment that could hold this one make room for it.
+        fit_ids = {s.info.segment_id for s in fits}
+        for key in self._policy.candidates():
+            obj = self._objects.get(key)
+            if obj is None or not self._evictable(obj, now):
+                continue
+            if not any(e.segment_id in fit_ids for e in obj.replicas):
+                continue
+            self._evict(obj)
+            extents = choose_segments(self._segments.values(), size, n)
+            if extents is not None:
+                return extents
+        return None
+
+    def _get_one(self, key: str, now: float) -> ObjectView:
+        try:
+            obj = self._complete(key)
+        except ObjectNotFound:
+            self._misses += 1
+            raise
+        self._hits += 1
+        obj.lease_until = max(obj.lease_until, now + self._config.lease_ttl_s)
+        self._policy.on_access(key)
+        return ObjectView(key, obj.size, obj.version, self._replicas(obj))
+
+    def _put_end_one(self, key: str) -> None:
+        obj = self._pending_object(key)
+        obj.state = COMPLETE
+        self._pending -= 1
+        self._policy.on_insert(key)
+
+    def _put_revoke_one(self, key: str) -> None:
+        obj = self._pending_object(key)
+        self._unindex(obj)
+        self._free_now(obj.replicas)
+
+    def _remove_one(self, key: str, now: float) -> None:
+        obj = self._complete(key)
+        self._unindex(obj)
+        if obj.lease_until > now:
+            # A reader may still be copying these bytes: reuse only after its lease.
+            self._free_later(obj.replicas, obj.lease_until)
+        else:
+            self._free_now(obj.replicas)
+
+    def _set_pinned(self, key: str, pinned: bool) -> None:
+        self._complete(key).pinned = pinned
+
+    # -- tick steps -------------------------------------------------------------------------
+
+    def _expire_nodes(self, now: float) -> None:
+        ttl = self._config.node_ttl_s
+        for node_id in [k for k, n in self._nodes.items() if now - n.last_seen > ttl]:
+            for seg_id in list(self._nodes[node_id].segment_ids):
+                self._drop_segment(self._segments[seg_id])
+            del self._nodes[node_id]
+
+    def _reclaim_pending(self, now: float) -> None:
+        while self._put_deadlines and self._put_deadlines[0][0] <= now:
+            _, version, key = heapq.heappop(self._put_deadlines)
+            obj = self._objects.get(key)
+            if obj is None or obj.version != version or obj.state is not PENDING:
+                continue   # committed, revoked or lost since: nothing to reclaim
+            self._unindex(obj)
+            # The writer may still be writing into these extents: keep them out of reuse.
+            self._free_later(obj.replicas, now + self._config.quarantine_s)
+
+    def _release_deferred(self, now: float) -> None:
+        while self._deferred and self._deferred[0][0] <= now:
+            _, _, entries = heapq.heappop(self._deferred)
+            for seg, ext in entries:
+                # A dropped segment took its space with it (a re-mount of its id is a new
+                # segment with a new allocator); only its quarantine count would change.
+                if self._segments.get(ext.segment_id) is seg:
+                    seg.quarantined_bytes -= seg.allocator.aligned_size(ext.length)
+                    seg.allocator.free(ext.offset, ext.length)
+
+    def _evict_above_watermark(self, now: float) -> None:
+        def fuller_than(seg: _Segment, mark: float) -> bool:
+            return seg.allocator.used_bytes > mark * seg.allocator.capacity_bytes
+
+        hot = {sid for sid, s in self._segments.items()
+               if fuller_than(s, self._config.high_watermark)}
+        if not hot:
+            return
+        for key in self._policy.candidates():
+            obj = self._objects.get(key)
+            if obj is None or not self._evictable(obj, now):
+                continue
+            touched = [e.segment_id for e in obj.replicas if e.segment_id in hot]
+            if not touched:
+                continue
+            self._evict(obj)
+            for sid in touched:
+                if not fuller_than(self._segments[sid], self._config.low_watermark):
+                    hot.discard(sid)
+            if not hot:
+                return
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _live_node(self, node_id: str) -> _Node:
+        n = self._nodes.get(node_id)
+        if n is None:
+            raise UnknownNode(f"node {node_id!r} is not known; mount its segments again")
+        n.last_seen = self._clock()
+        return n
+
+    def _complete(self, key: str) -> _Object:
+        validate_key(key)
+        obj = self._objects.get(key)
+        if obj is None or obj.state is not COMPLETE:   # readers never see PENDING objects
+            raise ObjectNotFound(f"{key!r} not found")
+        return obj
+
+    def _pending_object(self, key: str) -> _Object:
+        validate_key(key)
+        obj = self._objects.get(key)
+        if obj is None or obj.state is not PENDING:
+            raise NotPending(f"{key!r} is not being put (timed out, revoked or complete)")
+        return obj
+
+    def _evictable(self, obj: _Object, now: float) -> bool:
+        return obj.state is COMPLETE and not obj.pinned and obj.lease_until <= now
+
+    def _evict(self, obj: _Object) -> None:
+        self._unindex(obj)
+        self._free_now(obj.replicas)   # not leased, so no reader can be in flight
+        self._evictions += 1
+
+    def _replicas(self, obj: _Object) -> tuple[Replica, ...]:
+        # Endpoints are looked up now, so a node that re-mounted with new ones is reached there.
+        return tuple(Replica(self._nodes[self._segments[e.segment_id].node_id].endpoints, e)
+                     for e in obj.replicas)
+
+    def _unindex(self, obj: _Object) -> None:
+        """Forget ``obj``; its extents stay allocated until the caller frees them."""
+        del self._objects[obj.key]
+        if obj.state is PENDING:
+            self._pending -= 1
+        else:
+            self._policy.on_remove(obj.key)
+        for e in obj.replicas:
+            self._segments[e.segment_id].keys.discard(obj.key)
+
+    def _free_now(self, extents: list[Extent]) -> None:
+        for e in extents:
+            self._segments[e.segment_id].allocator.free(e.offset, e.length)
+
+    def _free_later(self, extents: list[Extent], free_at: float) -> None:
+        entries = [(self._segments[e.segment_id], e) for e in extents]
+        for seg, e in entries:
+            seg.quarantined_bytes += seg.allocator.aligned_size(e.length)
+        heapq.heappush(self._deferred, (free_at, next(self._seq), entries))
+
+    def _drop_segment(self, seg: _Segment) -> None:
+        """Forget a segment: its replicas go, and objects left without replicas vanish."""
+        sid = seg.info.segment_id
+        del self._segments[sid]
+        self._nodes[seg.node_id].segment_ids.discard(sid)
+        for key in seg.keys:
+            obj = self._objects[key]
+            obj.replicas = [e for e in obj.replicas if e.segment_id != sid]
+            if not obj.replicas:
+                self._unindex(obj)
+
+
+def _attempt(op: Callable[..., T], *args: object) -> T | KVPoolError:
+    """``op(*args)``, or the KVPoolError it raised: one slot of a batch answer."""
+    try:
+        return op(*args)
+    except KVPoolError as e:
+        return e

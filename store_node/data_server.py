@@ -1,0 +1,393 @@
+"""The store node's two-sided data plane: the tcp data port and the shm fd hand-off.
+
+tcp: one thread per connection, blocking sockets (the GIL is released in recv/send). READ sends
+the response header and then the segment slice straight from the mapping; WRITE receives
+straight into the segment slice. Framing: :mod:`kvpool.common.frames`.
+
+shm hand-off: a listening unix stream socket in the Linux abstract namespace. A same-host client
+sends a segment id (``!H`` length + utf-8, :data:`kvpool.common.frames.HANDOFF_REQUEST`);
+the reply is a ``frames.RESPONSE`` header: status OK with the segment size as its length field and
+the segment's memfd attached (SCM_RIGHTS), or an error status followed by a utf-8 message. The
+client keeps the connection open: it may ask for more segments on it, and its EOF tells the
+client that this node died. The server never sends anything unsolicited.
+
+Client misbehaviour (bounds, malformed frames, disconnects) is logged as a fact, never as a
+traceback, and only costs that client its connection.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Mapping
+
+from kvpool.common.frames import (
+    HANDOFF_REQUEST,
+    MAGIC,
+    MAX_SEGMENT_ID_BYTES,
+    REQUEST,
+    FrameStatus,
+    Op,
+    encode_response,
+)
+from kvpool.common.logging import get_logger
+from kvpool.store_node.memory import Segment
+
+log = get_logger(__name__)
+
+_LINGER_S = 2.0          # how long to drain a refused client before closing (see _linger_close)
+_JOIN_TIMEOUT_S = 5.0
+_UCRED = struct.Struct("3i")   # struct ucred: pid, uid, gid
+
+
+class _Disconnected(Exception):
+    """The peer closed (or reset) the connection; ``mid_frame`` if it left a frame unfinished."""
+
+    def __init__(self, mid_frame: bool) -> None:
+        super().__init__("mid frame" if mid_frame else "between frames")
+        self.mid_frame = mid_frame
+
+
+def _recv_exact(sock: socket.socket, view: memoryview, *, frame_started: bool) -> None:
+    """Fill ``view`` from ``sock``; raise _Disconnected on EOF."""
+    got, size = 0, len(view)
+    while got < size:
+        n = sock.recv_into(view[got:], size - got)
+        if n == 0:
+            raise _Disconnected(mid_frame=frame_started or got > 0)
+        got += n
+
+
+def _send_all(sock: socket.socket, buffers: list[memoryview | bytes]) -> None:
+    """sendmsg (scatter-gather, no joining copy) until every buffer is sent."""
+    views = [memoryview(b) for b in buffers if len(b)]
+    while views:
+        sent = sock.sendmsg(views)
+        while sent:
+            head = views[0]
+            if sent >= head.nbytes:
+                sent -= head.nbytes
+                views.pop(0)
+            else:
+                views[0] = head[sent:]
+                sent = 0
+
+
+class DataServer:
+    """Serves a node's segments over tcp and, for same-host clients, by shm fd hand-off.
+
+    ``segments`` is a live mapping (segment id -> Segment) that the node mutates as it mounts
+    and unmounts segments; every request looks its segment up afresh.
+
+    After :meth:`start`, ``tcp_endpoint`` is ``"host:port"`` with the real bound port, and
+    ``shm_endpoint`` is the abstract unix socket name WITHOUT its leading NUL byte (e.g.
+    ``"kvpool-3f2a..."``; connect to ``"\\0" + shm_endpoint``), or ``""`` when ``shm=False``.
+    """
+
+    def __init__(self, segments: Mapping[str, Segment], host: str = "127.0.0.1", port: int = 0,
+                 shm: bool = True) -> None:
+        self._segments = segments
+        self._host = host
+        self._port = port
+        self._shm = shm
+        self.tcp_endpoint = ""
+        self.shm_endpoint = ""
+        self._lock = threading.Lock()
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._stopping = threading.Event()
+        self._started = False
+        self._tcp_listener: socket.socket | None = None
+        self._shm_listener: socket.socket | None = None
+        self._wake_r = self._wake_w = -1
+        self._acceptor: threading.Thread | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        """Bind and listen on the tcp port (and the shm socket); serve from background threads."""
+        if self._started:
+            raise RuntimeError("DataServer already started")
+        self._started = True
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        tcp = socket.socket(family, socket.SOCK_STREAM)
+        shm_sock = None
+        try:
+            tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            tcp.bind((self._host, self._port))
+            tcp.listen(128)
+            if self._shm:
+                name = f"kvpool-{secrets.token_hex(8)}"
+                shm_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                shm_sock.bind("\0" + name)
+                shm_sock.listen(128)
+                self.shm_endpoint = name
+        except BaseException:
+            tcp.close()
+            if shm_sock is not None:
+                shm_sock.close()
+            self._started = False
+            raise
+        port = tcp.getsockname()[1]
+        host = f"[{self._host}]" if family == socket.AF_INET6 else self._host
+        self.tcp_endpoint = f"{host}:{port}"
+        self._tcp_listener, self._shm_listener = tcp, shm_sock
+        self._wake_r, self._wake_w = _pipe()
+        self._acceptor = threading.Thread(target=self._accept_loop, name="kvpool-data-accept",
+                                          daemon=True)
+        self._acceptor.start()
+        log.info("data_server_started", tcp_endpoint=self.tcp_endpoint,
+                 shm_endpoint=self.shm_endpoint or None)
+
+    def stop(self) -> None:
+        """Close the listeners and every client connection, and join the threads. Idempotent."""
+        if not self._started or self._stopping.is_set():
+            return
+        self._stopping.set()
+        _write_wake(self._wake_w)
+        if self._acceptor is not None:
+            self._acceptor.join(_JOIN_TIMEOUT_S)
+        for listener in (self._tcp_listener, self._shm_listener):
+            if listener is not None:
+                listener.close()
+        with self._lock:
+            conns = dict(self._conns)
+        for conn in conns:
+            # shutdown (not close) wakes a thread blocked in recv/send on it without racing
+            # against fd reuse; the thread closes its own socket.
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for thread in conns.values():
+            thread.join(_JOIN_TIMEOUT_S)
+            if thread.is_alive():
+                log.warning("connection_thread_not_stopped", thread=thread.name)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        log.info("data_server_stopped", tcp_endpoint=self.tcp_endpoint)
+
+    def __enter__(self) -> DataServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---------------------------------------------------------------- accepting
+
+    def _accept_loop(self) -> None:
+        poller = select.poll()
+        listeners = {self._tcp_listener.fileno(): (self._tcp_listener, self._serve_tcp)}
+        if self._shm_listener is not None:
+            listeners[self._shm_listener.fileno()] = (self._shm_listener, self._serve_shm)
+        for fd in listeners:
+            poller.register(fd, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        while not self._stopping.is_set():
+            try:
+                events = poller.poll()
+            except InterruptedError:
+                continue
+            for fd, _ in events:
+                if fd not in listeners:
+                    continue
+                listener, handler = listeners[fd]
+                try:
+                    conn, addr = listener.accept()
+                except OSError as exc:  # e.g. ECONNABORTED, EMFILE: keep serving the others
+                    log.warning("accept_failed", error=str(exc))
+                    if exc.errno in (errno.EMFILE, errno.ENFILE):
+                        time.sleep(0.1)
+                    continue
+                self._spawn(conn, addr, handler)
+
+    def _spawn(self, conn: socket.socket, addr: object, handler) -> None:
+        peer = _peer_name(conn, addr)
+        thread = threading.Thread(target=self._run_connection, args=(conn, peer, handler),
+                                  name=f"kvpool-data-{peer}", daemon=True)
+        with self._lock:
+            if self._stopping.is_set():
+                conn.close()
+                return
+            self._conns[conn] = thread
+        thread.start()
+
+    def _run_connection(self, conn: socket.socket, peer: str, handler) -> None:
+        try:
+            handler(conn, peer)
+        except _Disconnected as exc:
+            if not self._stopping.is_set():
+                log.debug("client_disconnected", peer=peer, mid_frame=exc.mid_frame)
+        except OSError as exc:
+            if not self._stopping.is_set():
+                log.debug("client_connection_lost", peer=peer, error=str(exc))
+        except Exception:  # a bug here, not client misbehaviour: say so loudly, keep serving
+            log.exception("connection_handler_failed", peer=peer)
+        finally:
+            with self._lock:
+                self._conns.pop(conn, None)
+            conn.close()
+
+    # ---------------------------------------------------------------- tcp data port
+
+    def _serve_tcp(self, conn: socket.socket, peer: str) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        header = bytearray(REQUEST.size)
+        header_view = memoryview(header)
+        sid_buf = bytearray(MAX_SEGMENT_ID_BYTES)
+        while not self._stopping.is_set():
+            _recv_exact(conn, header_view, frame_started=False)
+            magic, op, sid_len, offset, length = REQUEST.unpack(header)
+            if magic != MAGIC:
+                return self._refuse_malformed(conn, peer, f"bad magic {bytes(magic)!r}")
+            if op not in (Op.READ, Op.WRITE):
+                return self._refuse_malformed(conn, peer, f"unknown op {op}")
+            if sid_len > MAX_SEGMENT_ID_BYTES:
+                return self._refuse_malformed(
+                    conn, peer, f"segment id of {sid_len} bytes (limit {MAX_SEGMENT_ID_BYTES})")
+            sid_view = memoryview(sid_buf)[:sid_len]
+            _recv_exact(conn, sid_view, frame_started=True)
+            try:
+                segment_id = sid_view.tobytes().decode("utf-8")
+            except UnicodeDecodeError:
+                return self._refuse_malformed(conn, peer, "segment id is not utf-8")
+            op = Op(op)
+            view, status, message = self._resolve(segment_id, offset, length)
+            if view is None:
+                log.warning("request_refused", peer=peer, op=op.name, segment=segment_id,
+                            offset=offset, length=length, status=status.name)
+                payload = message.encode()
+                _send_all(conn, [encode_response(status, len(payload)), payload])
+                if op is Op.WRITE:
+                    # The payload follows on the stream; we will not consume it frame by frame.
+                    return _linger_close(conn)
+                continue
+            try:
+                if op is Op.READ:
+                    _send_all(conn, [encode_response(FrameStatus.OK, length), view])
+                else:
+                    _recv_exact(conn, view, frame_started=True)
+                    conn.sendall(encode_response(FrameStatus.OK, 0))
+            finally:
+                view.release()
+
+    def _resolve(self, segment_id: str, offset: int, length: int
+                 ) -> tuple[memoryview | None, FrameStatus, str]:
+        """The segment slice a request addresses, or why it is refused."""
+        segment = self._segments.get(segment_id)
+        if segment is None:
+            return None, FrameStatus.UNKNOWN_SEGMENT, f"segment {segment_id!r} is not mounted here"
+        size = segment.info.size_bytes
+        if offset + length > size:   # offset/length are unsigned on the wire
+            return (None, FrameStatus.OUT_OF_BOUNDS,
+                    f"[{offset}, {offset + length}) is outside segment {segment_id!r} "
+                    f"of {size} bytes")
+        try:
+            return segment.buffer[offset:offset + length], FrameStatus.OK, ""
+        except ValueError:   # unmounted and closed between the lookup and the slice
+            return None, FrameStatus.UNKNOWN_SEGMENT, f"segment {segment_id!r} is not mounted here"
+
+    def _refuse_malformed(self, conn: socket.socket, peer: str, reason: str) -> None:
+        log.warning("malformed_frame", peer=peer, reason=reason)
+        payload = reason.encode()
+        _send_all(conn, [encode_response(FrameStatus.BAD_REQUEST, len(payload)), payload])
+        _linger_close(conn)
+
+    # ---------------------------------------------------------------- shm hand-off
+
+    def _serve_shm(self, conn: socket.socket, peer: str) -> None:
+        length_buf = bytearray(HANDOFF_REQUEST.size)
+        while not self._stopping.is_set():
+            _recv_exact(conn, memoryview(length_buf), frame_started=False)
+            (sid_len,) = HANDOFF_REQUEST.unpack(length_buf)
+            if sid_len > MAX_SEGMENT_ID_BYTES:
+                return self._refuse_handoff(conn, peer, FrameStatus.BAD_REQUEST,
+                                            f"segment id of {sid_len} bytes", close=True)
+            sid_buf = bytearray(sid_len)
+            _recv_exact(conn, memoryview(sid_buf), frame_started=True)
+            try:
+                segment_id = sid_buf.decode("utf-8")
+            except UnicodeDecodeError:
+                return self._refuse_handoff(conn, peer, FrameStatus.BAD_REQUEST,
+                                            "segment id is not utf-8", close=True)
+            segment = self._segments.get(segment_id)
+            fd = -1
+            if segment is not None:
+                try:
+                    fd = segment.fd
+                except ValueError:   # closed while being unmounted
+                    segment = None
+            if segment is None:
+                self._refuse_handoff(conn, peer, FrameStatus.UNKNOWN_SEGMENT,
+                                     f"segment {segment_id!r} is not mounted here")
+                continue
+            if fd < 0:
+                self._refuse_handoff(conn, peer, FrameStatus.BAD_REQUEST,
+                                     f"segment {segment_id!r} cannot be shared by fd")
+                continue
+            header = encode_response(FrameStatus.OK, segment.info.size_bytes)
+            sent = socket.send_fds(conn, [header], [fd])
+            if sent < len(header):
+                conn.sendall(header[sent:])
+            log.debug("segment_fd_handed_off", peer=peer, segment=segment_id)
+
+    def _refuse_handoff(self, conn: socket.socket, peer: str, status: FrameStatus, message: str,
+                        close: bool = False) -> None:
+        log.warning("handoff_refused", peer=peer, status=status.name, reason=message)
+        payload = message.encode()
+        _send_all(conn, [encode_response(status, len(payload)), payload])
+        if close:
+            _linger_close(conn)
+
+
+def _linger_close(conn: socket.socket) -> None:
+    """Close after a refusal so that the refusal still reaches the client.
+
+    Closing a socket with unread bytes in its receive queue makes the kernel send RST, which can
+    destroy the response we just sent before the client reads it. So: FIN our side, then read
+    and discard whatever the client still sends until it closes (or _LINGER_S passes).
+    """
+    try:
+        conn.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + _LINGER_S
+        sink = bytearray(1 << 16)
+        while (left := deadline - time.monotonic()) > 0:
+            conn.settimeout(left)
+            if conn.recv_into(sink) == 0:
+                break
+    except OSError:   # timeout, reset, or stop(): the socket is closed by the caller either way
+        pass
+
+
+def _peer_name(conn: socket.socket, addr: object) -> str:
+    if conn.family == socket.AF_UNIX:
+        try:
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+            pid, uid, _gid = _UCRED.unpack(creds)
+            return f"unix:pid={pid},uid={uid}"
+        except OSError:
+            return "unix"
+    if isinstance(addr, tuple):
+        host, port = addr[0], addr[1]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return str(addr)
+
+
+def _pipe() -> tuple[int, int]:
+    return os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+
+def _write_wake(fd: int) -> None:
+    try:
+        os.write(fd, b"x")
+    except OSError:
+        pass

@@ -1,0 +1,134 @@
+"""Memory segments a store node serves: the bytes that replicas live in.
+
+A segment is one contiguous byte range with a cluster-unique id. DRAM segments are anonymous
+memfds (``memfd_create``): committed lazily as pages are touched, shareable with same-host
+clients by passing the fd over a unix socket (the shm transport), and with no name in /dev/shm,
+so nothing leaks when the node is SIGKILLed. HBM and disk segments will implement the same ABC.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import secrets
+import threading
+from abc import ABC, abstractmethod
+
+from kvpool.common.errors import InvalidArgument
+from kvpool.common.frames import MAX_SEGMENT_ID_BYTES
+from kvpool.common.logging import get_logger
+from kvpool.common.types import SegmentInfo
+
+log = get_logger(__name__)
+
+# Sealed so that a client holding the fd cannot ftruncate it: a shrunk memfd would SIGBUS the
+# node (and every other client) on the next access to the lost pages.
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_MEMFD_NAME_MAX = 249   # memfd_create(2): 249 bytes plus the "memfd:" prefix
+
+
+def new_segment_id(node_id: str, index: int) -> str:
+    """A segment id unique across the cluster and across node restarts.
+
+    ``<node_id>/<index>-<random>``: the node id and index keep it readable in logs; the random
+    token keeps a restarted node's segments distinct from its previous life's, so a stale
+    descriptor can never address the new memory.
+    """
+    if not node_id:
+        raise InvalidArgument("node_id must not be empty")
+    segment_id = f"{node_id}/{index}-{secrets.token_hex(8)}"
+    if len(segment_id.encode("utf-8")) > MAX_SEGMENT_ID_BYTES:
+        raise InvalidArgument(
+            f"node_id is too long for a segment id (limit {MAX_SEGMENT_ID_BYTES} bytes)")
+    return segment_id
+
+
+class Segment(ABC):
+    """One mounted byte range of a store node."""
+
+    @property
+    @abstractmethod
+    def info(self) -> SegmentInfo:
+        """Id, size and tier."""
+
+    @property
+    @abstractmethod
+    def fd(self) -> int:
+        """An fd same-host clients can mmap (MAP_SHARED) to reach the bytes; -1 if none."""
+
+    @property
+    @abstractmethod
+    def buffer(self) -> memoryview:
+        """A writable, contiguous memoryview (format "B") over the whole segment."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the memory. Idempotent; views sliced earlier keep their pages alive."""
+
+
+class DramSegment(Segment):
+    """A DRAM segment backed by a sealed memfd mapped MAP_SHARED."""
+
+    def __init__(self, segment_id: str, size_bytes: int) -> None:
+        if size_bytes <= 0:
+            raise InvalidArgument(f"segment size must be positive, not {size_bytes}")
+        self._info = SegmentInfo(segment_id=segment_id, size_bytes=size_bytes, tier="dram")
+        self._lock = threading.Lock()
+        name = f"kvpool:{segment_id}".encode()[:_MEMFD_NAME_MAX].decode("utf-8", "ignore")
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size_bytes)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED,
+                                                     mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._buffer: memoryview | None = memoryview(self._mmap)
+
+    @property
+    def info(self) -> SegmentInfo:
+        return self._info
+
+    @property
+    def fd(self) -> int:
+        if self._buffer is None:
+            raise ValueError(f"segment {self._info.segment_id} is closed")
+        return self._fd
+
+    @property
+    def buffer(self) -> memoryview:
+        buf = self._buffer
+        if buf is None:
+            raise ValueError(f"segment {self._info.segment_id} is closed")
+        return buf
+
+    @property
+    def closed(self) -> bool:
+        return self._buffer is None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._buffer is None:
+                return
+            self._buffer.release()
+            self._buffer = None
+            mm, self._mmap = self._mmap, None
+            try:
+                mm.close()
+            except BufferError:
+                # A request in flight still holds a slice: the mapping is unmapped when the last
+                # view is released and the mmap object is collected; dropping it is enough.
+                log.debug("segment_unmap_deferred", segment=self._info.segment_id)
+            os.close(self._fd)
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"fd={self._fd}"
+        return f"DramSegment({self._info.segment_id!r}, {self._info.size_bytes}, {state})"
+
+
+def create_dram_segment(node_id: str, index: int, size_bytes: int) -> DramSegment:
+    """Allocate DRAM segment number ``index`` of ``node_id`` (committed lazily, as touched)."""
+    return DramSegment(new_segment_id(node_id, index), size_bytes)

@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from kvpool.tools.cluster import LocalCluster
+
+# Short timeouts so failure handling is observable in seconds.
+NODE_TTL_S = 2.0
+PUT_TIMEOUT_S = 2.0
+QUARANTINE_S = 1.0
+LEASE_TTL_S = 1.0
+FAST_MASTER = ["--node-ttl", f"{NODE_TTL_S}s", "--put-timeout", f"{PUT_TIMEOUT_S}s",
+               "--quarantine", f"{QUARANTINE_S}s", "--lease-ttl", f"{LEASE_TTL_S}s"]
+FAST_NODE = ["--heartbeat-interval", "200ms"]
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """A real master and 2 real store nodes (64 MiB each), stopped after the test."""
+    c = LocalCluster(nodes=2, segment_size="64MiB", master_args=FAST_MASTER,
+                     node_args=FAST_NODE, log_dir=tmp_path / "logs")
+    c.start()
+    yield c
+    c.stop()
+    for log in (tmp_path / "logs").glob("*.log"):
+        assert "Traceback" not in log.read_text(), f"traceback in {log.name}"
+
+
+@pytest.fixture
+def timeouts():
+    """The master timeouts the ``cluster`` fixture runs with."""
+    return SimpleNamespace(node_ttl_s=NODE_TTL_S, put_timeout_s=PUT_TIMEOUT_S,
+                           quarantine_s=QUARANTINE_S, lease_ttl_s=LEASE_TTL_S)

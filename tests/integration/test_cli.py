@@ -1,0 +1,92 @@
+"""The command line as a user runs it: real processes, real signals."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from kvpool.client import KVClient
+
+KVPOOL = [sys.executable, "-m", "kvpool"]
+
+
+def kvpool(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*KVPOOL, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["store-node", "--master", "127.0.0.1:1", "--segment-size", "4Gx"], "invalid size '4Gx'"),
+    (["store-node", "--master", "127.0.0.1:1", "--segment-size", "0"], "greater than zero"),
+    (["master", "--node-ttl", "ten"], "invalid duration 'ten'"),
+    (["master", "--high-watermark", "1.5"], "invalid fraction"),
+    (["master", "--port", "70000"], "invalid port"),
+    (["up", "--nodes", "0"], "invalid count"),
+])
+def test_bad_flags_are_explained(args, message):
+    r = kvpool(*args)
+    assert r.returncode == 2
+    assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_every_flag_has_help():
+    for cmd in ["master", "store-node", "up", "stat", "demo"]:
+        r = kvpool(cmd, "--help")
+        assert r.returncode == 0
+        lines = r.stdout.split("options:")[1]
+        assert "--" in lines and "None" not in lines
+
+
+def test_unreachable_master_is_a_clear_error():
+    r = kvpool("stat", "--master", "127.0.0.1:1", timeout=30)
+    assert r.returncode == 1
+    assert "master 127.0.0.1:1" in r.stderr and "Traceback" not in r.stderr
+    r = kvpool("stat", "--master", "nonsense")
+    assert r.returncode == 1 and "invalid master address" in r.stderr
+
+
+def test_bad_config_file(tmp_path):
+    cfg = tmp_path / "m.yaml"
+    cfg.write_text("put_timeout_s: 5s\nbogus: 1\n")
+    r = kvpool("master", "--port", "0", "--config", str(cfg))
+    assert r.returncode == 1 and "unknown settings" in r.stderr and "bogus" in r.stderr
+
+
+def test_up_stat_and_clean_ctrl_c(tmp_path):
+    up = subprocess.Popen([*KVPOOL, "up", "--segment-size", "64MiB"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+    try:
+        line = up.stdout.readline()
+        assert line.startswith("master: 127.0.0.1:"), line
+        master = line.split()[1]
+        with KVClient(master) as kv:
+            kv.put("hello", b"world")
+            assert kv.get("hello") == b"world"
+            with pytest.raises(Exception):
+                kv.get("absent")
+        stat = kvpool("stat", "--master", master)
+        assert stat.returncode == 0, stat.stderr
+        assert "2 nodes, 2 segments" in stat.stdout
+        assert "objects 1" in stat.stdout and "hits 1, misses 1" in stat.stdout
+        up.send_signal(signal.SIGINT)
+        assert up.wait(30) == 0
+    finally:
+        up.kill()
+        up.wait()
+    time.sleep(0.2)
+    # Nothing is left running: the master's port no longer answers.
+    r = kvpool("stat", "--master", master, timeout=30)
+    assert r.returncode == 1
+
+
+@pytest.mark.slow
+def test_demo_small():
+    r = kvpool("demo", "--instances", "2", "--requests", "3", "--prefix-tokens", "128",
+               "--block-bytes", "64KiB", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "wrong blocks            0" in r.stdout
+    saved = int(r.stdout.split("prefill tokens saved")[1].split()[0])
+    assert saved > 0            # shared prefixes were served from the pool
+    assert "local cluster stopped" in r.stdout

@@ -1,0 +1,141 @@
+"""A real master and store nodes in subprocesses, real sockets and shared memory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kvpool.client import KVClient
+from kvpool.client.master_client import MasterClient
+from kvpool.common.errors import KVPoolError, NodeUnavailable, ObjectNotFound
+
+WORKLOAD = str(Path(__file__).with_name("workload.py"))
+
+
+def run_workload(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, WORKLOAD, *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("reader_transports", ["shm,tcp", "tcp"])
+def test_thousand_objects_cross_process(cluster, reader_transports):
+    put = run_workload("put", cluster.master, "7", "1000", str(128 << 10))
+    assert put.returncode == 0, put.stderr
+    assert "put ok=1000 bad=0" in put.stdout
+    get = run_workload("get", cluster.master, "7", "1000", str(128 << 10), reader_transports)
+    assert get.returncode == 0, get.stderr
+    assert "get ok=1000 bad=0" in get.stdout
+    with MasterClient(cluster.master) as mc:
+        s = mc.stats()
+    assert s.objects == 1000 and s.hits == 1000 and s.misses == 0
+    assert {g.node_id for g in s.segments if g.objects} == {"node0", "node1"}  # spread over both
+
+
+def _holder(mc: MasterClient, key: str) -> set[str]:
+    [view], _ = mc.get_replicas([key])
+    return {r.node.node_id for r in view.replicas}
+
+
+def test_node_sigkill_mid_workload(cluster, timeouts):
+    payload = {f"k{i}": os.urandom(4096 + i) for i in range(200)}
+    with KVClient(cluster.master) as kv, MasterClient(cluster.master) as mc:
+        assert kv.batch_put(list(payload), list(payload.values())) == [None] * 200
+        assert kv.batch_put(["both"], [b"x" * 5000], replicas=2) == [None]
+        assert _holder(mc, "both") == {"node0", "node1"}
+        on_victim = {k for k in payload if _holder(mc, k) == {"node1"}}
+        survivors = set(payload) - on_victim
+        assert on_victim and survivors
+
+        wrong, errors, stop = [], [], threading.Event()
+
+        def reader():
+            while not stop.is_set():
+                for k, v in zip(payload, kv.batch_get(list(payload))):
+                    if isinstance(v, KVPoolError):
+                        errors.append((k, v))
+                    elif v != payload[k]:
+                        wrong.append(k)
+
+        t = threading.Thread(target=reader)
+        t.start()
+        time.sleep(0.3)
+        cluster.nodes[1].popen.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        # Within node_ttl the master forgets the dead node: its objects become not-found.
+        while time.monotonic() - killed_at < timeouts.node_ttl_s + 3:
+            if not any(kv.batch_exists(sorted(on_victim))):
+                break
+            time.sleep(0.1)
+        detected_s = time.monotonic() - killed_at
+        time.sleep(0.3)
+        stop.set()
+        t.join()
+
+        assert not wrong, f"wrong bytes for {wrong[:5]}"
+        assert {k for k, _ in errors} <= on_victim          # survivors never failed
+        assert all(isinstance(e, (NodeUnavailable, ObjectNotFound)) for _, e in errors)
+        assert detected_s < timeouts.node_ttl_s + 2
+        for k in sorted(on_victim)[:5]:
+            with pytest.raises(ObjectNotFound):
+                kv.get(k)
+        got = kv.batch_get(sorted(survivors))
+        assert got == [payload[k] for k in sorted(survivors)]
+        assert kv.get("both") == b"x" * 5000                 # the other replica serves it
+        assert mc.stats().nodes == 1
+
+
+def test_replica_on_dead_node_is_skipped_before_ttl(cluster):
+    with KVClient(cluster.master, transports=["tcp"]) as kv:
+        kv.put("two", b"y" * 10000, replicas=2)
+        cluster.nodes[0].popen.send_signal(signal.SIGKILL)
+        cluster.nodes[0].popen.wait()
+        for _ in range(5):   # before the master notices: the dead replica fails, the live one serves
+            assert kv.get("two") == b"y" * 10000
+
+
+def test_client_killed_between_put_start_and_put_end(cluster, timeouts):
+    size = 8 << 20
+    hung = subprocess.Popen([sys.executable, WORKLOAD, "put-start-and-hang", cluster.master,
+                             "orphan", str(size)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert hung.stdout.readline().strip() == "started"
+        with MasterClient(cluster.master) as mc:
+            s = mc.stats()
+            assert s.pending_objects == 1
+            assert sum(g.used_bytes for g in s.segments) >= size
+        hung.kill()
+    finally:
+        hung.kill()
+        hung.wait()
+    with KVClient(cluster.master) as kv, MasterClient(cluster.master) as mc:
+        assert not kv.exists("orphan")    # readers never see a PENDING object
+        deadline = time.monotonic() + timeouts.put_timeout_s + timeouts.quarantine_s + 3
+        while time.monotonic() < deadline:
+            s = mc.stats()
+            if s.pending_objects == 0 and not any(g.used_bytes or g.quarantined_bytes
+                                                  for g in s.segments):
+                break
+            time.sleep(0.1)
+        assert s.pending_objects == 0
+        assert sum(g.used_bytes + g.quarantined_bytes for g in s.segments) == 0
+        kv.put("orphan", b"z" * size)      # the key and the space are usable again
+        assert kv.get("orphan") == b"z" * size
+
+
+def test_numpy_and_get_into_zero_copy(cluster):
+    arr = np.arange(1 << 18, dtype=np.float32)
+    with KVClient(cluster.master) as kv:
+        kv.put("arr", arr)
+        out = np.zeros_like(arr)
+        assert kv.get_into("arr", out) == arr.nbytes
+        np.testing.assert_array_equal(out, arr)
+        buf = bytearray(arr.nbytes + 100)
+        assert kv.get_into("arr", buf) == arr.nbytes
+        assert bytes(buf[:arr.nbytes]) == arr.tobytes()

@@ -1,0 +1,114 @@
+"""DataServer and DramSegment behaviour that needs the server in this process."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+from kvpool.client.transport.base import IoOp
+from kvpool.client.transport.shm import SHMTransport
+from kvpool.client.transport.tcp import TCPTransport
+from kvpool.common.errors import InvalidArgument, SegmentBoundsError, TransportError
+from kvpool.common.host import local_boot_id
+from kvpool.common.types import Extent, NodeEndpoints, Replica
+from kvpool.store_node.data_server import DataServer
+from kvpool.store_node.memory import DramSegment, create_dram_segment, new_segment_id
+
+
+@pytest.fixture
+def served():
+    segments = {}
+    for i in range(2):
+        seg = create_dram_segment("local", i, 1 << 20)
+        segments[seg.info.segment_id] = seg
+    server = DataServer(segments)
+    server.start()
+    node = NodeEndpoints("local", local_boot_id(), server.tcp_endpoint, server.shm_endpoint)
+    yield server, segments, node
+    server.stop()
+    for seg in segments.values():
+        seg.close()
+
+
+@pytest.fixture(params=["shm", "tcp"])
+def transport(request):
+    t = SHMTransport(timeout_s=5) if request.param == "shm" else TCPTransport(timeout_s=5)
+    yield t
+    t.close()
+
+
+def test_segments_are_looked_up_per_request(served, transport):
+    server, segments, node = served
+    late = create_dram_segment("local", 2, 4096)
+    replica = Replica(node, Extent(late.info.segment_id, 0, 4))
+    assert isinstance(transport.write([IoOp(replica, memoryview(b"late"))])[0], SegmentBoundsError)
+    segments[late.info.segment_id] = late    # mounted while serving
+    assert transport.write([IoOp(replica, memoryview(b"late"))]) == [None]
+    assert bytes(late.buffer[:4]) == b"late"     # the node sees what the client wrote
+    del segments[late.info.segment_id]
+    late.close()
+
+
+def test_unmounted_segment_is_refused_over_tcp(served):
+    server, segments, node = served
+    sid = next(iter(segments))
+    transport = TCPTransport(timeout_s=5)
+    replica = Replica(node, Extent(sid, 0, 4))
+    assert transport.read([IoOp(replica, memoryview(bytearray(4)))]) == [None]
+    segment = segments.pop(sid)
+    segment.close()
+    assert isinstance(transport.read([IoOp(replica, memoryview(bytearray(4)))])[0],
+                      SegmentBoundsError)
+    transport.close()
+
+
+def test_stop_closes_client_connections(served, transport):
+    server, segments, node = served
+    replica = Replica(node, Extent(next(iter(segments)), 0, 4))
+    assert transport.write([IoOp(replica, memoryview(b"abcd"))]) == [None]
+    server.stop()
+    server.stop()   # idempotent
+    (result,) = transport.read([IoOp(replica, memoryview(bytearray(4)))])
+    assert isinstance(result, TransportError) and not isinstance(result, SegmentBoundsError)
+
+
+def test_stop_without_start_and_shm_disabled():
+    DataServer({}).stop()
+    server = DataServer({}, shm=False)
+    server.start()
+    try:
+        assert server.shm_endpoint == ""
+        assert server.tcp_endpoint.startswith("127.0.0.1:")
+        assert not server.tcp_endpoint.endswith(":0")
+    finally:
+        server.stop()
+
+
+def test_segment_ids_are_unique_and_bounded():
+    assert new_segment_id("n", 0) != new_segment_id("n", 0)
+    assert new_segment_id("n", 3).startswith("n/3-")
+    with pytest.raises(InvalidArgument):
+        new_segment_id("x" * 2000, 0)
+    with pytest.raises(InvalidArgument):
+        new_segment_id("", 0)
+
+
+def test_dram_segment_lifecycle():
+    seg = create_dram_segment("n", 0, 1 << 16)
+    assert seg.info.size_bytes == 1 << 16 and seg.info.tier == "dram"
+    assert seg.buffer.nbytes == 1 << 16 and not seg.buffer.readonly and seg.buffer.format == "B"
+    seg.buffer[:3] = b"abc"
+    assert os.pread(seg.fd, 3, 0) == b"abc"     # the fd and the mapping are the same memory
+    with pytest.raises(OSError) as info:          # sealed: a client cannot shrink it under us
+        os.ftruncate(seg.fd, 0)
+    assert info.value.errno == errno.EPERM
+    view = seg.buffer[:3]                          # a request in flight
+    seg.close()
+    seg.close()
+    assert bytes(view) == b"abc"                   # still mapped until its view is released
+    view.release()
+    with pytest.raises(ValueError):
+        seg.buffer
+    with pytest.raises(InvalidArgument):
+        DramSegment("n/0-x", 0)

@@ -1,0 +1,218 @@
+"""RangeAllocator: best fit, alignment, coalescing, and its invariants under random operations."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    invariant,
+    precondition,
+    rule,
+)
+from kvpool.master.allocator import RangeAllocator
+
+
+def test_fresh_allocator_is_one_free_range():
+    a = RangeAllocator(4096, 64)
+    assert a.free_ranges() == [(0, 4096)]
+    assert (a.capacity_bytes, a.used_bytes, a.free_bytes, a.largest_free_bytes) == \
+        (4096, 0, 4096, 4096)
+
+
+def test_sizes_round_up_to_alignment():
+    a = RangeAllocator(4096, 64)
+    assert a.allocate(1) == 0
+    assert a.allocate(65) == 64          # the first took a whole 64-byte block
+    assert a.used_bytes == 64 + 128
+    assert a.free_ranges() == [(192, 4096 - 192)]
+
+
+def test_unaligned_capacity_tail_is_unusable():
+    a = RangeAllocator(1000, 64)
+    assert a.capacity_bytes == 960
+    assert a.allocate(960) == 0
+    assert a.allocate(1) is None
+    assert a.free_bytes == 0
+
+
+def test_capacity_below_alignment_holds_nothing():
+    a = RangeAllocator(63, 64)
+    assert a.capacity_bytes == 0 and a.free_ranges() == [] and a.largest_free_bytes == 0
+    assert a.allocate(1) is None
+
+
+def _with_holes(a: RangeAllocator, hole_sizes: list[int]) -> dict[int, int]:
+    """Fill ``a`` with alternating holes and fences; returns hole size -> hole offset."""
+    holes = {}
+    for size in hole_sizes:
+        holes[size] = a.allocate(size)
+        assert a.allocate(64) is not None   # fence, so holes do not coalesce
+    tail = a.largest_free_bytes
+    assert a.allocate(tail) is not None
+    for size, offset in holes.items():
+        a.free(offset, size)
+    return holes
+
+
+def test_best_fit_takes_the_smallest_range_that_fits():
+    a = RangeAllocator(4096, 64)
+    holes = _with_holes(a, [512, 128, 256])
+    assert a.allocate(100) == holes[128]     # 128 is the smallest hole >= 100 (rounded to 128)
+    assert a.allocate(200) == holes[256]
+    assert a.allocate(64) == holes[512]      # only the 512 hole is left
+    assert a.free_ranges() == [(holes[512] + 64, 448)]
+
+
+def test_best_fit_prefers_the_lowest_offset_among_equal_ranges():
+    a = RangeAllocator(4096, 64)
+    first = a.allocate(128)
+    a.allocate(64)
+    second = a.allocate(128)
+    a.allocate(a.largest_free_bytes)   # fill the tail
+    a.free(second, 128)
+    a.free(first, 128)
+    assert a.allocate(128) == first
+    assert a.allocate(128) == second
+
+
+def test_exhaustion_returns_none_and_free_makes_room_again():
+    a = RangeAllocator(1024, 64)
+    offsets = [a.allocate(256) for _ in range(4)]
+    assert offsets == [0, 256, 512, 768]
+    assert a.allocate(1) is None
+    assert a.used_bytes == 1024 and a.free_bytes == 0
+    a.free(512, 256)
+    assert a.allocate(300) is None           # rounds to 320 > 256
+    assert a.allocate(256) == 512
+
+
+def test_free_coalesces_with_both_neighbours():
+    a = RangeAllocator(1024, 64)
+    x, y, z = a.allocate(256), a.allocate(256), a.allocate(256)
+    a.free(x, 256)
+    a.free(z, 256)
+    assert a.free_ranges() == [(0, 256), (512, 512)]
+    a.free(y, 256)
+    assert a.free_ranges() == [(0, 1024)]
+    assert a.largest_free_bytes == 1024
+
+
+@pytest.mark.parametrize("offset,size", [
+    (0, 64),        # double free (freed below)
+    (64, 128),      # wrong size for a live allocation
+    (32, 64),       # not an allocation's offset
+    (960, 128),     # past the capacity
+    (-64, 64),      # negative
+])
+def test_bad_free_raises_and_changes_nothing(offset, size):
+    a = RangeAllocator(1024, 64)
+    assert a.allocate(64) == 0
+    assert a.allocate(64) == 64
+    a.free(0, 64)
+    before = (a.free_ranges(), a.used_bytes)
+    with pytest.raises(ValueError):
+        a.free(offset, size)
+    assert (a.free_ranges(), a.used_bytes) == before
+
+
+@pytest.mark.parametrize("size", [0, -1])
+def test_nonpositive_size_is_rejected(size):
+    a = RangeAllocator(1024, 64)
+    with pytest.raises(ValueError):
+        a.allocate(size)
+    with pytest.raises(ValueError):
+        a.free(0, size)
+
+
+def test_constructor_rejects_bad_arguments():
+    with pytest.raises(ValueError):
+        RangeAllocator(1024, 0)
+    with pytest.raises(ValueError):
+        RangeAllocator(-1, 64)
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    """Random allocate/free sequences against a model of the live extents."""
+
+    extents = Bundle("extents")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alloc: RangeAllocator | None = None
+        self.live: dict[int, int] = {}   # offset -> requested size
+
+    @precondition(lambda self: self.alloc is None)
+    @rule(capacity=st.integers(0, 8192), alignment=st.sampled_from([1, 8, 64, 100]))
+    def create(self, capacity, alignment):
+        self.alloc = RangeAllocator(capacity, alignment)
+        self.capacity = capacity - capacity % alignment
+        self.alignment = alignment
+
+    def rounded(self, size: int) -> int:
+        return -(-size // self.alignment) * self.alignment
+
+    @precondition(lambda self: self.alloc is not None)
+    @rule(target=extents, size=st.integers(1, 2048))
+    def allocate(self, size):
+        largest = self.alloc.largest_free_bytes
+        offset = self.alloc.allocate(size)
+        # Best fit fails exactly when no free range is large enough.
+        assert (offset is None) == (self.rounded(size) > largest)
+        if offset is None:
+            return None
+        self.live[offset] = size
+        return (offset, size)
+
+    @precondition(lambda self: self.alloc is not None)
+    @rule(extent=consumes(extents))
+    def free(self, extent):
+        if extent is None:
+            return
+        offset, size = extent
+        self.alloc.free(offset, size)
+        del self.live[offset]
+        with pytest.raises(ValueError):
+            self.alloc.free(offset, size)   # a second free of the same range must fail
+
+    @invariant()
+    def consistent(self):
+        if self.alloc is None:
+            return
+        a = self.alloc
+        spans = sorted((off, self.rounded(size)) for off, size in self.live.items())
+        for off, length in spans:
+            assert off % self.alignment == 0
+            assert 0 <= off and off + length <= self.capacity
+        for (o1, l1), (o2, _) in zip(spans, spans[1:]):
+            assert o1 + l1 <= o2, "live extents overlap"
+        free = a.free_ranges()
+        for (o1, l1), (o2, _) in zip(free, free[1:]):
+            assert o1 + l1 < o2, "free ranges adjacent or overlapping: not coalesced"
+        # Live and free ranges tile the usable capacity exactly.
+        tiles = sorted(spans + free)
+        pos = 0
+        for off, length in tiles:
+            assert off == pos
+            pos += length
+        assert pos == self.capacity
+        assert a.capacity_bytes == self.capacity
+        assert a.used_bytes == sum(length for _, length in spans)
+        assert a.used_bytes + a.free_bytes == a.capacity_bytes
+        assert a.largest_free_bytes == max((length for _, length in free), default=0)
+
+    def teardown(self):
+        if self.alloc is None:
+            return
+        for offset, size in list(self.live.items()):
+            self.alloc.free(offset, size)
+        expected = [(0, self.capacity)] if self.capacity else []
+        assert self.alloc.free_ranges() == expected
+        assert self.alloc.used_bytes == 0
+
+
+TestAllocatorMachine = AllocatorMachine.TestCase
+TestAllocatorMachine.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)

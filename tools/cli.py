@@ -1,0 +1,253 @@
+"""The ``kvpool`` command line: run a master, a store node, a whole local cluster, inspect it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+import threading
+
+from kvpool.common.config import (
+    ConfigError,
+    MasterConfig,
+    format_size,
+    load,
+    parse_duration,
+    parse_size,
+)
+from kvpool.common.errors import KVPoolError
+
+DEFAULT_MASTER_PORT = 50051
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"invalid fraction {text!r}: expected 0 < x <= 1, e.g. 0.9")
+    return value
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}: expected 0-65535 (0 = any free port)")
+    return int(text)
+
+
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"invalid count {text!r}: expected a whole number >= 1")
+    return int(text)
+
+
+def _master_arg(p: argparse.ArgumentParser, required: bool = True) -> None:
+    env = os.environ.get("KVPOOL_MASTER")
+    p.add_argument("--master", default=env, required=required and env is None, metavar="HOST:PORT",
+                   help="the master's address (default: $KVPOOL_MASTER)")
+
+
+def _log_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log verbosity on stderr (default: info)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvpool",
+        description="kvpool: a cluster-wide KV-cache store for LLM serving. A master indexes KV "
+                    "blocks; store nodes pool DRAM segments; engines put and get blocks by hash.",
+        epilog="Start here: `kvpool demo` runs a local cluster and a shared-prefix workload; "
+               "`kvpool up` runs a local cluster until Ctrl-C.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    m = sub.add_parser("master", help="run the master (global index, allocator, leases, eviction)",
+                       description="Run the master. Prints `master: HOST:PORT` once serving.")
+    m.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; "
+                   "0.0.0.0 for a multi-host cluster)")
+    m.add_argument("--port", type=_port, default=DEFAULT_MASTER_PORT,
+                   help=f"gRPC port (default: {DEFAULT_MASTER_PORT}; 0 = any free port)")
+    m.add_argument("--config", metavar="FILE", help="YAML file of master settings (the long "
+                   "option names with _ for -, e.g. put_timeout_s: 30s); flags override it")
+    m.add_argument("--put-timeout", type=_duration, metavar="DURATION",
+                   help="reclaim a put not completed within this (default: 30s)")
+    m.add_argument("--lease-ttl", type=_duration, metavar="DURATION",
+                   help="protect an object from eviction/removal this long after a read is "
+                        "granted (default: 5s)")
+    m.add_argument("--node-ttl", type=_duration, metavar="DURATION",
+                   help="declare a store node dead after this long without a heartbeat (default: 10s)")
+    m.add_argument("--quarantine", type=_duration, metavar="DURATION",
+                   help="keep space of a reclaimed put unused this long (default: 30s)")
+    m.add_argument("--high-watermark", type=_fraction, metavar="FRACTION",
+                   help="evict when a segment is fuller than this (default: 0.95)")
+    m.add_argument("--low-watermark", type=_fraction, metavar="FRACTION",
+                   help="evict down to this (default: 0.85)")
+    m.add_argument("--replicas", type=_count, help="copies per object unless a client asks "
+                   "otherwise (default: 1)")
+    _log_arg(m)
+
+    n = sub.add_parser("store-node", help="run a store node that pools memory segments",
+                       description="Run a store node: allocates DRAM segments, mounts them on the "
+                                   "master, serves tcp and same-host shm. Prints "
+                                   "`store-node: NODE_ID` once mounted.")
+    _master_arg(n)
+    n.add_argument("--segment-size", type=_size, action="append", metavar="SIZE",
+                   help="size of one DRAM segment, e.g. 4GiB; repeat for several (default: one 4GiB)")
+    n.add_argument("--host", default="127.0.0.1", help="address the data server listens on "
+                   "(default: 127.0.0.1)")
+    n.add_argument("--port", type=_port, default=0, help="data server tcp port (default: 0 = any)")
+    n.add_argument("--advertise-host", help="address clients dial, if not --host (e.g. the "
+                   "node's LAN address when listening on 0.0.0.0)")
+    n.add_argument("--node-id", help="stable name of this node (default: HOSTNAME-RANDOM)")
+    n.add_argument("--heartbeat-interval", type=_duration, default=1.0, metavar="DURATION",
+                   help="how often to heartbeat the master; keep well under its --node-ttl "
+                        "(default: 1s)")
+    n.add_argument("--no-shm", action="store_true",
+                   help="do not offer the same-host shared-memory hand-off (tcp only)")
+    _log_arg(n)
+
+    u = sub.add_parser("up", help="run a local cluster (a master and store nodes) until Ctrl-C",
+                       description="Run a master and store nodes on this host until Ctrl-C. "
+                                   "Prints `master: HOST:PORT`.")
+    u.add_argument("--nodes", type=_count, default=2, help="store nodes to start (default: 2)")
+    u.add_argument("--segment-size", type=_size, default=parse_size("1GiB"), metavar="SIZE",
+                   help="DRAM segment per node (default: 1GiB)")
+    u.add_argument("--host", default="127.0.0.1", help="listen address (default: 127.0.0.1)")
+    u.add_argument("--port", type=_port, default=0, help="master port (default: 0 = any free port)")
+
+    s = sub.add_parser("stat", help="show segments, usage, objects, hits and misses",
+                       description="Print the cluster's state as the master sees it.")
+    _master_arg(s)
+
+    d = sub.add_parser("demo", help="a shared-prefix serving workload on a local cluster",
+                       description="Start a local cluster (unless --master is given), run several "
+                                   "simulated serving instances that share prompt prefixes "
+                                   "through kvpool with Llama-3-8B-sized KV blocks, print hits, "
+                                   "prefill tokens saved, bytes moved and GB/s, then stop.")
+    _master_arg(d, required=False)
+    d.add_argument("--instances", type=_count, default=4, help="serving instances (processes) "
+                   "(default: 4)")
+    d.add_argument("--requests", type=_count, default=12, help="requests per instance (default: 12)")
+    d.add_argument("--prefixes", type=_count, default=3,
+                   help="distinct shared system prompts (default: 3)")
+    d.add_argument("--prefix-tokens", type=_count, default=1024,
+                   help="tokens in each shared prefix (default: 1024)")
+    d.add_argument("--block-bytes", type=_size, default=parse_size("2MiB"), metavar="SIZE",
+                   help="KV bytes per 16-token block (default: 2MiB, Llama-3-8B in bf16)")
+    d.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"master": _cmd_master, "store-node": _cmd_store_node, "up": _cmd_up,
+                "stat": _cmd_stat, "demo": _cmd_demo}[args.command](args)
+    except (KVPoolError, ConfigError, OSError) as e:
+        print(f"kvpool {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _cmd_master(args) -> int:
+    from kvpool.common.logging import configure
+    from kvpool.master.server import serve
+    configure(args.log_level, component="master")
+    config = load(MasterConfig, args.config, put_timeout_s=args.put_timeout,
+                  lease_ttl_s=args.lease_ttl, node_ttl_s=args.node_ttl,
+                  quarantine_s=args.quarantine, high_watermark=args.high_watermark,
+                  low_watermark=args.low_watermark, default_replicas=args.replicas)
+    asyncio.run(serve(config, args.host, args.port,
+                      on_started=lambda addr: print(f"master: {addr}", flush=True)))
+    return 0
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+
+
+def _cmd_store_node(args) -> int:
+    from kvpool.common.logging import configure
+    from kvpool.store_node.node import StoreNode
+    configure(args.log_level, component="store-node")
+    node = StoreNode(args.master, args.segment_size or [parse_size("4GiB")], host=args.host,
+                     port=args.port, node_id=args.node_id,
+                     heartbeat_interval_s=args.heartbeat_interval, shm=not args.no_shm,
+                     advertise_host=args.advertise_host)
+    node.start()
+    print(f"store-node: {node.node_id} tcp={node.endpoints.tcp_endpoint}", flush=True)
+    try:
+        _wait_for_signal()
+    finally:
+        node.stop()
+    return 0
+
+
+def _cmd_up(args) -> int:
+    from kvpool.tools.cluster import LocalCluster
+    cluster = LocalCluster(nodes=args.nodes, segment_size=str(args.segment_size), host=args.host,
+                           port=args.port)
+    cluster.start()
+    try:
+        print(f"master: {cluster.master}", flush=True)
+        print(f"{args.nodes} store nodes, {format_size(args.segment_size)} each. "
+              f"Try: kvpool stat --master {cluster.master}   (Ctrl-C stops the cluster)",
+              flush=True)
+        _wait_for_signal()
+        print("stopping...", flush=True)
+    finally:
+        cluster.stop()
+    return 0
+
+
+def _cmd_stat(args) -> int:
+    from kvpool.client.master_client import MasterClient
+    mc = MasterClient(args.master, timeout_s=5.0, retries=1)
+    try:
+        s = mc.stats()
+    finally:
+        mc.close()
+    total = sum(g.segment.size_bytes for g in s.segments)
+    used = sum(g.used_bytes for g in s.segments)
+    lookups = s.hits + s.misses
+    print(f"master {args.master}: {s.nodes} nodes, {len(s.segments)} segments, "
+          f"{format_size(used)} used of {format_size(total)}")
+    print(f"objects {s.objects} (+{s.pending_objects} pending), hits {s.hits}, misses {s.misses}"
+          + (f" (hit rate {s.hits / lookups:.1%})" if lookups else "") + f", evictions {s.evictions}")
+    if s.segments:
+        print(f"\n{'node':<20} {'segment':<36} {'size':>10} {'used':>10} {'quar.':>10} {'objects':>8}")
+        for g in sorted(s.segments, key=lambda g: (g.node_id, g.segment.segment_id)):
+            print(f"{g.node_id:<20} {g.segment.segment_id:<36} {format_size(g.segment.size_bytes):>10}"
+                  f" {format_size(g.used_bytes):>10} {format_size(g.quarantined_bytes):>10}"
+                  f" {g.objects:>8}")
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from kvpool.tools.demo import run_demo
+    return run_demo(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

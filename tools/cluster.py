@@ -1,0 +1,147 @@
+"""A local cluster of real processes: one master and N store nodes on one host.
+
+Used by ``kvpool up`` and ``kvpool demo``, and by the integration tests, so the cluster a user
+starts with one command is the one the tests exercise.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO
+
+READY_TIMEOUT_S = 30.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    # Children must not outlive a launcher that is SIGKILLed (a crashed test, a killed shell).
+    import ctypes
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class ClusterError(RuntimeError):
+    """A cluster process failed to start; the message carries the tail of its log."""
+
+
+class Proc:
+    """One child process whose stdout announces readiness with a ``name: value`` line."""
+
+    def __init__(self, name: str, argv: Sequence[str], log: IO[bytes] | None):
+        self.name = name
+        self.log = log
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "kvpool", *argv], stdout=subprocess.PIPE,
+            stderr=log if log is not None else None, stdin=subprocess.DEVNULL,
+            # Ctrl-C in a terminal reaches only us, and we stop the children in order.
+            start_new_session=True, preexec_fn=_die_with_parent)
+
+    def wait_ready(self, prefix: str, timeout_s: float = READY_TIMEOUT_S) -> str:
+        """Block until the child prints ``prefix: VALUE``; return VALUE."""
+        deadline = time.monotonic() + timeout_s
+        assert self.popen.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.popen.stdout.readline().decode(errors="replace")
+            if not line:
+                break
+            if line.startswith(prefix + ":"):
+                return line.split(":", 1)[1].strip()
+        self.kill()
+        raise ClusterError(f"{self.name} did not start (exit code {self.popen.poll()})"
+                           + self._log_tail())
+
+    def _log_tail(self) -> str:
+        if self.log is None or not hasattr(self.log, "name"):
+            return ""
+        tail = Path(self.log.name).read_text(errors="replace").splitlines()[-15:]
+        return "\n--- log tail ---\n" + "\n".join(tail)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def terminate(self, timeout_s: float = 10.0) -> int:
+        """SIGTERM, wait, SIGKILL if it will not go. Returns the exit code."""
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if self.popen.stdout:
+            self.popen.stdout.close()
+        return self.popen.wait()
+
+    def kill(self) -> None:
+        if self.alive():
+            self.popen.kill()
+        self.popen.wait()
+
+
+class LocalCluster:
+    """``with LocalCluster(nodes=2) as c: KVClient(c.master)``: real processes, stopped on exit."""
+
+    def __init__(self, nodes: int = 2, segment_size: str = "1GiB", host: str = "127.0.0.1",
+                 port: int = 0, master_args: Sequence[str] = (), node_args: Sequence[str] = (),
+                 log_dir: str | os.PathLike | None = None):
+        self.n_nodes = nodes
+        self.segment_size = segment_size
+        self.host, self.port = host, port
+        self.master_args, self.node_args = list(master_args), list(node_args)
+        self.log_dir = Path(log_dir) if log_dir else None
+        self.master = ""
+        self.master_proc: Proc | None = None
+        self.nodes: list[Proc] = []
+        self._logs: list[IO[bytes]] = []
+
+    def _log(self, name: str) -> IO[bytes] | None:
+        if self.log_dir is None:
+            return None
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        f = open(self.log_dir / f"{name}.log", "ab")
+        self._logs.append(f)
+        return f
+
+    def start(self) -> str:
+        """Start the master and every node; return the master's address once all are mounted."""
+        try:
+            self.master_proc = Proc("master", ["master", "--host", self.host, "--port",
+                                               str(self.port), *self.master_args],
+                                    self._log("master"))
+            self.master = self.master_proc.wait_ready("master")
+            for i in range(self.n_nodes):
+                self.add_node(f"node{i}")
+        except BaseException:
+            self.stop()
+            raise
+        return self.master
+
+    def add_node(self, name: str, extra_args: Sequence[str] = ()) -> Proc:
+        """Start one more store node and wait until its segments are mounted."""
+        proc = Proc(name, ["store-node", "--master", self.master, "--host", self.host,
+                           "--segment-size", self.segment_size, "--node-id", name,
+                           *self.node_args, *extra_args], self._log(name))
+        self.nodes.append(proc)
+        proc.wait_ready("store-node")
+        return proc
+
+    def stop(self) -> None:
+        """Stop nodes first (they unmount), then the master. Idempotent."""
+        for proc in reversed(self.nodes):
+            proc.terminate()
+        if self.master_proc:
+            self.master_proc.terminate()
+        for f in self._logs:
+            f.close()
+        self._logs.clear()
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
