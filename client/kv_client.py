@@ -37,16 +37,21 @@ _PUT_DEADLINE_MARGIN_S = 0.5
 class KVClient:
     """A thread-safe client of one kvpool cluster. Use as a context manager, or call close()."""
 
-    def __init__(self, master: str, *, replicas: int = 0, transports: Sequence[str] | None = None,
-                 timeout_s: float = 10.0):
-        """``replicas``: copies per put (0 = the master's default). ``transports``: schemes to
-        use, in preference order shm, rdma, tcp (default: every one available here)."""
+    def __init__(self, master: str, *, replicas: int = 0,
+                 transports: Sequence[str | Transport] | None = None, timeout_s: float = 10.0):
+        """``replicas``: copies per put (0 = the master's default). ``transports``: schemes
+        (or Transport instances) to use; whatever the order given, the client prefers shm,
+        then rdma, then tcp per replica (default: every transport available here)."""
         self._master = MasterClient(master, timeout_s=timeout_s)
+        given = [t for t in transports or () if isinstance(t, Transport)]
         try:
-            self._transports: list[Transport] = create_transports(transports)
+            schemes = None if transports is None else [t for t in transports if isinstance(t, str)]
+            made = create_transports(schemes) if schemes or not given else []
         except BaseException:
             self._master.close()
             raise
+        self._transports: list[Transport] = sorted(
+            given + made, key=lambda t: TRANSPORT_PREFERENCE.index(t.scheme))
         self._rank = {t: TRANSPORT_PREFERENCE.index(t.scheme) for t in self._transports}
         self._replicas = replicas
         self._closed = False

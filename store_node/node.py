@@ -10,7 +10,8 @@ import uuid
 from collections.abc import Sequence
 
 from kvpool.client.master_client import MasterClient
-from kvpool.common.errors import KVPoolError, MasterUnavailable, UnknownNode
+from kvpool.common.config import format_size
+from kvpool.common.errors import KVPoolError, MasterUnavailable, NoSpace, UnknownNode
 from kvpool.common.host import local_boot_id
 from kvpool.common.logging import get_logger
 from kvpool.common.types import NodeEndpoints
@@ -44,6 +45,7 @@ class StoreNode:
 
     def start(self, mount_timeout_s: float = 30.0) -> None:
         """Allocate, serve, mount (retrying while the master is not reachable yet), heartbeat."""
+        _check_memory(sum(self._sizes))
         try:
             for i, size in enumerate(self._sizes):
                 seg = create_dram_segment(self.node_id, i, size)
@@ -114,3 +116,18 @@ class StoreNode:
         self.segments.clear()
         self._master.close()
         log.info("store_node_stopped", node=self.node_id)
+
+
+def _check_memory(total_bytes: int) -> None:
+    """Refuse segments larger than the memory available: populating them would summon the OOM
+    killer instead of giving an error."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return
+    if total_bytes > available:
+        raise NoSpace(f"segments of {format_size(total_bytes)} do not fit in the "
+                      f"{format_size(available)} of memory available on this host; "
+                      "use a smaller --segment-size")

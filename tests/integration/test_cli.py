@@ -90,3 +90,9 @@ def test_demo_small():
     saved = int(r.stdout.split("prefill tokens saved")[1].split()[0])
     assert saved > 0            # shared prefixes were served from the pool
     assert "local cluster stopped" in r.stdout
+
+
+def test_segment_larger_than_memory_is_refused():
+    r = kvpool("store-node", "--master", "127.0.0.1:1", "--segment-size", "64TiB")
+    assert r.returncode == 1
+    assert "do not fit" in r.stderr and "Traceback" not in r.stderr

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from kvpool.client import KVClient
 from kvpool.client.master_client import MasterClient
+from kvpool.client.transport.tcp import TCPTransport
 from kvpool.common.errors import KVPoolError, NodeUnavailable, ObjectNotFound
 
 WORKLOAD = str(Path(__file__).with_name("workload.py"))
@@ -139,3 +140,43 @@ def test_numpy_and_get_into_zero_copy(cluster):
         buf = bytearray(arr.nbytes + 100)
         assert kv.get_into("arr", buf) == arr.nbytes
         assert bytes(buf[:arr.nbytes]) == arr.tobytes()
+
+
+class SlowTCP(TCPTransport):
+    """A real tcp transport whose reads start only after ``delay_s``: a reader stalled (GC pause,
+    busy host) past its lease."""
+
+    def __init__(self, delay_s: float, started: threading.Event):
+        super().__init__()
+        self.delay_s, self.started = delay_s, started
+
+    def read(self, ops):
+        self.started.set()
+        time.sleep(self.delay_s)
+        return super().read(ops)
+
+
+def test_reader_past_its_lease_never_returns_another_objects_bytes(cluster, timeouts):
+    old, new = b"A" * 100_000, b"B" * 100_000
+    started = threading.Event()
+    with KVClient(cluster.master, transports=["tcp"]) as kv:
+        kv.put("old", old)
+        slow = KVClient(cluster.master, transports=[SlowTCP(timeouts.lease_ttl_s * 2.5, started)])
+        result: list = []
+        t = threading.Thread(target=lambda: result.append(slow.batch_get(["old"])[0]))
+        t.start()
+        assert started.wait(10)
+        kv.remove("old")                      # leased: vanishes now, space freed after the lease
+        time.sleep(timeouts.lease_ttl_s + 0.5)
+        kv.put("new", new)                    # may reuse the space "old" had
+        t.join()
+        slow.close()
+        assert isinstance(result[0], ObjectNotFound), result[0][:8]
+        assert kv.get("new") == new
+
+
+def test_reader_past_its_lease_still_succeeds_when_nothing_changed(cluster, timeouts):
+    started = threading.Event()
+    with KVClient(cluster.master, transports=[SlowTCP(timeouts.lease_ttl_s * 1.5, started)]) as kv:
+        kv.put("steady", b"s" * 50_000)
+        assert kv.get("steady") == b"s" * 50_000   # slow, lease ran out, verified, not failed
