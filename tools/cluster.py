@@ -6,6 +6,7 @@ starts with one command is the one the tests exercise.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -17,12 +18,14 @@ from typing import IO
 
 READY_TIMEOUT_S = 30.0
 _PR_SET_PDEATHSIG = 1
+# Resolved here, not in the child: between fork and exec only async-signal-safe work is safe
+# (the launcher may already run gRPC threads), and dlopen is not.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
 
 
 def _die_with_parent() -> None:
     # Children must not outlive a launcher that is SIGKILLed (a crashed test, a killed shell).
-    import ctypes
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    _prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
 class ClusterError(RuntimeError):
