@@ -21,6 +21,9 @@ def byte_view(obj: object, *, writable: bool) -> memoryview:
             raise InvalidArgument("numpy array must be C-contiguous (use np.ascontiguousarray)")
         if writable and not obj.flags.writeable:
             raise InvalidArgument("numpy array is read-only; get_into needs a writable buffer")
+        view = memoryview(obj)
+        if view.ndim == 1 and view.format == "B":   # a uint8 row (a KV block): no reshaping
+            return view
         return memoryview(obj.reshape(-1).view(np.uint8))
     if isinstance(obj, (bytes, bytearray, memoryview)):
         view = memoryview(obj)

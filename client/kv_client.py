@@ -57,6 +57,11 @@ class KVClient:
         self._closed = False
         self._lock = threading.Lock()
 
+    @property
+    def master_address(self) -> str:
+        """The master's ``host:port``."""
+        return self._master.address
+
     # -- lifecycle --
     def __enter__(self) -> KVClient:
         return self
@@ -199,6 +204,8 @@ class KVClient:
             v = views[i]
             if isinstance(v, InvalidArgument):
                 raise v
+            if size == v.nbytes:
+                return v
             if size > v.nbytes:
                 raise InvalidArgument(f"{keys[i]!r}: buffer of {v.nbytes} bytes is smaller "
                                       f"than the value ({size} bytes)")
@@ -220,11 +227,12 @@ class KVClient:
             located, lease_ttl_s = self._master.get_replicas([keys[i] for i in todo])
             reads = []
             for i, obj in zip(todo, located):
+                seen = seen_version.get(i)
                 if isinstance(obj, KVPoolError):
                     out[i] = obj
-                elif seen_version.get(i) == obj.version:
+                elif seen == obj.version:
                     out[i] = obj.size   # still the object we read: the bytes are its own
-                elif seen_version.get(i) is not None and obj.size != bufs[i].nbytes:
+                elif seen is not None and obj.size != bufs[i].nbytes:
                     out[i] = TransportError(f"{keys[i]!r}: the object changed during the read")
                 else:
                     try:
@@ -253,16 +261,46 @@ class KVClient:
         self._check_open()
         return self._master.stats()
 
+    def register_buffer(self, buffer) -> None:
+        """Register ``buffer`` (bytearray, numpy array, CPU tensor) with the transports that
+        can use it in place (rdma: a memory region), so that put / get_into / batch_get_into
+        on it or on slices of it move bytes with zero copies; other buffers are staged.
+        Pins the memory until ``unregister_buffer`` or ``close``; keep the buffer alive."""
+        self._check_open()
+        for t in self._transports:
+            if hasattr(t, "register_buffer"):
+                t.register_buffer(buffer)
+
+    def unregister_buffer(self, buffer) -> None:
+        """Undo ``register_buffer``; a no-op for memory that is not registered."""
+        self._check_open()
+        for t in self._transports:
+            if hasattr(t, "unregister_buffer"):
+                t.unregister_buffer(buffer)
+
+    @property
+    def transports(self) -> list[str]:
+        """The schemes this client uses, in preference order (e.g. ["shm", "rdma", "tcp"])."""
+        return [t.scheme for t in self._transports]
+
     # -- internals --
     def _transport_for(self, replica: Replica) -> Transport | None:
-        return next((t for t in self._transports if t.can_reach(replica.node)), None)
+        for t in self._transports:   # in preference order
+            if t.can_reach(replica.node):
+                return t
+        return None
 
     def _read(self, items: list[tuple[int, ObjectView, memoryview]]) -> dict[int, KVPoolError | None]:
         """Read each object from its best reachable replica, falling back replica by replica."""
-        candidates = {i: sorted(((t, r) for r in obj.replicas
-                                 if (t := self._transport_for(r)) is not None),
-                                key=lambda tr: self._rank[tr[0]])
-                      for i, obj, _ in items}
+        candidates: dict[int, list[tuple[Transport, Replica]]] = {}
+        for i, obj, _ in items:
+            if len(obj.replicas) == 1:   # the common case: no ranking to do
+                t = self._transport_for(obj.replicas[0])
+                candidates[i] = [] if t is None else [(t, obj.replicas[0])]
+            else:
+                candidates[i] = sorted(((t, r) for r in obj.replicas
+                                        if (t := self._transport_for(r)) is not None),
+                                       key=lambda tr: self._rank[tr[0]])
         bufs = {i: buf for i, _, buf in items}
         results: dict[int, KVPoolError | None] = {}
         last_error: dict[int, KVPoolError] = {}

@@ -102,8 +102,8 @@ class MasterClient:
     def put_start(self, keys: Sequence[str], sizes: Sequence[int], replicas: int = 0
                   ) -> tuple[list[tuple[Replica, ...] | KVPoolError], float]:
         r = self._call("PutStart", pb.PutStartRequest(keys=keys, sizes=sizes, replicas=replicas))
-        out = [error_for_status(x.status, k) or tuple(map(wire.replica_from_pb, x.replicas))
-               for k, x in zip(keys, r.results)]
+        placed = wire.replicas_from_columns(r.replicas, sizes)
+        out = [error_for_status(s, k) or p for k, s, p in zip(keys, r.statuses, placed)]
         return out, r.put_timeout_s
 
     def put_end(self, keys: Sequence[str]) -> list[KVPoolError | None]:
@@ -121,11 +121,11 @@ class MasterClient:
 
     def get_replicas(self, keys: Sequence[str]) -> tuple[list[ObjectView | KVPoolError], float]:
         r = self._call("GetReplicas", pb.KeysRequest(keys=keys))
-        out: list[ObjectView | KVPoolError] = []
-        for k, x in zip(keys, r.results):
-            err = error_for_status(x.status, k)
-            out.append(err or ObjectView(k, x.size, x.version,
-                                         tuple(map(wire.replica_from_pb, x.replicas))))
+        sizes = list(r.sizes)
+        located = wire.replicas_from_columns(r.replicas, sizes)
+        out: list[ObjectView | KVPoolError] = [
+            error_for_status(s, k) or ObjectView(k, size, version, replicas)
+            for k, s, size, version, replicas in zip(keys, r.statuses, sizes, r.versions, located)]
         return out, r.lease_ttl_s
 
     def stats(self) -> pb.StatsResponse:

@@ -56,6 +56,11 @@ class ClientClosed(KVPoolError):
     """The client was used after ``close()``."""
 
 
+class HashSpecMismatch(KVPoolError):
+    """The client's block size or block-hash spec differs from the cluster's: its keys could
+    never match anyone else's, so the master refuses it rather than let it mis-key silently."""
+
+
 class TransportError(KVPoolError, OSError):
     """Moving bytes to or from a store node failed (connection lost, refused, malformed reply)."""
 

@@ -7,6 +7,14 @@ Response: header ``!B3xQ`` = status, pad, payload length; then the payload: the 
 Responses come in request order, so a client may pipeline requests on one connection.
 After a BAD_REQUEST (malformed frame) or a refused WRITE the server closes the connection,
 because it cannot know where the next frame starts.
+
+CONNECT_QP (the RDMA queue-pair handshake): segment id empty, offset 0, length =
+``QP_INFO.size``, followed by the client's ``QP_INFO`` (``!II16sB3x``: QP number, starting PSN,
+GID as 16 raw bytes, path MTU as the verbs enum 1..5 = 256..4096 bytes). The node creates an RC
+queue pair, brings it to ready-to-receive with the client's values, and answers OK with its
+own ``QP_INFO``; or UNSUPPORTED (no RDMA device) with a message, keeping the connection. The
+node's queue pair lives as long as that tcp connection: the client keeps it open (its EOF also
+tells the client that the node died), and closing it tears the queue pair down.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ MAX_ERROR_BYTES = 4096
 class Op(IntEnum):
     READ = 1
     WRITE = 2
+    CONNECT_QP = 3
 
 
 class FrameStatus(IntEnum):
@@ -34,6 +43,24 @@ class FrameStatus(IntEnum):
     BAD_REQUEST = 1        # malformed frame: bad magic, unknown op, oversized segment id
     OUT_OF_BOUNDS = 2      # offset/length outside the segment
     UNKNOWN_SEGMENT = 3    # no such segment mounted on this node
+    UNSUPPORTED = 4        # a valid request this node cannot serve (CONNECT_QP without RDMA)
+
+
+QP_INFO = struct.Struct("!II16sB3x")
+
+
+def encode_qp_info(qp_num: int, psn: int, gid: str, mtu: int) -> bytes:
+    """One side of the CONNECT_QP handshake; ``gid`` as "fe80:0000:..." (8 x 4 hex digits)."""
+    return QP_INFO.pack(qp_num, psn, bytes.fromhex(gid.replace(":", "")), mtu)
+
+
+def decode_qp_info(data: bytes) -> tuple[int, int, str, int]:
+    """(qp_num, psn, gid, mtu) from a ``QP_INFO`` payload; ValueError if malformed."""
+    qp_num, psn, raw_gid, mtu = QP_INFO.unpack(data)
+    if not 1 <= mtu <= 5 or psn >= 1 << 24:
+        raise ValueError(f"bad QP info: mtu enum {mtu}, psn {psn}")
+    hexgid = raw_gid.hex()
+    return qp_num, psn, ":".join(hexgid[i:i + 4] for i in range(0, 32, 4)), mtu
 
 
 def encode_request(op: Op, segment_id: str, offset: int, length: int) -> bytes:

@@ -17,12 +17,16 @@ class ObjectState(Enum):
 
 @dataclass(frozen=True, slots=True)
 class NodeEndpoints:
-    """How to reach a store node's data: tcp always, shm from the same host (same boot id)."""
+    """How to reach a store node's data: tcp always, shm from the same host (same boot id),
+    rdma where the node has a device (queue pairs are set up over ``tcp_endpoint``)."""
 
     node_id: str
     boot_id: str
     tcp_endpoint: str            # "host:port"
     shm_endpoint: str = ""       # abstract unix socket name for the fd hand-off; "" = none
+    rdma_device: str = ""        # e.g. "rxe0"; "" = the node has no RDMA
+    rdma_gid: str = ""           # the port's GID ("fe80:0000:...")
+    rdma_port: int = 0           # the device port (1-based)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +34,8 @@ class SegmentInfo:
     segment_id: str              # unique across the cluster and across node restarts
     size_bytes: int
     tier: str = "dram"
+    rdma_addr: int = 0           # the segment's RDMA memory region: base address and rkey;
+    rdma_rkey: int = 0           # rkey 0 = not registered
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,10 +53,16 @@ class Extent:
 
 @dataclass(frozen=True, slots=True)
 class Replica:
-    """A descriptor: where one copy of an object's bytes lives and how to reach it."""
+    """A descriptor: where one copy of an object's bytes lives and how to reach it.
+
+    ``rdma_*`` describe the extent's segment as an RDMA memory region (rkey 0 = not
+    registered): the bytes are at ``rdma_addr + extent.offset``, inside ``rdma_length``."""
 
     node: NodeEndpoints
     extent: Extent
+    rdma_addr: int = 0
+    rdma_rkey: int = 0
+    rdma_length: int = 0
 
 
 def validate_key(key: str) -> str:
@@ -59,6 +71,8 @@ def validate_key(key: str) -> str:
         raise InvalidArgument(f"key must be str, not {type(key).__name__}")
     if not key:
         raise InvalidArgument("key must not be empty")
+    if len(key) * 4 <= MAX_KEY_BYTES:   # at most 4 bytes a character: no need to encode it
+        return key
     size = len(key.encode("utf-8", "surrogatepass"))
     if size > MAX_KEY_BYTES:
         raise InvalidArgument(f"key is {size} bytes; the limit is {MAX_KEY_BYTES}")

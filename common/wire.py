@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import fields
+
 from kvpool.common.types import Extent, NodeEndpoints, Replica, SegmentInfo
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
 
@@ -17,28 +20,117 @@ _TIER_NAMES = {v: k for k, v in _TIERS.items()}
 
 def node_to_pb(node: NodeEndpoints) -> pb.NodeEndpoints:
     return pb.NodeEndpoints(node_id=node.node_id, boot_id=node.boot_id,
-                            tcp_endpoint=node.tcp_endpoint, shm_endpoint=node.shm_endpoint)
+                            tcp_endpoint=node.tcp_endpoint, shm_endpoint=node.shm_endpoint,
+                            rdma_device=node.rdma_device, rdma_gid=node.rdma_gid,
+                            rdma_port=node.rdma_port)
 
 
 def node_from_pb(msg: pb.NodeEndpoints) -> NodeEndpoints:
     return NodeEndpoints(node_id=msg.node_id, boot_id=msg.boot_id,
-                         tcp_endpoint=msg.tcp_endpoint, shm_endpoint=msg.shm_endpoint)
+                         tcp_endpoint=msg.tcp_endpoint, shm_endpoint=msg.shm_endpoint,
+                         rdma_device=msg.rdma_device, rdma_gid=msg.rdma_gid,
+                         rdma_port=msg.rdma_port)
 
 
 def segment_to_pb(seg: SegmentInfo) -> pb.SegmentInfo:
-    return pb.SegmentInfo(segment_id=seg.segment_id, size_bytes=seg.size_bytes, tier=_TIERS[seg.tier])
+    return pb.SegmentInfo(segment_id=seg.segment_id, size_bytes=seg.size_bytes, tier=_TIERS[seg.tier],
+                          rdma_addr=seg.rdma_addr, rdma_rkey=seg.rdma_rkey)
 
 
 def segment_from_pb(msg: pb.SegmentInfo) -> SegmentInfo:
     return SegmentInfo(segment_id=msg.segment_id, size_bytes=msg.size_bytes,
-                       tier=_TIER_NAMES.get(msg.tier, "dram"))
+                       tier=_TIER_NAMES.get(msg.tier, "dram"),
+                       rdma_addr=msg.rdma_addr, rdma_rkey=msg.rdma_rkey)
 
 
 def replica_to_pb(r: Replica) -> pb.Replica:
     return pb.Replica(node=node_to_pb(r.node), segment_id=r.extent.segment_id,
-                      offset=r.extent.offset, length=r.extent.length)
+                      offset=r.extent.offset, length=r.extent.length,
+                      rdma_addr=r.rdma_addr, rdma_rkey=r.rdma_rkey, rdma_length=r.rdma_length)
 
 
 def replica_from_pb(msg: pb.Replica) -> Replica:
     return Replica(node=node_from_pb(msg.node),
-                   extent=Extent(segment_id=msg.segment_id, offset=msg.offset, length=msg.length))
+                   extent=Extent(segment_id=msg.segment_id, offset=msg.offset, length=msg.length),
+                   rdma_addr=msg.rdma_addr, rdma_rkey=msg.rdma_rkey, rdma_length=msg.rdma_length)
+
+
+class ReplicaColumnsWriter:
+    """Builds a :class:`pb.ReplicaColumns`: each segment's descriptor once, then per replica only
+    a location index and an offset (the batch form of ``replica_to_pb``)."""
+
+    def __init__(self) -> None:
+        self._index: dict[str, int] = {}
+        self._locations: list[pb.Replica] = []
+        self.counts: list[int] = []
+        self.location: list[int] = []
+        self.offsets: list[int] = []
+
+    def add(self, replicas: Sequence[Replica]) -> None:
+        """The next object's replicas (all as long as the object)."""
+        self.counts.append(len(replicas))
+        for r in replicas:
+            i = self._index.get(r.extent.segment_id)
+            if i is None:
+                i = self._index[r.extent.segment_id] = len(self._locations)
+                template = replica_to_pb(r)
+                template.ClearField("offset")
+                template.ClearField("length")
+                self._locations.append(template)
+            self.location.append(i)
+            self.offsets.append(r.extent.offset)
+
+    def add_places(self, places: Sequence[tuple[str, int]],
+                   replica_in: Callable[[str], Replica]) -> None:
+        """The next object's replicas as ``(segment_id, offset)`` pairs; ``replica_in(id)``
+        describes a segment the first time it appears (any offset and length: both are reset)."""
+        self.counts.append(len(places))
+        for segment_id, offset in places:
+            i = self._index.get(segment_id)
+            if i is None:
+                i = self._index[segment_id] = len(self._locations)
+                template = replica_to_pb(replica_in(segment_id))
+                template.ClearField("offset")
+                template.ClearField("length")
+                self._locations.append(template)
+            self.location.append(i)
+            self.offsets.append(offset)
+
+    def skip(self) -> None:
+        """The next object has no replicas (its status is an error)."""
+        self.counts.append(0)
+
+    def to_pb(self) -> pb.ReplicaColumns:
+        return pb.ReplicaColumns(locations=self._locations, counts=self.counts,
+                                 location=self.location, offsets=self.offsets)
+
+
+def replicas_from_columns(columns: pb.ReplicaColumns, lengths: Sequence[int]
+                          ) -> list[tuple[Replica, ...]]:
+    """Each object's replicas from a ReplicaColumns; ``lengths[i]`` is object i's size."""
+    # Per location: Replica's positional arguments, with the extent's slot to fill per replica.
+    templates = []
+    for msg in columns.locations:
+        r = replica_from_pb(msg)
+        templates.append((r.extent.segment_id, [getattr(r, name) for name in _REPLICA_FIELDS]))
+    location, offsets = columns.location, columns.offsets
+    out: list[tuple[Replica, ...]] = []
+    j = 0
+    for count, length in zip(columns.counts, lengths):
+        if count == 1:   # the common case, without the loop
+            segment_id, args = templates[location[j]]
+            args[_EXTENT_ARG] = Extent(segment_id, offsets[j], length)
+            out.append((Replica(*args),))
+        else:
+            reps = []
+            for k in range(j, j + count):
+                segment_id, args = templates[location[k]]
+                args[_EXTENT_ARG] = Extent(segment_id, offsets[k], length)
+                reps.append(Replica(*args))
+            out.append(tuple(reps))
+        j += count
+    return out
+
+
+_REPLICA_FIELDS = [f.name for f in fields(Replica)]
+_EXTENT_ARG = _REPLICA_FIELDS.index("extent")

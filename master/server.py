@@ -11,9 +11,11 @@ import grpc
 from kvpool.common.config import MasterConfig
 from kvpool.common.logging import get_logger
 from kvpool.common.wire import GRPC_OPTIONS
+from kvpool.master.routing import RoutingIndex
+from kvpool.master.routing_servicer import RouterServicer, store_lookup
 from kvpool.master.servicer import MasterServicer
 from kvpool.master.state import MasterState
-from kvpool.protos.kvpool.v1 import master_pb2_grpc
+from kvpool.protos.kvpool.v1 import master_pb2_grpc, routing_pb2_grpc
 
 log = get_logger(__name__)
 
@@ -26,6 +28,9 @@ class MasterServer:
                  clock: Callable[[], float] = time.monotonic):
         self.config = config
         self.state = MasterState(config, clock)
+        # The routing index (instances' own caches, from KV events) reads the object index
+        # as its "store" tier; both live on this process's one event loop.
+        self.routing = RoutingIndex(clock, store_lookup=store_lookup(self.state))
         self._host, self._port = host, port
         self._server: grpc.aio.Server | None = None
         self._ticker: asyncio.Task | None = None
@@ -39,6 +44,7 @@ class MasterServer:
         """Bind and serve; return the bound ``host:port``."""
         self._server = grpc.aio.server(options=GRPC_OPTIONS)
         master_pb2_grpc.add_MasterServicer_to_server(MasterServicer(self.state), self._server)
+        routing_pb2_grpc.add_RouterServicer_to_server(RouterServicer(self.routing), self._server)
         try:
             self.port = self._server.add_insecure_port(f"{self._host}:{self._port}")
         except RuntimeError as e:
@@ -56,6 +62,8 @@ class MasterServer:
             await asyncio.sleep(period)
             try:
                 self.state.tick()
+                for instance in self.routing.tick():
+                    log.info("instance_aged_out", instance=instance)
             except Exception:  # a bug in tick must not silently stop expiry forever
                 log.exception("tick_failed")
 

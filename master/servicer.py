@@ -71,13 +71,16 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                                 f"{len(request.keys)} keys but {len(request.sizes)} sizes")
         results = self._state.put_start(list(request.keys), list(request.sizes),
                                         request.replicas or None)
-        out = pb.PutStartResponse(put_timeout_s=self._state.config.put_timeout_s)
+        statuses, columns = [], wire.ReplicaColumnsWriter()
         for r in results:
             if isinstance(r, KVPoolError):
-                out.results.add(status=status_for_error(r))
+                statuses.append(status_for_error(r))
+                columns.skip()
             else:
-                out.results.add(status=pb.STATUS_OK, replicas=[wire.replica_to_pb(x) for x in r])
-        return out
+                statuses.append(pb.STATUS_OK)
+                columns.add(r)
+        return pb.PutStartResponse(put_timeout_s=self._state.config.put_timeout_s,
+                                   statuses=statuses, replicas=columns.to_pb())
 
     async def PutEnd(self, request, context):
         await _check_batch(request.keys, context)
@@ -99,20 +102,30 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
     async def GetReplicas(self, request, context):
         await _check_batch(request.keys, context)
-        out = pb.GetReplicasResponse(lease_ttl_s=self._state.config.lease_ttl_s)
-        for r in self._state.get_replicas(list(request.keys)):
+        statuses, sizes, versions = [], [], []
+        columns = wire.ReplicaColumnsWriter()
+        for r in self._state.locate(list(request.keys)):
             if isinstance(r, KVPoolError):
-                out.results.add(status=status_for_error(r))
+                statuses.append(status_for_error(r))
+                sizes.append(0)
+                versions.append(0)
+                columns.skip()
             else:
-                out.results.add(status=pb.STATUS_OK, size=r.size, version=r.version,
-                                replicas=[wire.replica_to_pb(x) for x in r.replicas])
-        return out
+                statuses.append(pb.STATUS_OK)
+                sizes.append(r[0])
+                versions.append(r[1])
+                columns.add_places(r[2], self._state.replica_in)
+        return pb.GetReplicasResponse(lease_ttl_s=self._state.config.lease_ttl_s,
+                                      statuses=statuses, sizes=sizes, versions=versions,
+                                      replicas=columns.to_pb())
 
     async def Stats(self, request, context):
         s = self._state.stats()
         return pb.StatsResponse(
             segments=[pb.SegmentStats(node_id=g.node_id, segment=wire.segment_to_pb(g.info),
                                       used_bytes=g.used_bytes, quarantined_bytes=g.quarantined_bytes,
-                                      objects=g.objects) for g in s.segments],
+                                      objects=g.objects,
+                                      node=wire.node_to_pb(g.node) if g.node else None)
+                      for g in s.segments],
             objects=s.objects, pending_objects=s.pending_objects, hits=s.hits, misses=s.misses,
             evictions=s.evictions, nodes=s.nodes)

@@ -41,6 +41,7 @@ from kvpool.master.eviction import EvictionPolicy, LRUPolicy
 from kvpool.master.placement import choose_segments
 
 PENDING, COMPLETE = ObjectState.PENDING, ObjectState.COMPLETE
+_MAX_SHARED_SIZES = 1024
 T = TypeVar("T")
 
 
@@ -51,6 +52,7 @@ class SegmentStats:
     used_bytes: int          # aligned bytes held by indexed objects (PENDING and COMPLETE)
     quarantined_bytes: int   # aligned bytes awaiting a deferred free (lease or put quarantine)
     objects: int             # indexed objects with a replica here (PENDING and COMPLETE)
+    node: NodeEndpoints | None = None   # how clients reach the segment's node
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,14 +84,32 @@ class _Segment:
 
 @dataclass(eq=False, slots=True)
 class _Object:
+    """One index entry, kept small: a master indexes millions of them. The first replica lives
+    inline (segment id and offset; every replica is ``size`` bytes long), further ones in
+    ``more``; ``replicas`` builds the Extents on demand."""
+
     key: str
     size: int
     version: int
-    replicas: list[Extent]   # only extents in mounted segments: dropped segments are stripped
-    put_deadline: float
+    segment_id: str          # the first replica's segment ("" once every replica is gone)
+    offset: int
+    more: tuple[Extent, ...] = ()
     state: ObjectState = PENDING
     lease_until: float = 0.0
     pinned: bool = False
+
+    @property
+    def replicas(self) -> list[Extent]:
+        """Extents in mounted segments only: dropped segments are stripped."""
+        if not self.segment_id:
+            return []
+        first = Extent(self.segment_id, self.offset, self.size)
+        return [first, *self.more] if self.more else [first]
+
+    @replicas.setter
+    def replicas(self, extents: Sequence[Extent]) -> None:
+        first = extents[0] if extents else Extent("", 0, self.size)
+        self.segment_id, self.offset, self.more = first.segment_id, first.offset, tuple(extents[1:])
 
 
 class MasterState:
@@ -105,10 +125,14 @@ class MasterState:
         self._objects: dict[str, _Object] = {}
         # (free_at, seq, [(segment, extent)]): lease-deferred removals and put quarantine alike.
         self._deferred: list[tuple[float, int, list[tuple[_Segment, Extent]]]] = []
-        self._put_deadlines: list[tuple[float, int, str]] = []   # (deadline, version, key)
+        # (deadline, seq, objects): one entry per PutStart batch, not per object.
+        self._put_deadlines: list[tuple[float, int, list[_Object]]] = []
         self._versions = itertools.count(1)
         self._seq = itertools.count()
         self._pending = 0
+        # One int object per distinct object size, shared by every entry of that size (KV
+        # blocks mostly have one size): 28 bytes less per indexed object.
+        self._sizes: dict[int, int] = {}
         self._hits = self._misses = self._evictions = 0
 
     @property
@@ -176,7 +200,13 @@ class MasterState:
         n = self._config.default_replicas if replicas is None else replicas
         now = self._clock()
         seen: set[str] = set()
-        return [_attempt(self._put_one, key, size, n, now, seen) for key, size in zip(keys, sizes)]
+        started: list[_Object] = []
+        out = [_attempt(self._put_one, key, size, n, now, seen, started)
+               for key, size in zip(keys, sizes)]
+        if started:
+            heapq.heappush(self._put_deadlines,
+                           (now + self._config.put_timeout_s, next(self._seq), started))
+        return out
 
     def put_end(self, keys: Sequence[str]) -> list[KVPoolError | None]:
         """Commit PENDING objects: readable and evictable from now on."""
@@ -188,8 +218,40 @@ class MasterState:
 
     def get_replicas(self, keys: Sequence[str]) -> list[ObjectView | KVPoolError]:
         """Where each complete object lives; each one found is leased for ``lease_ttl_s``."""
+        return [r if isinstance(r, KVPoolError) else
+                ObjectView(key, r[0], r[1], tuple(self._replica(Extent(sid, offset, r[0]))
+                                                  for sid, offset in r[2]))
+                for key, r in zip(keys, self.locate(keys))]
+
+    def locate(self, keys: Sequence[str]
+               ) -> list[tuple[int, int, tuple[tuple[str, int], ...]] | KVPoolError]:
+        """``get_replicas`` in raw form, for the servicer's hot path: per key ``(size, version,
+        ((segment_id, offset), ...))`` or the error; the same leases, LRU touch and counting.
+        :meth:`replica_in` describes each segment."""
         now = self._clock()
-        return [_attempt(self._get_one, key, now) for key in keys]
+        lease_until = now + self._config.lease_ttl_s
+        objects, touch = self._objects, self._policy.on_access
+        out: list = []
+        for key in keys:
+            # The hot path, inlined (a lookup of a prompt is hundreds of keys): an indexed key
+            # is a valid one, so only a miss goes through the checks that say why.
+            obj = objects.get(key) if type(key) is str else None
+            if obj is None or obj.state is not COMPLETE:
+                out.append(_attempt(self._get_one, key, now))
+                continue
+            self._hits += 1
+            if obj.lease_until < lease_until:
+                obj.lease_until = lease_until
+            touch(obj.key)   # the indexed str, not the request's equal copy
+            where = ((obj.segment_id, obj.offset),)
+            if obj.more:
+                where += tuple((e.segment_id, e.offset) for e in obj.more)
+            out.append((obj.size, obj.version, where))
+        return out
+
+    def replica_in(self, segment_id: str, offset: int = 0, length: int = 0) -> Replica:
+        """The descriptor of ``[offset, offset + length)`` in a mounted segment."""
+        return self._replica(Extent(segment_id, offset, length))
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is a complete object (no lease, no LRU touch, no hit counted)."""
@@ -213,7 +275,7 @@ class MasterState:
         """Exact accounting of segments, objects and counters."""
         segs = tuple(
             SegmentStats(s.node_id, s.info, s.allocator.used_bytes - s.quarantined_bytes,
-                         s.quarantined_bytes, len(s.keys))
+                         s.quarantined_bytes, len(s.keys), self._nodes[s.node_id].endpoints)
             for s in self._segments.values())
         return MasterStats(segs, len(self._objects) - self._pending, self._pending,
                            self._hits, self._misses, self._evictions, len(self._nodes))
@@ -228,8 +290,8 @@ class MasterState:
 
     # -- per-key operations -----------------------------------------------------------------
 
-    def _put_one(self, key: str, size: int, n: int, now: float,
-                 seen: set[str]) -> tuple[Replica, ...]:
+    def _put_one(self, key: str, size: int, n: int, now: float, seen: set[str],
+                 started: list[_Object]) -> tuple[Replica, ...]:
         validate_key(key)
         # Before any other check, so a repeated key is refused whatever happened to the first.
         if key in seen:
@@ -256,13 +318,15 @@ class MasterState:
         extents = self._place(size, n, fits, now)
         if extents is None:
             raise NoSpace(f"{key!r}: no room for {size} bytes x{n}, even after eviction")
-        obj = _Object(key, size, next(self._versions), extents,
-                      put_deadline=now + self._config.put_timeout_s)
+        if len(self._sizes) < _MAX_SHARED_SIZES:
+            size = self._sizes.setdefault(size, size)
+        obj = _Object(key, size, next(self._versions), extents[0].segment_id, extents[0].offset,
+                      tuple(extents[1:]))
         self._objects[key] = obj
         for e in extents:
             self._segments[e.segment_id].keys.add(key)
         self._pending += 1
-        heapq.heappush(self._put_deadlines, (obj.put_deadline, obj.version, key))
+        started.append(obj)
         return self._replicas(obj)
 
     def _place(self, size: int, n: int, fits: list[_Segment], now: float) -> list[Extent] | None:
@@ -283,7 +347,7 @@ class MasterState:
                 return extents
         return None
 
-    def _get_one(self, key: str, now: float) -> ObjectView:
+    def _get_one(self, key: str, now: float) -> tuple[int, int, tuple[tuple[str, int], ...]]:
         try:
             obj = self._complete(key)
         except ObjectNotFound:
@@ -291,14 +355,17 @@ class MasterState:
             raise
         self._hits += 1
         obj.lease_until = max(obj.lease_until, now + self._config.lease_ttl_s)
-        self._policy.on_access(key)
-        return ObjectView(key, obj.size, obj.version, self._replicas(obj))
+        self._policy.on_access(obj.key)   # the indexed str, not the request's equal copy
+        where = ((obj.segment_id, obj.offset),)
+        if obj.more:
+            where += tuple((e.segment_id, e.offset) for e in obj.more)
+        return obj.size, obj.version, where
 
     def _put_end_one(self, key: str) -> None:
         obj = self._pending_object(key)
         obj.state = COMPLETE
         self._pending -= 1
-        self._policy.on_insert(key)
+        self._policy.on_insert(obj.key)   # the indexed str, not the request's equal copy
 
     def _put_revoke_one(self, key: str) -> None:
         obj = self._pending_object(key)
@@ -328,13 +395,13 @@ class MasterState:
 
     def _reclaim_pending(self, now: float) -> None:
         while self._put_deadlines and self._put_deadlines[0][0] <= now:
-            _, version, key = heapq.heappop(self._put_deadlines)
-            obj = self._objects.get(key)
-            if obj is None or obj.version != version or obj.state is not PENDING:
-                continue   # committed, revoked or lost since: nothing to reclaim
-            self._unindex(obj)
-            # The writer may still be writing into these extents: keep them out of reuse.
-            self._free_later(obj.replicas, now + self._config.quarantine_s)
+            _, _, started = heapq.heappop(self._put_deadlines)
+            for obj in started:
+                if self._objects.get(obj.key) is not obj or obj.state is not PENDING:
+                    continue   # committed, revoked or lost since: nothing to reclaim
+                self._unindex(obj)
+                # The writer may still be writing into these extents: keep them out of reuse.
+                self._free_later(obj.replicas, now + self._config.quarantine_s)
 
     def _release_deferred(self, now: float) -> None:
         while self._deferred and self._deferred[0][0] <= now:
@@ -401,8 +468,14 @@ class MasterState:
 
     def _replicas(self, obj: _Object) -> tuple[Replica, ...]:
         # Endpoints are looked up now, so a node that re-mounted with new ones is reached there.
-        return tuple(Replica(self._nodes[self._segments[e.segment_id].node_id].endpoints, e)
-                     for e in obj.replicas)
+        return tuple(self._replica(e) for e in obj.replicas)
+
+    def _replica(self, e: Extent) -> Replica:
+        seg = self._segments[e.segment_id]
+        info = seg.info   # carries the segment's RDMA region (rkey 0 = none) into the descriptor
+        return Replica(self._nodes[seg.node_id].endpoints, e, rdma_addr=info.rdma_addr,
+                       rdma_rkey=info.rdma_rkey,
+                       rdma_length=info.size_bytes if info.rdma_rkey else 0)
 
     def _unindex(self, obj: _Object) -> None:
         """Forget ``obj``; its extents stay allocated until the caller frees them."""

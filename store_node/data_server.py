@@ -25,12 +25,14 @@ import socket
 import struct
 import threading
 import time
+from collections import Counter
 from collections.abc import Mapping
 
 from kvpool.common.frames import (
     HANDOFF_REQUEST,
     MAGIC,
     MAX_SEGMENT_ID_BYTES,
+    QP_INFO,
     REQUEST,
     FrameStatus,
     Op,
@@ -88,11 +90,18 @@ class DataServer:
     After :meth:`start`, ``tcp_endpoint`` is ``"host:port"`` with the real bound port, and
     ``shm_endpoint`` is the abstract unix socket name WITHOUT its leading NUL byte (e.g.
     ``"kvpool-3f2a..."``; connect to ``"\\0" + shm_endpoint``), or ``""`` when ``shm=False``.
+
+    ``rdma`` (a :class:`kvpool.store_node.rdma.NodeRDMA`, or None) answers CONNECT_QP
+    handshakes; each client's queue pair lives as long as its handshake connection.
+    ``request_counts()`` tells how many requests of each op were served (the rdma path's
+    one-sidedness is asserted with it).
     """
 
     def __init__(self, segments: Mapping[str, Segment], host: str = "127.0.0.1", port: int = 0,
-                 shm: bool = True) -> None:
+                 shm: bool = True, rdma=None) -> None:
         self._segments = segments
+        self._rdma = rdma
+        self._counts: Counter[str] = Counter()
         self._host = host
         self._port = port
         self._shm = shm
@@ -182,6 +191,15 @@ class DataServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def request_counts(self) -> dict[str, int]:
+        """Requests served since start, by op name (READ, WRITE, CONNECT_QP, HANDOFF)."""
+        with self._lock:
+            return dict(self._counts)
+
+    def _count(self, op: str) -> None:
+        with self._lock:
+            self._counts[op] += 1
+
     # ---------------------------------------------------------------- accepting
 
     def _accept_loop(self) -> None:
@@ -244,11 +262,27 @@ class DataServer:
         header = bytearray(REQUEST.size)
         header_view = memoryview(header)
         sid_buf = bytearray(MAX_SEGMENT_ID_BYTES)
+        queue_pairs: list = []     # RDMA queue pairs set up on this connection: die with it
+        try:
+            self._serve_frames(conn, peer, header, header_view, sid_buf, queue_pairs)
+        finally:
+            for qp in queue_pairs:
+                qp.close()
+
+    def _serve_frames(self, conn: socket.socket, peer: str, header: bytearray,
+                      header_view: memoryview, sid_buf: bytearray, queue_pairs: list) -> None:
         while not self._stopping.is_set():
             _recv_exact(conn, header_view, frame_started=False)
             magic, op, sid_len, offset, length = REQUEST.unpack(header)
             if magic != MAGIC:
                 return self._refuse_malformed(conn, peer, f"bad magic {bytes(magic)!r}")
+            if op == Op.CONNECT_QP:
+                if sid_len or offset or length != QP_INFO.size:
+                    return self._refuse_malformed(conn, peer, "malformed CONNECT_QP")
+                self._count(Op.CONNECT_QP.name)
+                if not self._connect_qp(conn, peer, queue_pairs):
+                    return
+                continue
             if op not in (Op.READ, Op.WRITE):
                 return self._refuse_malformed(conn, peer, f"unknown op {op}")
             if sid_len > MAX_SEGMENT_ID_BYTES:
@@ -261,6 +295,7 @@ class DataServer:
             except UnicodeDecodeError:
                 return self._refuse_malformed(conn, peer, "segment id is not utf-8")
             op = Op(op)
+            self._count(op.name)
             view, status, message = self._resolve(segment_id, offset, length)
             if view is None:
                 log.warning("request_refused", peer=peer, op=op.name, segment=segment_id,
@@ -279,6 +314,29 @@ class DataServer:
                     conn.sendall(encode_response(FrameStatus.OK, 0))
             finally:
                 view.release()
+
+    def _connect_qp(self, conn: socket.socket, peer: str, queue_pairs: list) -> bool:
+        """Answer a CONNECT_QP; False if the connection was refused and must end."""
+        payload = bytearray(QP_INFO.size)
+        _recv_exact(conn, memoryview(payload), frame_started=True)
+        if self._rdma is None:
+            reply, status = b"this node has no RDMA device", FrameStatus.UNSUPPORTED
+        else:
+            try:
+                reply, qp = self._rdma.accept(bytes(payload))
+                queue_pairs.append(qp)
+                status = FrameStatus.OK
+            except ValueError as exc:
+                self._refuse_malformed(conn, peer, str(exc))
+                return False
+            except Exception as exc:  # noqa: BLE001 - pyverbs errors: refuse, keep serving
+                log.warning("queue_pair_refused", peer=peer, error=str(exc))
+                reply = f"queue pair setup failed: {exc}".encode()
+                status = FrameStatus.UNSUPPORTED
+        _send_all(conn, [encode_response(status, len(reply)), reply])
+        if status == FrameStatus.OK:
+            log.debug("queue_pair_connected", peer=peer)
+        return True
 
     def _resolve(self, segment_id: str, offset: int, length: int
                  ) -> tuple[memoryview | None, FrameStatus, str]:
@@ -334,6 +392,7 @@ class DataServer:
                 self._refuse_handoff(conn, peer, FrameStatus.BAD_REQUEST,
                                      f"segment {segment_id!r} cannot be shared by fd")
                 continue
+            self._count("HANDOFF")
             header = encode_response(FrameStatus.OK, segment.info.size_bytes)
             sent = socket.send_fds(conn, [header], [fd])
             if sent < len(header):

@@ -14,7 +14,7 @@ from kvpool.common.config import format_size
 from kvpool.common.errors import KVPoolError, MasterUnavailable, NoSpace, UnknownNode
 from kvpool.common.host import local_boot_id
 from kvpool.common.logging import get_logger
-from kvpool.common.types import NodeEndpoints
+from kvpool.common.types import NodeEndpoints, SegmentInfo
 from kvpool.store_node.data_server import DataServer
 from kvpool.store_node.memory import Segment, create_dram_segment
 
@@ -26,15 +26,21 @@ class StoreNode:
 
     def __init__(self, master: str, segment_sizes: Sequence[int], *, host: str = "127.0.0.1",
                  port: int = 0, node_id: str | None = None, heartbeat_interval_s: float = 1.0,
-                 shm: bool = True, advertise_host: str | None = None):
+                 shm: bool = True, advertise_host: str | None = None,
+                 rdma_device: str | bool | None = None):
         """``host``/``port``: where the tcp data server listens (port 0 = any free port);
-        ``advertise_host``: the address clients should dial, if not ``host`` (e.g. 0.0.0.0)."""
+        ``advertise_host``: the address clients should dial, if not ``host`` (e.g. 0.0.0.0).
+        ``rdma_device``: register the segments with this RDMA device (an error if missing);
+        None: with the first device found, if any; False: never offer rdma."""
         if not segment_sizes:
             raise ValueError("a store node needs at least one segment")
         self.node_id = node_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
         self._sizes = list(segment_sizes)
         self._host, self._port, self._shm = host, port, shm
         self._advertise = advertise_host
+        self._rdma_device = rdma_device
+        self._rdma = None                       # store_node.rdma.NodeRDMA where enabled
+        self._published: dict[str, SegmentInfo] = {}   # as mounted: with the RDMA region
         self._interval_s = heartbeat_interval_s
         self._master = MasterClient(master, timeout_s=max(1.0, 2 * heartbeat_interval_s))
         self.segments: dict[str, Segment] = {}
@@ -50,13 +56,24 @@ class StoreNode:
             for i, size in enumerate(self._sizes):
                 seg = create_dram_segment(self.node_id, i, size)
                 self.segments[seg.info.segment_id] = seg
-            self._server = DataServer(self.segments, self._host, self._port, shm=self._shm)
+                self._published[seg.info.segment_id] = seg.info
+            if self._rdma_device is not False:
+                from kvpool.store_node.rdma import open_node_rdma
+                self._rdma = open_node_rdma(self._rdma_device,
+                                            required=self._rdma_device is not None)
+            if self._rdma is not None:
+                for sid, seg in self.segments.items():
+                    self._published[sid] = self._rdma.register(seg)
+            self._server = DataServer(self.segments, self._host, self._port, shm=self._shm,
+                                      rdma=self._rdma)
             self._server.start()
             host, _, port = self._server.tcp_endpoint.rpartition(":")
             self.endpoints = NodeEndpoints(
                 node_id=self.node_id, boot_id=local_boot_id(),
                 tcp_endpoint=f"{self._advertise or host}:{port}",
                 shm_endpoint=self._server.shm_endpoint)
+            if self._rdma is not None:
+                self.endpoints = self._rdma.advertise(self.endpoints)
             deadline = time.monotonic() + mount_timeout_s
             while True:
                 try:
@@ -74,12 +91,13 @@ class StoreNode:
         self._thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         self._thread.start()
         log.info("store_node_started", node=self.node_id, tcp=self.endpoints.tcp_endpoint,
-                 shm=bool(self.endpoints.shm_endpoint), segments=len(self.segments),
+                 shm=bool(self.endpoints.shm_endpoint),
+                 rdma=self.endpoints.rdma_device or None, segments=len(self.segments),
                  capacity_bytes=sum(self._sizes))
 
     def _mount_all(self) -> None:
-        for seg in self.segments.values():
-            self._master.mount_segment(self.endpoints, seg.info)
+        for sid in self.segments:
+            self._master.mount_segment(self.endpoints, self._published[sid])
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self._interval_s):
@@ -111,6 +129,9 @@ class StoreNode:
         if self._server:
             self._server.stop()
             self._server = None
+        if self._rdma is not None:   # deregister before the memory goes
+            self._rdma.close()
+            self._rdma = None
         for seg in self.segments.values():
             seg.close()
         self.segments.clear()

@@ -18,6 +18,8 @@ from kvpool.common.config import (
     parse_size,
 )
 from kvpool.common.errors import KVPoolError
+from kvpool.tools import bench
+from kvpool.tools import kv_events_cmd, replay
 
 DEFAULT_MASTER_PORT = 50051
 
@@ -105,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     n = sub.add_parser("store-node", help="run a store node that pools memory segments",
                        description="Run a store node: allocates DRAM segments, mounts them on the "
-                                   "master, serves tcp and same-host shm. Prints "
+                                   "master, serves tcp and same-host shm, and registers the "
+                                   "segments for one-sided RDMA where a device exists. Prints "
                                    "`store-node: NODE_ID` once mounted.")
     _master_arg(n)
     n.add_argument("--segment-size", type=_size, action="append", metavar="SIZE",
@@ -121,6 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: 1s)")
     n.add_argument("--no-shm", action="store_true",
                    help="do not offer the same-host shared-memory hand-off (tcp only)")
+    rd = n.add_mutually_exclusive_group()
+    rd.add_argument("--rdma-device", metavar="NAME",
+                    help="register the segments with this RDMA device (e.g. mlx5_0, rxe0; "
+                         "`ibv_devices` lists them) so clients read and write them one-sided; "
+                         "an error if it is missing. Default: the first device found, if any "
+                         "(needs pyverbs: apt install python3-pyverbs)")
+    rd.add_argument("--no-rdma", action="store_true", help="do not offer rdma even where a "
+                    "device exists")
     _log_arg(n)
 
     u = sub.add_parser("up", help="run a local cluster (a master and store nodes) until Ctrl-C",
@@ -152,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--block-bytes", type=_size, default=parse_size("2MiB"), metavar="SIZE",
                    help="KV bytes per 16-token block (default: 2MiB, Llama-3-8B in bf16)")
     d.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+
+    bench.add_parser(sub)
+    replay.add_parser(sub)
+    kv_events_cmd.add_parser(sub)
     return parser
 
 
@@ -159,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"master": _cmd_master, "store-node": _cmd_store_node, "up": _cmd_up,
-                "stat": _cmd_stat, "demo": _cmd_demo}[args.command](args)
+                "stat": _cmd_stat, "demo": _cmd_demo, "bench": bench.run,
+                "replay": replay.run, "kv-events": kv_events_cmd.run}[args.command](args)
     except (KVPoolError, ConfigError, OSError) as e:
         print(f"kvpool {args.command}: error: {e}", file=sys.stderr)
         return 1
@@ -194,9 +210,11 @@ def _cmd_store_node(args) -> int:
     node = StoreNode(args.master, args.segment_size or [parse_size("4GiB")], host=args.host,
                      port=args.port, node_id=args.node_id,
                      heartbeat_interval_s=args.heartbeat_interval, shm=not args.no_shm,
-                     advertise_host=args.advertise_host)
+                     advertise_host=args.advertise_host,
+                     rdma_device=False if args.no_rdma else args.rdma_device)
     node.start()
-    print(f"store-node: {node.node_id} tcp={node.endpoints.tcp_endpoint}", flush=True)
+    rdma = f" rdma={node.endpoints.rdma_device}" if node.endpoints.rdma_device else ""
+    print(f"store-node: {node.node_id} tcp={node.endpoints.tcp_endpoint}{rdma}", flush=True)
     try:
         _wait_for_signal()
     finally:
@@ -241,7 +259,23 @@ def _cmd_stat(args) -> int:
             print(f"{g.node_id:<20} {g.segment.segment_id:<36} {format_size(g.segment.size_bytes):>10}"
                   f" {format_size(g.used_bytes):>10} {format_size(g.quarantined_bytes):>10}"
                   f" {g.objects:>8}")
+        _print_node_transports(s.segments)
     return 0
+
+
+def _print_node_transports(segments) -> None:
+    """One line per node: the transports it offers (clients pick shm, then rdma, then tcp)."""
+    nodes = {g.node_id: g.node for g in segments if g.HasField("node")}
+    if not nodes:
+        return
+    print(f"\n{'node':<20} transports")
+    for node_id, n in sorted(nodes.items()):
+        offered = [f"tcp {n.tcp_endpoint}"] if n.tcp_endpoint else []
+        if n.shm_endpoint:
+            offered.append("shm (same host)")
+        if n.rdma_device:
+            offered.append(f"rdma {n.rdma_device} port {n.rdma_port} gid {n.rdma_gid}")
+        print(f"{node_id:<20} {', '.join(offered) or 'none'}")
 
 
 def _cmd_demo(args) -> int:

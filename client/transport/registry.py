@@ -21,13 +21,19 @@ TransportFactory = Callable[..., Transport]
 
 _FACTORIES: dict[str, str | TransportFactory] = {
     "shm": "kvpool.client.transport.shm:SHMTransport",
+    "rdma": "kvpool.client.transport.rdma:RDMATransport",
     "tcp": "kvpool.client.transport.tcp:TCPTransport",
 }
 
-# Known schemes without an implementation yet: skipped by default, refused when asked for.
-_PLANNED: dict[str, str] = {
-    "rdma": "the rdma transport (pyverbs) is not implemented yet; enable 'shm' and/or 'tcp'",
+# Schemes that depend on this host: "module:function" returning "" where the transport can be
+# used, else why not. By default such a transport is enabled only where it can be used; asked
+# for explicitly where it cannot, its constructor raises TransportError with the reason.
+_PROBES: dict[str, str] = {
+    "rdma": "kvpool.client.transport.rdma:unavailable_reason",
 }
+
+# Known schemes without an implementation yet: skipped by default, refused when asked for.
+_PLANNED: dict[str, str] = {}
 
 
 def register_transport(scheme: str, factory: str | TransportFactory) -> None:
@@ -36,6 +42,15 @@ def register_transport(scheme: str, factory: str | TransportFactory) -> None:
         raise InvalidArgument(f"unknown transport {scheme!r}; known: {TRANSPORT_PREFERENCE}")
     _FACTORIES[scheme] = factory
     _PLANNED.pop(scheme, None)
+
+
+def unavailable_reason(scheme: str) -> str:
+    """"" if ``scheme`` can be used on this host, else why not (e.g. no RDMA device)."""
+    probe = _PROBES.get(scheme)
+    if probe is None:
+        return ""
+    module, _, attr = probe.partition(":")
+    return getattr(importlib.import_module(module), attr)()
 
 
 def _resolve(scheme: str) -> TransportFactory:
@@ -51,14 +66,16 @@ def create_transports(enabled: Sequence[str] | None = None, *,
                       ) -> list[Transport]:
     """Instantiate the enabled transports, in preference order (shm, rdma, tcp).
 
-    ``enabled=None`` means every implemented transport. An unknown scheme, or one that is not
-    implemented yet (rdma), raises InvalidArgument. ``options[scheme]`` are keyword arguments
+    ``enabled=None`` means every implemented transport this host can use (rdma only where
+    there is a device). An unknown scheme raises InvalidArgument; rdma asked for where there is
+    no device raises TransportError saying why. ``options[scheme]`` are keyword arguments
     for that transport's constructor (e.g. ``{"tcp": {"timeout_s": 5}}``).
     """
     if isinstance(enabled, str):
         raise InvalidArgument("enabled must be a sequence of scheme names, not a string")
     if enabled is None:
-        wanted = [s for s in TRANSPORT_PREFERENCE if s in _FACTORIES]
+        wanted = [s for s in TRANSPORT_PREFERENCE
+                  if s in _FACTORIES and not unavailable_reason(s)]
     else:
         for scheme in enabled:
             if scheme in _PLANNED:

@@ -32,7 +32,7 @@ def test_bad_flags_are_explained(args, message):
 
 
 def test_every_flag_has_help():
-    for cmd in ["master", "store-node", "up", "stat", "demo"]:
+    for cmd in ["master", "store-node", "up", "stat", "demo", "bench"]:
         r = kvpool(cmd, "--help")
         assert r.returncode == 0
         lines = r.stdout.split("options:")[1]

@@ -18,12 +18,14 @@ from pathlib import Path
 
 import pytest
 from kvpool.client.transport.base import Transport
+from kvpool.client.transport.rdma import unavailable_reason
 from kvpool.client.transport.registry import create_transports
 from kvpool.common.types import Extent, NodeEndpoints, Replica, SegmentInfo
 
 SERVE_NODE = Path(__file__).with_name("serve_node.py")
 STARTUP_TIMEOUT_S = 30.0
-SCHEMES = ("shm", "tcp")      # rdma joins here when it exists
+# rdma runs for real on soft-RoCE (bash tools/softroce/test.sh); elsewhere it skips, saying why.
+SCHEMES = ("shm", "tcp", pytest.param("rdma", marks=pytest.mark.rdma))
 
 
 @dataclass
@@ -36,7 +38,20 @@ class NodeProcess:
     stderr_path: Path
 
     def replica(self, segment: int, offset: int, length: int) -> Replica:
-        return Replica(self.node, Extent(self.segments[segment].segment_id, offset, length))
+        seg = self.segments[segment]
+        return Replica(self.node, Extent(seg.segment_id, offset, length),
+                       rdma_addr=seg.rdma_addr, rdma_rkey=seg.rdma_rkey,
+                       rdma_length=seg.size_bytes if seg.rdma_rkey else 0)
+
+    def request_counts(self) -> dict[str, int]:
+        """The node's data-server request counts so far, by op name."""
+        self.proc.stdin.write(b"stats\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], STARTUP_TIMEOUT_S)
+        line = self.proc.stdout.readline() if ready else b""
+        if not line:
+            raise RuntimeError(f"node gave no stats:\n{self.stderr()}")
+        return json.loads(line)
 
     def stderr(self) -> str:
         return self.stderr_path.read_text(errors="replace")
@@ -78,8 +93,11 @@ def start_node(workdir: Path, *args: str) -> NodeProcess:
         raise RuntimeError(f"node did not start:\n{stderr_path.read_text(errors='replace')}")
     info = json.loads(line)
     node = NodeEndpoints(node_id=info["node_id"], boot_id=info["boot_id"],
-                         tcp_endpoint=info["tcp_endpoint"], shm_endpoint=info["shm_endpoint"])
-    segments = [SegmentInfo(s["segment_id"], s["size_bytes"]) for s in info["segments"]]
+                         tcp_endpoint=info["tcp_endpoint"], shm_endpoint=info["shm_endpoint"],
+                         rdma_device=info["rdma_device"], rdma_gid=info["rdma_gid"],
+                         rdma_port=info["rdma_port"])
+    segments = [SegmentInfo(s["segment_id"], s["size_bytes"], rdma_addr=s["rdma_addr"],
+                            rdma_rkey=s["rdma_rkey"]) for s in info["segments"]]
     return NodeProcess(proc, node, segments, stderr_path)
 
 
@@ -110,6 +128,8 @@ def fresh_node(tmp_path: Path) -> Iterator[NodeProcess]:
 
 @pytest.fixture(params=SCHEMES)
 def scheme(request: pytest.FixtureRequest) -> str:
+    if request.param == "rdma" and (reason := unavailable_reason()):
+        pytest.skip(f"rdma: {reason} (run bash tools/softroce/test.sh)")
     return request.param
 
 

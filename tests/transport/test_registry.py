@@ -10,10 +10,11 @@ from kvpool.client.transport.registry import (
     TRANSPORT_PREFERENCE,
     create_transports,
     pick,
+    unavailable_reason,
 )
 from kvpool.client.transport.shm import SHMTransport
 from kvpool.client.transport.tcp import TCPTransport
-from kvpool.common.errors import InvalidArgument
+from kvpool.common.errors import InvalidArgument, TransportError
 from kvpool.common.host import local_boot_id
 from kvpool.common.types import NodeEndpoints
 
@@ -23,12 +24,21 @@ def close_all(transports):
         t.close()
 
 
-def test_default_is_every_implemented_transport_in_preference_order():
+def test_default_is_every_usable_transport_in_preference_order():
     assert TRANSPORT_PREFERENCE == ("shm", "rdma", "tcp")
     transports = create_transports()
-    assert [type(t) for t in transports] == [SHMTransport, TCPTransport]
-    assert [t.scheme for t in transports] == ["shm", "tcp"]
+    rdma = [] if unavailable_reason("rdma") else ["rdma"]
+    assert [t.scheme for t in transports] == ["shm", *rdma, "tcp"]
+    assert isinstance(transports[0], SHMTransport) and isinstance(transports[-1], TCPTransport)
     close_all(transports)
+
+
+def test_rdma_without_a_device_is_refused_with_the_reason():
+    reason = unavailable_reason("rdma")
+    if not reason:
+        pytest.skip("this host has RDMA")
+    with pytest.raises(TransportError, match="rdma transport unavailable"):
+        create_transports(["rdma"])
 
 
 def test_enabled_order_does_not_override_preference():
@@ -40,8 +50,7 @@ def test_enabled_order_does_not_override_preference():
     close_all(transports)
 
 
-@pytest.mark.parametrize("enabled, match", [(["rdma"], "not implemented"),
-                                            (["udp"], "unknown transport"),
+@pytest.mark.parametrize("enabled, match", [(["udp"], "unknown transport"),
                                             ("tcp", "sequence")])
 def test_bad_choices_are_refused(enabled, match):
     with pytest.raises(InvalidArgument, match=match):

@@ -24,55 +24,53 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$kvpool/protos/kvpool/v1/master.proto\x12\tkvpool.v1\"]\n\rNodeEndpoints\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x02 \x01(\t\x12\x14\n\x0ctcp_endpoint\x18\x03 \x01(\t\x12\x14\n\x0cshm_endpoint\x18\x04 \x01(\t\"T\n\x0bSegmentInfo\x12\x12\n\nsegment_id\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x1d\n\x04tier\x18\x03 \x01(\x0e\x32\x0f.kvpool.v1.Tier\"e\n\x07Replica\x12&\n\x04node\x18\x01 \x01(\x0b\x32\x18.kvpool.v1.NodeEndpoints\x12\x12\n\nsegment_id\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\"f\n\x13MountSegmentRequest\x12&\n\x04node\x18\x01 \x01(\x0b\x32\x18.kvpool.v1.NodeEndpoints\x12\'\n\x07segment\x18\x02 \x01(\x0b\x32\x16.kvpool.v1.SegmentInfo\"\x16\n\x14MountSegmentResponse\"<\n\x15UnmountSegmentRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nsegment_id\x18\x02 \x01(\t\";\n\x16UnmountSegmentResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvpool.v1.Status\"#\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"6\n\x11HeartbeatResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvpool.v1.Status\"@\n\x0fPutStartRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\r\n\x05sizes\x18\x02 \x03(\x04\x12\x10\n\x08replicas\x18\x03 \x01(\r\"Y\n\x0ePutStartResult\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvpool.v1.Status\x12$\n\x08replicas\x18\x02 \x03(\x0b\x32\x12.kvpool.v1.Replica\"U\n\x10PutStartResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.kvpool.v1.PutStartResult\x12\x15\n\rput_timeout_s\x18\x02 \x01(\x01\"\x1b\n\x0bKeysRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"7\n\x10StatusesResponse\x12#\n\x08statuses\x18\x01 \x03(\x0e\x32\x11.kvpool.v1.Status\"{\n\x11GetReplicasResult\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvpool.v1.Status\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12$\n\x08replicas\x18\x04 \x03(\x0b\x32\x12.kvpool.v1.Replica\"Y\n\x13GetReplicasResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.kvpool.v1.GetReplicasResult\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\x01\"\x0e\n\x0cStatsRequest\"\x88\x01\n\x0cSegmentStats\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\'\n\x07segment\x18\x02 \x01(\x0b\x32\x16.kvpool.v1.SegmentInfo\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x19\n\x11quarantined_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07objects\x18\x05 \x01(\x04\"\xa4\x01\n\rStatsResponse\x12)\n\x08segments\x18\x01 \x03(\x0b\x32\x17.kvpool.v1.SegmentStats\x12\x0f\n\x07objects\x18\x02 \x01(\x04\x12\x17\n\x0fpending_objects\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\r\n\x05nodes\x18\x07 \x01(\r*\xc1\x01\n\x06Status\x12\r\n\tSTATUS_OK\x10\x00\x12\x14\n\x10STATUS_NOT_FOUND\x10\x01\x12\x19\n\x15STATUS_ALREADY_EXISTS\x10\x02\x12\x13\n\x0fSTATUS_NO_SPACE\x10\x03\x12\x14\n\x10STATUS_TOO_LARGE\x10\x04\x12\x1b\n\x17STATUS_INVALID_ARGUMENT\x10\x05\x12\x16\n\x12STATUS_NOT_PENDING\x10\x06\x12\x17\n\x13STATUS_UNKNOWN_NODE\x10\x07*2\n\x04Tier\x12\r\n\tTIER_DRAM\x10\x00\x12\x0c\n\x08TIER_HBM\x10\x01\x12\r\n\tTIER_DISK\x10\x02\x32\xbf\x05\n\x06Master\x12O\n\x0cMountSegment\x12\x1e.kvpool.v1.MountSegmentRequest\x1a\x1f.kvpool.v1.MountSegmentResponse\x12U\n\x0eUnmountSegment\x12 .kvpool.v1.UnmountSegmentRequest\x1a!.kvpool.v1.UnmountSegmentResponse\x12\x46\n\tHeartbeat\x12\x1b.kvpool.v1.HeartbeatRequest\x1a\x1c.kvpool.v1.HeartbeatResponse\x12\x43\n\x08PutStart\x12\x1a.kvpool.v1.PutStartRequest\x1a\x1b.kvpool.v1.PutStartResponse\x12=\n\x06PutEnd\x12\x16.kvpool.v1.KeysRequest\x1a\x1b.kvpool.v1.StatusesResponse\x12@\n\tPutRevoke\x12\x16.kvpool.v1.KeysRequest\x1a\x1b.kvpool.v1.StatusesResponse\x12\x45\n\x0bGetReplicas\x12\x16.kvpool.v1.KeysRequest\x1a\x1e.kvpool.v1.GetReplicasResponse\x12=\n\x06\x45xists\x12\x16.kvpool.v1.KeysRequest\x1a\x1b.kvpool.v1.StatusesResponse\x12=\n\x06Remove\x12\x16.kvpool.v1.KeysRequest\x1a\x1b.kvpool.v1.StatusesResponse\x12:\n\x05Stats\x12\x17.kvpool.v1.StatsRequest\x1a\x18.kvpool.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$kvpool/protos/kvpool/v1/master.proto\x12\tkvpool.v1\"\x97\x01\n\rNodeEndpoints\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x02 \x01(\t\x12\x14\n\x0ctcp_endpoint\x18\x03 \x01(\t\x12\x14\n\x0cshm_endpoint\x18\x04 \x01(\t\x12\x13\n\x0brdma_device\x18\x05 \x01(\t\x12\x10\n\x08rdma_gid\x18\x06 \x01(\t\x12\x11\n\trdma_port\x18\x07 \x01(\r\"z\n\x0bSegmentInfo\x12\x12\n\nsegment_id\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x1d\n\x04tier\x18\x03 \x01(\x0e\x32\x0f.kvpool.v1.Tier\x12\x11\n\trdma_addr\x18\x04 \x01(\x04\x12\x11\n\trdma_rkey\x18\x05 \x01(\r\"\xa0\x01\n\x07Replica\x12&\n\x04node\x18\x01 \x01(\x0b\x32\x18.kvpool.v1.NodeEndpoints\x12\x12\n\nsegment_id\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x11\n\trdma_addr\x18\x05 \x01(\x04\x12\x11\n\trdma_rkey\x18\x06 \x01(\r\x12\x13\n\x0brdma_length\x18\x07 \x01(\x04\"f\n\x13MountSegmentRequest\x12&\n\x04node\x18\x01 \x01(\x0b\x32\x18.kvpool.v1.NodeEndpoints\x12\'\n\x07segment\x18\x02 \x01(\x0b\x32\x16.kvpool.v1.SegmentInfo\"\x16\n\x14MountSegmentResponse\"<\n\x15UnmountSegmentRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nsegment_id\x18\x02 \x01(\t\";\n\x16UnmountSegmentResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvpool.v1.Status\"#\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"6\n\x11HeartbeatResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvpool.v1.Status\"@\n\x0fPutStartRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\r\n\x05sizes\x18\x02 \x03(\x04\x12\x10\n\x08replicas\x18\x03 \x01(\r\"j\n\x0eReplicaColumns\x12%\n\tlocations\x18\x01 \x03(\x0b\x32\x12.kvpool.v1.Replica\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\r\x12\x10\n\x08location\x18\x03 \x03(\r\x12\x0f\n\x07offsets\x18\x04 \x03(\x04\"\x81\x01\n\x10PutStartResponse\x12\x15\n\rput_timeout_s\x18\x02 \x01(\x01\x12#\n\x08statuses\x18\x03 \x03(\x0e\x32\x11.kvpool.v1.Status\x12+\n\x08replicas\x18\x04 \x01(\x0b\x32\x19.kvpool.v1.ReplicaColumnsJ\x04\x08\x01\x10\x02\"\x1b\n\x0bKeysRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"7\n\x10StatusesResponse\x12#\n\x08statuses\x18\x01 \x03(\x0e\x32\x11.kvpool.v1.Status\"\xa3\x01\n\x13GetReplicasResponse\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\x01\x12#\n\x08statuses\x18\x03 \x03(\x0e\x32\x11.kvpool.v1.Status\x12\r\n\x05sizes\x18\x04 \x03(\x04\x12\x10\n\x08versions\x18\x05 \x03(\x04\x12+\n\x08replicas\x18\x06 \x01(\x0b\x32\x19.kvpool.v1.ReplicaColumnsJ\x04\x08\x01\x10\x02\"\x0e\n\x0cStatsRequest\"\xb0\x01\n\x0cSegmentStats\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\'\n\x07segment\x18\x02 \x01(\x0b\x32\x16.kvpool.v1.SegmentInfo\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x19\n\x11quarantined_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07objects\x18\x05 \x01(\x04\x12&\n\x04node\x18\x06 \x01(\x0b\x32\x18.kvpool.v1.NodeEndpoints\"\xa4\x01\n\rStatsResponse\x12)\n\x08segments\x18\x01 \x03(\x0b\x32\x17.kvpool.v1.SegmentStats\x12\x0f\n\x07objects\x18\x02 \x01(\x04\x12\x17\n\x0fpending_objects\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\r\n\x05nodes\x18\x07 \x01(\r*\xc1\x01\n\x06Status\x12\r\n\tSTATUS_OK\x10\x00\x12\x14\n\x10STATUS_NOT_FOUND\x10\x01\x12\x19\n\x15STATUS_ALREADY_EXISTS\x10\x02\x12\x13\n\x0fSTATUS_NO_SPACE\x10\x03\x12\x14\n\x10STATUS_TOO_LARGE\x10\x04\x12\x1b\n\x17STATUS_INVALID_ARGUMENT\x10\x05\x12\x16\n\x12STATUS_NOT_PENDING\x10\x06\x12\x17\n\x13STATUS_UNKNOWN_NODE\x10\x07*2\n\x04Tier\x12\r\n\tTIER_DRAM\x10\x00\x12\x0c\n\x08TIER_HBM\x10\x01\x12\r\n\tTIER_DISK\x10\x02\x32\xbf\x05\n\x06Master\x12O\n\x0cMountSegment\x12\x1e.kvpool.v1.MountSegmentRequest\x1a\x1f.kvpool.v1.MountSegmentResponse\x12U\n\x0eUnmountSegment\x12 .kvpool.v1.UnmountSegmentRequest\x1a!.kvpool.v1.UnmountSegmentResponse\x12\x46\n\tHeartbeat\x12\x1b.kvpool.v1.HeartbeatRequest\x1a\x1c.kvpool.v1.HeartbeatResponse\x12\x43\n\x08PutStart\x12\x1a.kvpool.v1.PutStartRequest\x1a\x1b.kvpool.v1.PutStartResponse\x12=\n\x06PutEnd\x12\x16.kvpool.v1.KeysRequest\x1a\x1b.kvpool.v1.StatusesResponse\x12@\n\tPutRevoke\x12\x16.kvpool.v1.KeysRequest\x1a\x1b.kvpool.v1.StatusesResponse\x12\x45\n\x0bGetReplicas\x12\x16.kvpool.v1.KeysRequest\x1a\x1e.kvpool.v1.GetReplicasResponse\x12=\n\x06\x45xists\x12\x16.kvpool.v1.KeysRequest\x1a\x1b.kvpool.v1.StatusesResponse\x12=\n\x06Remove\x12\x16.kvpool.v1.KeysRequest\x1a\x1b.kvpool.v1.StatusesResponse\x12:\n\x05Stats\x12\x17.kvpool.v1.StatsRequest\x1a\x18.kvpool.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvpool.protos.kvpool.v1.master_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STATUS']._serialized_start=1548
-  _globals['_STATUS']._serialized_end=1741
-  _globals['_TIER']._serialized_start=1743
-  _globals['_TIER']._serialized_end=1793
-  _globals['_NODEENDPOINTS']._serialized_start=51
-  _globals['_NODEENDPOINTS']._serialized_end=144
-  _globals['_SEGMENTINFO']._serialized_start=146
-  _globals['_SEGMENTINFO']._serialized_end=230
-  _globals['_REPLICA']._serialized_start=232
-  _globals['_REPLICA']._serialized_end=333
-  _globals['_MOUNTSEGMENTREQUEST']._serialized_start=335
-  _globals['_MOUNTSEGMENTREQUEST']._serialized_end=437
-  _globals['_MOUNTSEGMENTRESPONSE']._serialized_start=439
-  _globals['_MOUNTSEGMENTRESPONSE']._serialized_end=461
-  _globals['_UNMOUNTSEGMENTREQUEST']._serialized_start=463
-  _globals['_UNMOUNTSEGMENTREQUEST']._serialized_end=523
-  _globals['_UNMOUNTSEGMENTRESPONSE']._serialized_start=525
-  _globals['_UNMOUNTSEGMENTRESPONSE']._serialized_end=584
-  _globals['_HEARTBEATREQUEST']._serialized_start=586
-  _globals['_HEARTBEATREQUEST']._serialized_end=621
-  _globals['_HEARTBEATRESPONSE']._serialized_start=623
-  _globals['_HEARTBEATRESPONSE']._serialized_end=677
-  _globals['_PUTSTARTREQUEST']._serialized_start=679
-  _globals['_PUTSTARTREQUEST']._serialized_end=743
-  _globals['_PUTSTARTRESULT']._serialized_start=745
-  _globals['_PUTSTARTRESULT']._serialized_end=834
-  _globals['_PUTSTARTRESPONSE']._serialized_start=836
-  _globals['_PUTSTARTRESPONSE']._serialized_end=921
-  _globals['_KEYSREQUEST']._serialized_start=923
-  _globals['_KEYSREQUEST']._serialized_end=950
-  _globals['_STATUSESRESPONSE']._serialized_start=952
-  _globals['_STATUSESRESPONSE']._serialized_end=1007
-  _globals['_GETREPLICASRESULT']._serialized_start=1009
-  _globals['_GETREPLICASRESULT']._serialized_end=1132
-  _globals['_GETREPLICASRESPONSE']._serialized_start=1134
-  _globals['_GETREPLICASRESPONSE']._serialized_end=1223
-  _globals['_STATSREQUEST']._serialized_start=1225
-  _globals['_STATSREQUEST']._serialized_end=1239
-  _globals['_SEGMENTSTATS']._serialized_start=1242
-  _globals['_SEGMENTSTATS']._serialized_end=1378
-  _globals['_STATSRESPONSE']._serialized_start=1381
-  _globals['_STATSRESPONSE']._serialized_end=1545
-  _globals['_MASTER']._serialized_start=1796
-  _globals['_MASTER']._serialized_end=2499
+  _globals['_STATUS']._serialized_start=1757
+  _globals['_STATUS']._serialized_end=1950
+  _globals['_TIER']._serialized_start=1952
+  _globals['_TIER']._serialized_end=2002
+  _globals['_NODEENDPOINTS']._serialized_start=52
+  _globals['_NODEENDPOINTS']._serialized_end=203
+  _globals['_SEGMENTINFO']._serialized_start=205
+  _globals['_SEGMENTINFO']._serialized_end=327
+  _globals['_REPLICA']._serialized_start=330
+  _globals['_REPLICA']._serialized_end=490
+  _globals['_MOUNTSEGMENTREQUEST']._serialized_start=492
+  _globals['_MOUNTSEGMENTREQUEST']._serialized_end=594
+  _globals['_MOUNTSEGMENTRESPONSE']._serialized_start=596
+  _globals['_MOUNTSEGMENTRESPONSE']._serialized_end=618
+  _globals['_UNMOUNTSEGMENTREQUEST']._serialized_start=620
+  _globals['_UNMOUNTSEGMENTREQUEST']._serialized_end=680
+  _globals['_UNMOUNTSEGMENTRESPONSE']._serialized_start=682
+  _globals['_UNMOUNTSEGMENTRESPONSE']._serialized_end=741
+  _globals['_HEARTBEATREQUEST']._serialized_start=743
+  _globals['_HEARTBEATREQUEST']._serialized_end=778
+  _globals['_HEARTBEATRESPONSE']._serialized_start=780
+  _globals['_HEARTBEATRESPONSE']._serialized_end=834
+  _globals['_PUTSTARTREQUEST']._serialized_start=836
+  _globals['_PUTSTARTREQUEST']._serialized_end=900
+  _globals['_REPLICACOLUMNS']._serialized_start=902
+  _globals['_REPLICACOLUMNS']._serialized_end=1008
+  _globals['_PUTSTARTRESPONSE']._serialized_start=1011
+  _globals['_PUTSTARTRESPONSE']._serialized_end=1140
+  _globals['_KEYSREQUEST']._serialized_start=1142
+  _globals['_KEYSREQUEST']._serialized_end=1169
+  _globals['_STATUSESRESPONSE']._serialized_start=1171
+  _globals['_STATUSESRESPONSE']._serialized_end=1226
+  _globals['_GETREPLICASRESPONSE']._serialized_start=1229
+  _globals['_GETREPLICASRESPONSE']._serialized_end=1392
+  _globals['_STATSREQUEST']._serialized_start=1394
+  _globals['_STATSREQUEST']._serialized_end=1408
+  _globals['_SEGMENTSTATS']._serialized_start=1411
+  _globals['_SEGMENTSTATS']._serialized_end=1587
+  _globals['_STATSRESPONSE']._serialized_start=1590
+  _globals['_STATSRESPONSE']._serialized_end=1754
+  _globals['_MASTER']._serialized_start=2005
+  _globals['_MASTER']._serialized_end=2708
 # @@protoc_insertion_point(module_scope)

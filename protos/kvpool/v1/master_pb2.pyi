@@ -36,38 +36,54 @@ TIER_HBM: Tier
 TIER_DISK: Tier
 
 class NodeEndpoints(_message.Message):
-    __slots__ = ("node_id", "boot_id", "tcp_endpoint", "shm_endpoint")
+    __slots__ = ("node_id", "boot_id", "tcp_endpoint", "shm_endpoint", "rdma_device", "rdma_gid", "rdma_port")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     TCP_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     SHM_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    RDMA_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    RDMA_GID_FIELD_NUMBER: _ClassVar[int]
+    RDMA_PORT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     boot_id: str
     tcp_endpoint: str
     shm_endpoint: str
-    def __init__(self, node_id: _Optional[str] = ..., boot_id: _Optional[str] = ..., tcp_endpoint: _Optional[str] = ..., shm_endpoint: _Optional[str] = ...) -> None: ...
+    rdma_device: str
+    rdma_gid: str
+    rdma_port: int
+    def __init__(self, node_id: _Optional[str] = ..., boot_id: _Optional[str] = ..., tcp_endpoint: _Optional[str] = ..., shm_endpoint: _Optional[str] = ..., rdma_device: _Optional[str] = ..., rdma_gid: _Optional[str] = ..., rdma_port: _Optional[int] = ...) -> None: ...
 
 class SegmentInfo(_message.Message):
-    __slots__ = ("segment_id", "size_bytes", "tier")
+    __slots__ = ("segment_id", "size_bytes", "tier", "rdma_addr", "rdma_rkey")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    RDMA_ADDR_FIELD_NUMBER: _ClassVar[int]
+    RDMA_RKEY_FIELD_NUMBER: _ClassVar[int]
     segment_id: str
     size_bytes: int
     tier: Tier
-    def __init__(self, segment_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+    rdma_addr: int
+    rdma_rkey: int
+    def __init__(self, segment_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., rdma_addr: _Optional[int] = ..., rdma_rkey: _Optional[int] = ...) -> None: ...
 
 class Replica(_message.Message):
-    __slots__ = ("node", "segment_id", "offset", "length")
+    __slots__ = ("node", "segment_id", "offset", "length", "rdma_addr", "rdma_rkey", "rdma_length")
     NODE_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    RDMA_ADDR_FIELD_NUMBER: _ClassVar[int]
+    RDMA_RKEY_FIELD_NUMBER: _ClassVar[int]
+    RDMA_LENGTH_FIELD_NUMBER: _ClassVar[int]
     node: NodeEndpoints
     segment_id: str
     offset: int
     length: int
-    def __init__(self, node: _Optional[_Union[NodeEndpoints, _Mapping]] = ..., segment_id: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    rdma_addr: int
+    rdma_rkey: int
+    rdma_length: int
+    def __init__(self, node: _Optional[_Union[NodeEndpoints, _Mapping]] = ..., segment_id: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., rdma_addr: _Optional[int] = ..., rdma_rkey: _Optional[int] = ..., rdma_length: _Optional[int] = ...) -> None: ...
 
 class MountSegmentRequest(_message.Message):
     __slots__ = ("node", "segment")
@@ -117,21 +133,27 @@ class PutStartRequest(_message.Message):
     replicas: int
     def __init__(self, keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., replicas: _Optional[int] = ...) -> None: ...
 
-class PutStartResult(_message.Message):
-    __slots__ = ("status", "replicas")
-    STATUS_FIELD_NUMBER: _ClassVar[int]
-    REPLICAS_FIELD_NUMBER: _ClassVar[int]
-    status: Status
-    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
+class ReplicaColumns(_message.Message):
+    __slots__ = ("locations", "counts", "location", "offsets")
+    LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    locations: _containers.RepeatedCompositeFieldContainer[Replica]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    location: _containers.RepeatedScalarFieldContainer[int]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, locations: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., counts: _Optional[_Iterable[int]] = ..., location: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PutStartResponse(_message.Message):
-    __slots__ = ("results", "put_timeout_s")
-    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("put_timeout_s", "statuses", "replicas")
     PUT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
-    results: _containers.RepeatedCompositeFieldContainer[PutStartResult]
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     put_timeout_s: float
-    def __init__(self, results: _Optional[_Iterable[_Union[PutStartResult, _Mapping]]] = ..., put_timeout_s: _Optional[float] = ...) -> None: ...
+    statuses: _containers.RepeatedScalarFieldContainer[Status]
+    replicas: ReplicaColumns
+    def __init__(self, put_timeout_s: _Optional[float] = ..., statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., replicas: _Optional[_Union[ReplicaColumns, _Mapping]] = ...) -> None: ...
 
 class KeysRequest(_message.Message):
     __slots__ = ("keys",)
@@ -145,43 +167,39 @@ class StatusesResponse(_message.Message):
     statuses: _containers.RepeatedScalarFieldContainer[Status]
     def __init__(self, statuses: _Optional[_Iterable[_Union[Status, str]]] = ...) -> None: ...
 
-class GetReplicasResult(_message.Message):
-    __slots__ = ("status", "size", "version", "replicas")
-    STATUS_FIELD_NUMBER: _ClassVar[int]
-    SIZE_FIELD_NUMBER: _ClassVar[int]
-    VERSION_FIELD_NUMBER: _ClassVar[int]
-    REPLICAS_FIELD_NUMBER: _ClassVar[int]
-    status: Status
-    size: int
-    version: int
-    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., size: _Optional[int] = ..., version: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
-
 class GetReplicasResponse(_message.Message):
-    __slots__ = ("results", "lease_ttl_s")
-    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("lease_ttl_s", "statuses", "sizes", "versions", "replicas")
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
-    results: _containers.RepeatedCompositeFieldContainer[GetReplicasResult]
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     lease_ttl_s: float
-    def __init__(self, results: _Optional[_Iterable[_Union[GetReplicasResult, _Mapping]]] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+    statuses: _containers.RepeatedScalarFieldContainer[Status]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    replicas: ReplicaColumns
+    def __init__(self, lease_ttl_s: _Optional[float] = ..., statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., sizes: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Union[ReplicaColumns, _Mapping]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class SegmentStats(_message.Message):
-    __slots__ = ("node_id", "segment", "used_bytes", "quarantined_bytes", "objects")
+    __slots__ = ("node_id", "segment", "used_bytes", "quarantined_bytes", "objects", "node")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_BYTES_FIELD_NUMBER: _ClassVar[int]
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     segment: SegmentInfo
     used_bytes: int
     quarantined_bytes: int
     objects: int
-    def __init__(self, node_id: _Optional[str] = ..., segment: _Optional[_Union[SegmentInfo, _Mapping]] = ..., used_bytes: _Optional[int] = ..., quarantined_bytes: _Optional[int] = ..., objects: _Optional[int] = ...) -> None: ...
+    node: NodeEndpoints
+    def __init__(self, node_id: _Optional[str] = ..., segment: _Optional[_Union[SegmentInfo, _Mapping]] = ..., used_bytes: _Optional[int] = ..., quarantined_bytes: _Optional[int] = ..., objects: _Optional[int] = ..., node: _Optional[_Union[NodeEndpoints, _Mapping]] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("segments", "objects", "pending_objects", "hits", "misses", "evictions", "nodes")

@@ -1,0 +1,181 @@
+"""The client side of the master's Router service: register a hash spec, publish KV events, route.
+
+    with RouterClient("127.0.0.1:50051") as router:
+        router.register(HashSpec.of(16, model="llama-3-8b"))        # HashSpecMismatch if refused
+        router.publish("engine-0", [BlockStored(tuple(hashes))])   # one batch, one round trip
+        choice = router.route(token_ids=prompt, candidates=[Candidate("engine-0", 2, 4096), ...])
+        choice.instance_id, choice.hits    # {"gpu": 12, "cpu": 0, "store": 30}
+
+For a long-lived engine, ``router.event_stream("engine-0")`` keeps one gRPC client stream open
+and sends each ``send(events)`` as a batch on it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+from kvpool.client.master_client import parse_address
+from kvpool.common.errors import ClientClosed, HashSpecMismatch, InvalidArgument, MasterUnavailable
+from kvpool.common.hashing import HashSpec
+from kvpool.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvpool.common.wire import GRPC_OPTIONS
+from kvpool.protos.kvpool.v1 import routing_pb2 as pb
+from kvpool.protos.kvpool.v1 import routing_pb2_grpc
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """An instance the request may go to, and its load."""
+
+    instance_id: str
+    queue_depth: int = 0
+    inflight_prefill_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RouteChoice:
+    instance_id: str
+    policy: str
+    hits: dict[str, int]          # expected prefix hits per tier, in blocks
+    blocks: int                   # full blocks in the request
+    estimated_ttft_s: float
+
+
+def batch_to_pb(instance_id: str, events: Iterable[KVEvent], ts: float = 0.0) -> pb.KVEventBatch:
+    out = pb.KVEventBatch(instance_id=instance_id, ts=ts)
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            out.events.add(stored=pb.BlockStored(block_hashes=list(ev.hashes), medium=ev.tier))
+        elif isinstance(ev, BlockRemoved):
+            out.events.add(removed=pb.BlockRemoved(block_hashes=list(ev.hashes), medium=ev.tier))
+        elif isinstance(ev, AllBlocksCleared):
+            out.events.add(cleared=pb.AllBlocksCleared())
+        else:
+            raise InvalidArgument(f"not a KV event: {ev!r}")
+    return out
+
+
+class RouterClient:
+    """A blocking, thread-safe client of the master's Router service."""
+
+    def __init__(self, master: str, timeout_s: float = 10.0):
+        self.address = parse_address(master)
+        self._timeout_s = timeout_s
+        self._channel: grpc.Channel | None = grpc.insecure_channel(master, options=GRPC_OPTIONS)
+        self._stub = routing_pb2_grpc.RouterStub(self._channel)
+
+    def __enter__(self) -> RouterClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def _call(self, method: str, request, **kw):
+        if self._channel is None:
+            raise ClientClosed("the router client is closed")
+        try:
+            return getattr(self._stub, method)(request, timeout=self._timeout_s, **kw)
+        except grpc.RpcError as e:
+            code = e.code()
+            if code == grpc.StatusCode.FAILED_PRECONDITION:
+                raise HashSpecMismatch(e.details()) from None
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidArgument(e.details()) from None
+            raise MasterUnavailable(f"master {self.address}: {method} failed: "
+                                    f"{code.name}: {e.details()}") from None
+
+    def register(self, spec: HashSpec, client_id: str = "") -> HashSpec:
+        """Check ``spec`` against the cluster's; return the cluster's. Raises HashSpecMismatch
+        when the block size or spec differs (the first client to register fixes them)."""
+        r = self._call("RegisterClient", pb.RegisterClientRequest(
+            client_id=client_id, spec=pb.HashSpec(name=spec.name, block_size=spec.block_size)))
+        return HashSpec(r.cluster_spec.block_size, spec.extra_keys, r.cluster_spec.name)
+
+    def publish(self, instance_id: str, events: Sequence[KVEvent]) -> int:
+        """Send one batch of ``instance_id``'s events (empty = heartbeat); return events applied."""
+        return self._call("PublishKVEvents", iter([batch_to_pb(instance_id, events)])).events
+
+    def event_stream(self, instance_id: str) -> KVEventStream:
+        if self._channel is None:
+            raise ClientClosed("the router client is closed")
+        return KVEventStream(self._stub, instance_id)
+
+    def route(self, *, token_ids: Sequence[int] | None = None,
+              block_hashes: Sequence[bytes] | None = None, prompt_tokens: int = 0,
+              candidates: Sequence[Candidate] = (), policy: str = "",
+              extra_keys: dict[str, str] | None = None) -> RouteChoice:
+        """Choose an instance for a prompt given as token ids (hashed by the master with the
+        cluster's spec and ``extra_keys``) or block hashes. No candidates: every live instance."""
+        req = pb.RouteRequest(
+            token_ids=list(token_ids or ()), block_hashes=list(block_hashes or ()),
+            prompt_tokens=prompt_tokens, policy=policy,
+            extra_keys=[pb.ExtraKey(name=k, value=str(v)) for k, v in (extra_keys or {}).items()],
+            candidates=[pb.Candidate(instance_id=c.instance_id, queue_depth=c.queue_depth,
+                                     inflight_prefill_tokens=c.inflight_prefill_tokens)
+                        for c in candidates])
+        r = self._call("Route", req)
+        return RouteChoice(r.instance_id, r.policy, {h.tier: h.blocks for h in r.hits},
+                           r.blocks, r.estimated_ttft_s)
+
+
+_END = object()
+
+
+class KVEventStream:
+    """One long-lived PublishKVEvents stream; ``send`` queues a batch, ``close`` ends the
+    stream and returns the number of events the master applied."""
+
+    def __init__(self, stub: routing_pb2_grpc.RouterStub, instance_id: str):
+        self.instance_id = instance_id
+        self._queue: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._future = stub.PublishKVEvents.future(self._batches())
+
+    def _batches(self) -> Iterator[pb.KVEventBatch]:
+        while (item := self._queue.get()) is not _END:
+            yield item
+
+    def send(self, events: Sequence[KVEvent]) -> None:
+        with self._lock:
+            if self._closed:
+                raise ClientClosed("the event stream is closed")
+            if self._future.done():
+                self._raise()
+            self._queue.put(batch_to_pb(self.instance_id, events))
+
+    def close(self, timeout_s: float = 10.0) -> int:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._queue.put(_END)
+        try:
+            return self._future.result(timeout=timeout_s).events
+        except grpc.RpcError:
+            self._raise()
+        except grpc.FutureTimeoutError:
+            raise MasterUnavailable("the master did not acknowledge the event stream") from None
+
+    def _raise(self):
+        e = self._future.exception()
+        if e is None:
+            raise ClientClosed("the event stream ended")
+        code = e.code()
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            raise InvalidArgument(e.details())
+        raise MasterUnavailable(f"event stream failed: {code.name}: {e.details()}")
+
+    def __enter__(self) -> KVEventStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,497 @@
+"""The rdma transport: one-sided RDMA READ and WRITE into store nodes' registered segments.
+
+The store node's CPU takes no part in moving the bytes: it registered each segment as a memory
+region (its address and rkey travel in every descriptor, see ``Replica.rdma_*``), and the
+client's RC queue pair reads and writes that memory directly.
+
+Connection setup: one RC queue pair per (client transport, node), created on first use through
+the CONNECT_QP handshake on the node's tcp data port (:mod:`kvpool.common.frames`), then reused.
+The handshake connection stays open for the queue pair's life: the node tears its queue pair
+down when it closes, and its EOF tells us at once that the node died (RC retries alone would
+take seconds to notice).
+
+Buffers: memory registered with :meth:`RDMATransport.register_buffer` (``KVClient.register_buffer``)
+is read and written in place, with zero copies; other buffers go through a registered staging
+area (one memcpy each way). Every op is split into work requests of at most the port's maximum
+message size (8 MiB on soft-RoCE); up to ``max_outstanding`` are in flight at once.
+
+Errors, per op: a descriptor the node's device refuses (wrong rkey, range outside the region)
+is a SegmentBoundsError; so is one the client can refuse before posting (segment not registered
+for RDMA, range outside ``rdma_length``). A queue pair that breaks (remote refusal, retries
+exhausted) is re-created, and the ops it did not finish run again on the new one; a second
+break in one call, a timeout, or the node's death fails the node's remaining ops with
+TransportError, so the client moves on to another replica.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import mmap
+import select
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvpool.client.buffers import byte_view
+from kvpool.client.transport.base import IoOp, Transport, byte_views, group_by
+from kvpool.common.errors import ClientClosed, KVPoolError, SegmentBoundsError, TransportError
+from kvpool.common.frames import (
+    MAX_ERROR_BYTES,
+    QP_INFO,
+    RESPONSE,
+    FrameStatus,
+    Op,
+    decode_qp_info,
+    encode_qp_info,
+    encode_request,
+)
+from kvpool.common.logging import get_logger
+from kvpool.common.types import NodeEndpoints
+
+log = get_logger(__name__)
+
+MiB = 1 << 20
+_U64 = 1 << 64
+_STAGE_ALIGN = 64
+_SPINS_BEFORE_SLEEP = 64
+_POLL_SLEEP_S = 0.0002
+_LIVENESS_EVERY_S = 0.02
+# The handshake connection carries nothing after the handshake: readable or hung up = node gone.
+_GONE = select.POLLIN | select.POLLHUP | select.POLLERR | select.POLLNVAL
+
+
+@functools.cache
+def unavailable_reason() -> str:
+    """"" if this host can use the rdma transport, else why not (probed once per process)."""
+    try:
+        from kvpool.client.transport import verbs
+    except ImportError:
+        return "pyverbs is not installed (Debian/Ubuntu: apt install python3-pyverbs)"
+    return verbs.probe()
+
+
+class _Link:
+    """The queue pair to one node and the tcp connection that set it up."""
+
+    def __init__(self, endpoint: str, sock: socket.socket, qp, cq) -> None:
+        self.endpoint = endpoint
+        self.sock = sock
+        self.qp = qp
+        self.cq = cq
+
+    def alive(self) -> bool:
+        poller = select.poll()
+        poller.register(self.sock, _GONE)
+        return not poller.poll(0)
+
+    def close(self) -> None:
+        for resource in (self.qp, self.cq):
+            try:
+                resource.close()
+            except Exception as exc:  # noqa: BLE001 - a broken QP may refuse; nothing to do
+                log.debug("rdma_close_failed", endpoint=self.endpoint, error=str(exc))
+        self.sock.close()
+
+
+@dataclass(slots=True)
+class _Registration:
+    addr: int
+    length: int
+    mr: object
+    view: memoryview      # keeps the caller's memory alive (and a bytearray unresizable)
+
+
+@dataclass(slots=True)
+class _Piece:
+    """One work request: ``length`` bytes of op ``op`` starting ``start`` bytes into it."""
+
+    op: int
+    start: int
+    length: int
+    remote_addr: int
+    rkey: int
+    local_addr: int = 0    # zero-copy: the caller's registered memory
+    lkey: int = 0
+    stage: int = -1        # staged: offset in the staging area (set per wave)
+
+
+class _Outcome:
+    """What running pieces on a link left to do."""
+
+    def __init__(self) -> None:
+        self.unfinished: list[_Piece] = []
+        self.refused: dict[int, SegmentBoundsError] = {}
+        self.broken = ""       # why the QP is unusable ("" = fine)
+        self.fatal: TransportError | None = None   # give up on this node for this call
+
+
+class RDMATransport(Transport):
+    """Moves bytes with one-sided RDMA READ/WRITE over pyverbs RC queue pairs; thread-safe.
+
+    ``device``: the RDMA device (default: the first one found); ``port``/``gid_index``: which
+    port and GID (default: port 1, its RoCE v2 GID). ``timeout_s`` bounds the handshake and
+    every wait for completions. ``staging_bytes``: the registered staging area for buffers not
+    registered with :meth:`register_buffer`. ``max_outstanding``: work requests in flight.
+    Raises TransportError where there is no RDMA (see :func:`unavailable_reason`).
+    """
+
+    scheme = "rdma"
+
+    def __init__(self, timeout_s: float = 10.0, *, device: str | None = None, port: int = 1,
+                 gid_index: int | None = None, staging_bytes: int = 32 * MiB,
+                 max_outstanding: int = 32, connect_timeout_s: float | None = None) -> None:
+        reason = unavailable_reason()
+        if reason:
+            raise TransportError(f"rdma transport unavailable: {reason}")
+        from kvpool.client.transport import verbs
+        self._verbs = verbs
+        self._timeout_s = timeout_s
+        self._connect_timeout_s = timeout_s if connect_timeout_s is None else connect_timeout_s
+        self._max_outstanding = max(1, max_outstanding)
+        self._dev = verbs.Device(device, port=port, gid_index=gid_index)
+        self._max_wr_bytes = min(self._dev.max_msg_bytes or 8 * MiB, 64 * MiB)
+        staging_bytes = max(staging_bytes, self._max_wr_bytes)
+        try:
+            self._stage_mm = mmap.mmap(-1, staging_bytes)
+            self._stage = memoryview(self._stage_mm)
+            self._stage_mr = self._dev.register(verbs.buffer_address(self._stage), staging_bytes,
+                                                verbs.LOCAL_ACCESS)
+        except BaseException:
+            self._dev.close()
+            raise
+        self._lock = threading.Lock()
+        self._links: dict[str, _Link] = {}
+        self._regs: list[_Registration] = []      # sorted by addr
+        self._closed = False
+        log.info("rdma_transport_opened", device=self._dev.name, gid=self._dev.gid,
+                 staging_bytes=staging_bytes)
+
+    @property
+    def device(self) -> str:
+        return self._dev.name
+
+    def can_reach(self, node: NodeEndpoints) -> bool:
+        return bool(node.rdma_gid) and bool(node.tcp_endpoint)
+
+    def read(self, ops: Sequence[IoOp]) -> list[TransportError | None]:
+        return self._run(ops, byte_views(ops, writable=True), write=False)
+
+    def write(self, ops: Sequence[IoOp]) -> list[TransportError | None]:
+        return self._run(ops, byte_views(ops, writable=False), write=True)
+
+    # ---------------------------------------------------------------- registered buffers
+
+    def register_buffer(self, buffer) -> None:
+        """Register ``buffer`` (bytearray, numpy array, CPU tensor, writable memoryview) so
+        that ops on it, or on any slice of it, move bytes in place. Pins its pages until
+        :meth:`unregister_buffer` or :meth:`close`. Registering the same memory twice is a no-op."""
+        view = byte_view(buffer, writable=True)
+        if view.nbytes == 0:
+            return
+        addr = self._verbs.buffer_address(view)
+        with self._lock:
+            self._check_open()
+            if any(r.addr == addr and r.length == view.nbytes for r in self._regs):
+                return
+            try:
+                mr = self._dev.register(addr, view.nbytes, self._verbs.LOCAL_ACCESS)
+            except Exception as exc:
+                raise TransportError(f"registering {view.nbytes} bytes failed: {exc}") from exc
+            reg = _Registration(addr, view.nbytes, mr, view)
+            self._regs.insert(bisect.bisect([r.addr for r in self._regs], addr), reg)
+
+    def unregister_buffer(self, buffer) -> None:
+        """Undo :meth:`register_buffer` (a no-op for memory that is not registered)."""
+        view = byte_view(buffer, writable=True)
+        if view.nbytes == 0:
+            return
+        addr = self._verbs.buffer_address(view)
+        with self._lock:
+            for reg in [r for r in self._regs if r.addr == addr and r.length == view.nbytes]:
+                self._regs.remove(reg)
+                reg.mr.close()
+                reg.view.release()
+
+    def _registration(self, addr: int, length: int) -> _Registration | None:
+        for reg in self._regs:   # a handful of large buffers: a scan is fine
+            if reg.addr <= addr and addr + length <= reg.addr + reg.length:
+                return reg
+        return None
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            links, self._links = self._links, {}
+            regs, self._regs = self._regs, []
+        for link in links.values():
+            link.close()
+        for reg in regs:
+            reg.mr.close()
+            reg.view.release()
+        self._stage_mr.close()
+        self._dev.close()
+        self._stage.release()
+        self._stage_mm.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientClosed("transport is closed")
+
+    # ---------------------------------------------------------------- batching
+
+    def _run(self, ops: Sequence[IoOp], views: list[memoryview], *, write: bool
+             ) -> list[TransportError | None]:
+        results: list[TransportError | None] = [None] * len(ops)
+        with self._lock:
+            self._check_open()
+            for endpoint, indexes in group_by(ops, lambda o: o.replica.node.tcp_endpoint).items():
+                node = ops[indexes[0]].replica.node
+                if not self.can_reach(node):
+                    for i in indexes:
+                        results[i] = TransportError(f"node {node.node_id!r} offers no rdma")
+                    continue
+                pieces: list[_Piece] = []
+                for i in indexes:
+                    refusal = _local_refusal(ops[i])
+                    if refusal is not None:
+                        results[i] = refusal
+                    else:
+                        pieces += self._split(i, ops[i], views[i])
+                if pieces:
+                    self._run_node(endpoint, pieces, views, write, results)
+        return results
+
+    def _split(self, i: int, op: IoOp, view: memoryview) -> list[_Piece]:
+        replica = op.replica
+        length = replica.extent.length
+        if length == 0:
+            return []
+        base = self._verbs.buffer_address(view)
+        reg = self._registration(base, length)
+        pieces = []
+        for start in range(0, length, self._max_wr_bytes):
+            n = min(self._max_wr_bytes, length - start)
+            piece = _Piece(i, start, n, replica.rdma_addr + replica.extent.offset + start,
+                           replica.rdma_rkey)
+            if reg is not None:
+                piece.local_addr, piece.lkey = base + start, reg.mr.lkey
+            pieces.append(piece)
+        return pieces
+
+    def _run_node(self, endpoint: str, pieces: list[_Piece], views: list[memoryview],
+                  write: bool, results: list) -> None:
+        """Run one node's pieces, re-creating a broken queue pair once; fills ``results``."""
+        rebuilds_left = 1
+        while pieces:
+            try:
+                link = self._link(endpoint)
+            except TransportError as exc:
+                _fail(pieces, results, exc)
+                return
+            outcome = self._execute(link, pieces, views, write)
+            for i, err in outcome.refused.items():
+                results[i] = err
+            pieces = [p for p in outcome.unfinished if p.op not in outcome.refused]
+            if outcome.broken:
+                self._drop(link, outcome.broken)
+            if not pieces:
+                return
+            if outcome.fatal is not None:
+                _fail(pieces, results, outcome.fatal)
+                return
+            if outcome.broken and not outcome.refused:
+                # Broken by no fault of a descriptor: re-create once, then the node is out.
+                if rebuilds_left == 0:
+                    _fail(pieces, results, TransportError(
+                        f"rdma {endpoint}: queue pair failed again ({outcome.broken}); "
+                        "treating the node as unavailable"))
+                    return
+                rebuilds_left -= 1
+
+    def _execute(self, link: _Link, pieces: list[_Piece], views: list[memoryview],
+                 write: bool) -> _Outcome:
+        """Post ``pieces`` in waves bounded by ``max_outstanding`` and the staging area."""
+        v = self._verbs
+        out = _Outcome()
+        opcode = v.RDMA_WRITE if write else v.RDMA_READ
+        stage_size = len(self._stage)
+        next_piece = 0
+        while next_piece < len(pieces):
+            wave: list[_Piece] = []
+            staged = 0
+            while next_piece < len(pieces) and len(wave) < self._max_outstanding:
+                p = pieces[next_piece]
+                if not p.lkey:
+                    if wave and staged + p.length > stage_size:
+                        break
+                    p.stage = staged
+                    staged += -(-p.length // _STAGE_ALIGN) * _STAGE_ALIGN
+                wave.append(p)
+                next_piece += 1
+            stage_base = v.buffer_address(self._stage)
+            posted = 0
+            try:
+                for k, p in enumerate(wave):
+                    if p.lkey:
+                        local, lkey = p.local_addr, p.lkey
+                    else:
+                        if write:
+                            self._stage[p.stage:p.stage + p.length] = \
+                                views[p.op][p.start:p.start + p.length]
+                        local, lkey = stage_base + p.stage, self._stage_mr.lkey
+                    v.post_rdma(link.qp, k, opcode, local, p.length, lkey, p.remote_addr, p.rkey)
+                    posted += 1
+            except Exception as exc:  # noqa: BLE001 - pyverbs raises its own error types
+                out.broken = f"post failed: {exc}"
+            statuses, fatal = self._wait(link, posted)
+            if fatal is not None:
+                out.broken, out.fatal = str(fatal), fatal
+                out.unfinished = wave + pieces[next_piece:]
+                return out
+            failed = False
+            for k, p in enumerate(wave):
+                status = statuses[k] if k < posted else v.FLUSHED
+                if status == v.SUCCESS:
+                    if not write and not p.lkey:
+                        views[p.op][p.start:p.start + p.length] = \
+                            self._stage[p.stage:p.stage + p.length]
+                    continue
+                failed = True
+                out.unfinished.append(p)
+                if status in v.REMOTE_REFUSALS:
+                    out.refused[p.op] = SegmentBoundsError(
+                        f"rdma {link.endpoint}: the node's device refused "
+                        f"[{p.remote_addr:#x}, +{p.length}) with rkey {p.rkey:#x} "
+                        f"(wc status {status})")
+                elif status != v.FLUSHED:
+                    out.broken = out.broken or f"work completion status {status}"
+            if failed or out.broken:
+                out.broken = out.broken or "queue pair in error"
+                out.unfinished += pieces[next_piece:]
+                return out
+        return out
+
+    def _wait(self, link: _Link, n: int) -> tuple[dict[int, int], TransportError | None]:
+        """Poll ``n`` completions: {wr_id: status}, or the reason to give up on the node."""
+        statuses: dict[int, int] = {}
+        deadline = time.monotonic() + self._timeout_s
+        next_check = time.monotonic() + _LIVENESS_EVERY_S
+        empty = 0
+        while len(statuses) < n:
+            got, wcs = link.cq.poll(num_entries=16)
+            for wc in wcs[:got]:
+                statuses[wc.wr_id] = wc.status
+            if got:
+                empty = 0
+                continue
+            empty += 1
+            if empty > _SPINS_BEFORE_SLEEP:
+                time.sleep(_POLL_SLEEP_S)
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + _LIVENESS_EVERY_S
+                if not link.alive():
+                    return statuses, TransportError(f"rdma {link.endpoint}: node hung up")
+                if now > deadline:
+                    return statuses, TransportError(
+                        f"rdma {link.endpoint}: timed out after {self._timeout_s:g}s waiting "
+                        f"for {n - len(statuses)} of {n} completions")
+        return statuses, None
+
+    # ---------------------------------------------------------------- queue pairs
+
+    def _link(self, endpoint: str) -> _Link:
+        link = self._links.get(endpoint)
+        if link is not None:
+            if link.alive():
+                return link
+            self._drop(link, "node hung up")
+        link = self._connect(endpoint)
+        self._links[endpoint] = link
+        return link
+
+    def _drop(self, link: _Link, reason: str) -> None:
+        if self._links.get(link.endpoint) is link:
+            del self._links[link.endpoint]
+        log.info("rdma_queue_pair_dropped", endpoint=link.endpoint, reason=reason)
+        link.close()
+
+    def _connect(self, endpoint: str) -> _Link:
+        """The CONNECT_QP handshake over the node's tcp data port."""
+        host, sep, port = endpoint.rpartition(":")
+        if not sep or not port.isdigit():
+            raise TransportError(f"malformed tcp endpoint {endpoint!r}")
+        qp = cq = sock = None
+        try:
+            sock = socket.create_connection((host.strip("[]"), int(port)),
+                                            timeout=self._connect_timeout_s)
+            sock.settimeout(self._timeout_s)
+            qp, cq = self._dev.create_qp(self._max_outstanding)
+            local = self._dev.local_info(qp)
+            sock.sendall(encode_request(Op.CONNECT_QP, "", 0, QP_INFO.size)
+                         + encode_qp_info(local.qp_num, local.psn, local.gid, local.mtu))
+            status, length = RESPONSE.unpack(_recv_exact(sock, RESPONSE.size))
+            if status != FrameStatus.OK:
+                if length > MAX_ERROR_BYTES:
+                    raise TransportError(f"malformed reply: status {status}, {length} bytes")
+                message = _recv_exact(sock, length).decode("utf-8", "replace")
+                raise TransportError(f"node refused the queue pair: {message}")
+            if length != QP_INFO.size:
+                raise TransportError(f"malformed reply: {length}-byte QP info")
+            try:
+                remote = self._verbs.QPInfo(*decode_qp_info(_recv_exact(sock, length)))
+            except ValueError as exc:
+                raise TransportError(f"malformed reply: {exc}") from None
+            self._dev.connect(qp, local, remote)
+        except Exception as exc:
+            for resource in (qp, cq, sock):
+                if resource is not None:
+                    resource.close()
+            if isinstance(exc, KVPoolError):
+                raise TransportError(f"rdma {endpoint}: {exc}") from None
+            if isinstance(exc, TimeoutError):
+                raise TransportError(f"rdma {endpoint}: handshake timed out") from None
+            if isinstance(exc, OSError):
+                raise TransportError(f"rdma {endpoint}: {exc.strerror or exc}") from None
+            raise TransportError(f"rdma {endpoint}: queue pair setup failed: {exc}") from exc
+        log.debug("rdma_queue_pair_connected", endpoint=endpoint, qp_num=local.qp_num,
+                  remote_qp_num=remote.qp_num)
+        return _Link(endpoint, sock, qp, cq)
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    while got < size:
+        n = sock.recv_into(view[got:], size - got)
+        if n == 0:
+            raise TransportError("node closed the connection")
+        got += n
+    return bytes(buf)
+
+
+def _local_refusal(op: IoOp) -> SegmentBoundsError | None:
+    """Descriptors that address nothing RDMA can reach: refused without posting."""
+    replica, extent = op.replica, op.replica.extent
+    if not replica.rdma_rkey:
+        return SegmentBoundsError(f"segment {extent.segment_id!r} is not registered for rdma "
+                                  f"on node {replica.node.node_id!r}")
+    if (extent.offset < 0 or extent.length < 0 or extent.end > replica.rdma_length
+            or replica.rdma_addr + extent.end >= _U64):
+        return SegmentBoundsError(f"[{extent.offset}, {extent.end}) is outside segment "
+                                  f"{extent.segment_id!r} of {replica.rdma_length} bytes")
+    return None
+
+
+def _fail(pieces: list[_Piece], results: list, error: TransportError) -> None:
+    for p in pieces:
+        if results[p.op] is None:
+            results[p.op] = TransportError(str(error))

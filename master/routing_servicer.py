@@ -1,0 +1,122 @@
+"""The Router gRPC service, hosted by the master process: registration, KV events, Route.
+
+Thin like the Master servicer: protobuf <-> RoutingIndex calls, errors -> gRPC status. It runs
+on the master's one asyncio loop, so the index and the object index need no locks.
+"""
+
+from __future__ import annotations
+
+import grpc
+from kvpool.common.errors import InvalidArgument
+from kvpool.common.hashing import SPEC_NAME, HashSpec, block_key
+from kvpool.common.logging import get_logger
+from kvpool.master.routing import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Candidate,
+    KVEvent,
+    RouteQuery,
+    RoutingIndex,
+    RoutingPolicy,
+    StoreLookup,
+    make_policy,
+    tier_of_medium,
+)
+from kvpool.master.state import MasterState
+from kvpool.protos.kvpool.v1 import routing_pb2 as pb
+from kvpool.protos.kvpool.v1 import routing_pb2_grpc
+
+log = get_logger(__name__)
+_MAX_BLOCKS = 65536
+
+
+def store_lookup(state: MasterState) -> StoreLookup:
+    """The store tier of the routing index: whether the object index holds each block."""
+    return lambda hashes: state.exists([block_key(h) for h in hashes])
+
+
+def events_from_pb(batch: pb.KVEventBatch) -> list[KVEvent]:
+    out: list[KVEvent] = []
+    for ev in batch.events:
+        kind = ev.WhichOneof("event")
+        if kind == "stored":
+            out.append(BlockStored(tuple(ev.stored.block_hashes), tier_of_medium(ev.stored.medium)))
+        elif kind == "removed":
+            out.append(BlockRemoved(tuple(ev.removed.block_hashes),
+                                    tier_of_medium(ev.removed.medium)))
+        elif kind == "cleared":
+            out.append(AllBlocksCleared())
+    return out
+
+
+class RouterServicer(routing_pb2_grpc.RouterServicer):
+    """``spec``: the cluster's hash spec; None lets the first registering client fix it."""
+
+    def __init__(self, index: RoutingIndex, spec: HashSpec | None = None, seed: int = 0):
+        self.index = index
+        self.spec = spec
+        self._policies: dict[str, RoutingPolicy] = {}   # stateful ones (round robin) persist
+        self._seed = seed
+
+    async def RegisterClient(self, request, context):
+        name, size = request.spec.name or SPEC_NAME, request.spec.block_size
+        if self.spec is None:
+            try:
+                self.spec = HashSpec(size, name=name)
+            except InvalidArgument as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            log.info("hash_spec_fixed", spec=name, block_size=size, client=request.client_id)
+        elif (name, size) != (self.spec.name, self.spec.block_size):
+            log.warning("client_refused", client=request.client_id, spec=name, block_size=size)
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"hash spec mismatch: this cluster hashes {self.spec.block_size}-token blocks "
+                f"with {self.spec.name}; the client uses {size}-token blocks with {name}. Its "
+                f"keys could never match the cluster's: configure the engine's block size to "
+                f"{self.spec.block_size}")
+        return pb.RegisterClientResponse(cluster_spec=pb.HashSpec(
+            name=self.spec.name, block_size=self.spec.block_size))
+
+    async def PublishKVEvents(self, request_iterator, context):
+        batches = events = 0
+        async for batch in request_iterator:
+            try:
+                events += self.index.apply(batch.instance_id, events_from_pb(batch))
+            except InvalidArgument as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            batches += 1
+        return pb.PublishKVEventsResponse(batches=batches, events=events)
+
+    async def Route(self, request, context):
+        try:
+            query = self._query(request)
+            candidates = [Candidate(c.instance_id, c.queue_depth, c.inflight_prefill_tokens)
+                          for c in request.candidates] or None
+            decision = self.index.route(query, candidates, self._policy(request.policy))
+        except InvalidArgument as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.RouteResponse(
+            instance_id=decision.instance_id, policy=decision.policy, blocks=len(query.hashes),
+            estimated_ttft_s=decision.estimated_ttft_s,
+            hits=[pb.TierHits(tier=t, blocks=b) for t, b in decision.hit_blocks.items()])
+
+    def _policy(self, name: str) -> RoutingPolicy:
+        policy = make_policy(name, self._seed)
+        return self._policies.setdefault(policy.name, policy)
+
+    def _query(self, request: pb.RouteRequest) -> RouteQuery:
+        if request.token_ids and request.block_hashes:
+            raise InvalidArgument("give token_ids or block_hashes, not both")
+        if self.spec is None:
+            raise InvalidArgument("no client has registered a hash spec yet: call "
+                                  "RegisterClient first")
+        size = self.spec.block_size
+        if request.token_ids:
+            spec = HashSpec(size, tuple((k.name, k.value) for k in request.extra_keys))
+            hashes = tuple(spec.hashes(request.token_ids))
+            return RouteQuery(hashes, len(request.token_ids), size)
+        if len(request.block_hashes) > _MAX_BLOCKS:
+            raise InvalidArgument(f"{len(request.block_hashes)} blocks; the limit is {_MAX_BLOCKS}")
+        hashes = tuple(request.block_hashes)
+        return RouteQuery(hashes, request.prompt_tokens or len(hashes) * size, size)

@@ -1,0 +1,140 @@
+"""``kvpool bench`` end to end on a tiny workload: the JSON it writes (not the speed), and that
+everything it starts -- a local cluster, the raw tcp peer, redis-server -- is gone afterwards,
+whether it finished, failed, or was interrupted."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from kvpool.tools.bench_peers import RawTCPPeer, RedisPeer
+from kvpool.tools.bench_report import RATIO_DEFINITIONS, validate_report
+
+# A tiny version of every workload: seconds, not minutes.
+TINY = ["--quick", "--sizes", "4KiB", "--single-calls", "2", "--prompt-blocks", "4",
+        "--block-size", "64KiB", "--small-blocks", "8", "--small-size", "4KiB",
+        "--master-objects", "2000", "--master-batch", "500"]
+MARK = "KVPOOL_BENCH_TEST_MARK"
+needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None,
+                                 reason="redis-server is not installed (apt-get install "
+                                        "redis-server; .ci/run installs it)")
+
+
+def processes_marked(mark: str) -> list[int]:
+    """Live processes whose environment carries ``MARK=mark`` (children inherit it)."""
+    found = []
+    needle = f"{MARK}={mark}".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes()
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle in env.split(b"\0") and state != "Z":
+            found.append(int(pid))
+    return found
+
+
+def wait_until_none(mark: str, timeout_s: float = 15.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while (left := processes_marked(mark)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def bench(*args: str, mark: str, **kw) -> subprocess.Popen:
+    env = dict(os.environ, **{MARK: mark})
+    return subprocess.Popen([sys.executable, "-m", "kvpool", "bench", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+@pytest.mark.slow
+def test_quick_smoke_run_writes_a_valid_report(tmp_path):
+    mark = uuid.uuid4().hex
+    out = tmp_path / "bench.json"
+    proc = bench(*TINY, "--json", str(out), "--peers", "mooncake", mark=mark)
+    stdout, stderr = proc.communicate(timeout=170)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "Traceback" not in stderr
+    report = json.loads(out.read_text())
+    assert validate_report(report) == []
+    ratios = report["ratios"]
+    for name, _, _ in RATIO_DEFINITIONS:
+        redis_side = name.endswith("_vs_redis")
+        if redis_side and "redis" in report["skipped"]:
+            assert ratios[name] is None
+        else:
+            assert isinstance(ratios[name], float) and ratios[name] > 0, name
+    master = ratios["master"]
+    assert master["put_objects_per_s"] > 0 and master["lookup_objects_per_s"] > 0
+    assert master["bytes_per_object"] is not None
+    assert "mooncake" in report["skipped"]
+    assert {"shm_get_vs_memcpy", "master.bytes_per_object"} <= {t["name"] for t in
+                                                                 report["targets"]}
+    assert "target" in stdout and "shm_get_vs_memcpy" in stdout
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["bench_batches.png",
+                                                              "bench_single.png"]
+    assert wait_until_none(mark) == []
+
+
+@pytest.mark.slow
+def test_interrupted_run_stops_everything_it_started(tmp_path):
+    mark = uuid.uuid4().hex
+    proc = bench(*TINY, "--single-calls", "50", mark=mark)
+    try:
+        # Interrupt once the local cluster is serving kvpool workloads.
+        for line in proc.stderr:
+            if "kvpool shm:" in line:
+                break
+        else:
+            pytest.fail(f"the bench ended before its kvpool stage (rc {proc.wait()})")
+        assert processes_marked(mark), "the cluster should be running now"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+    assert wait_until_none(mark) == []
+
+
+def test_unreachable_master_fails_cleanly_and_stops_the_baselines():
+    mark = uuid.uuid4().hex
+    proc = bench(*TINY, "--master", "127.0.0.1:1", "--no-redis", mark=mark)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "kvpool bench: error:" in stderr and "Traceback" not in stderr
+    assert wait_until_none(mark) == []
+
+
+@needs_redis
+def test_redis_peer_stops_its_server():
+    with RedisPeer() as redis:
+        pid, port = redis.proc.pid, redis.port
+        redis.put(["a"], [memoryview(b"value")])
+        assert redis.get(["a"]) == [b"value"]
+    assert redis.proc.poll() is not None, "redis-server still running"
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    assert not Path(f"/proc/{pid}").exists() or \
+        Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_raw_tcp_peer_moves_bytes_and_stops():
+    rows = [memoryview(bytes([i]) * 4096) for i in range(4)]
+    out = [memoryview(bytearray(4096)) for _ in range(4)]
+    with RawTCPPeer() as peer:
+        peer.put(rows)
+        peer.get(out)
+        proc = peer.proc
+    assert proc.poll() is not None
+    assert all(len(o) == 4096 for o in out)

@@ -1,0 +1,112 @@
+"""A real cluster over RDMA: nodes register their segments, clients put and get one-sided.
+
+Runs for real in the soft-RoCE VM (``bash tools/softroce/test.sh``); skips elsewhere.
+The node-killing test comes last: the cluster fixture is shared by the module.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kvpool.client import KVClient
+from kvpool.common.errors import KVPoolError
+
+pytestmark = pytest.mark.rdma
+MiB = 1 << 20
+WORKLOAD = Path(__file__).with_name("rdma_workload.py")
+
+
+def value(seed: int, i: int, size: int) -> np.ndarray:
+    return np.frombuffer(np.random.default_rng([seed, i]).bytes(size), dtype=np.uint8)
+
+
+def test_nodes_offer_rdma_and_stat_says_so(cluster):
+    with KVClient(master=cluster.master) as kv:
+        stats = kv.stats()
+        assert kv.transports == ["shm", "rdma", "tcp"]
+    assert len(stats.segments) == 2
+    for g in stats.segments:
+        assert g.segment.rdma_rkey != 0 and g.node.rdma_device and g.node.rdma_gid
+    out = subprocess.run([sys.executable, "-m", "kvpool", "stat", "--master", cluster.master],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("rdma rxe0") == 2, out.stdout
+
+
+def test_two_processes_put_and_get_256_mib_byte_for_byte(cluster, report_figure):
+    seed, size = 256, 4 * MiB
+    n = 256 * MiB // size
+    writer = subprocess.run([sys.executable, str(WORKLOAD), "put", cluster.master, str(seed),
+                             str(n), str(size)], capture_output=True, text=True, timeout=600,
+                            check=False)
+    assert writer.returncode == 0, writer.stdout + writer.stderr
+    assert f"put ok={n} bad=0" in writer.stdout
+    report_figure("put 256 MiB over rdma, registered buffer (writer process)",
+                  float(writer.stdout.split("MiB/s=")[1].split()[0]), "MiB/s")
+    keys = [f"rdma-{seed}-{i}" for i in range(n)]
+    with KVClient(master=cluster.master, transports=["rdma"]) as kv:
+        arena = np.empty(16 * size, dtype=np.uint8)
+        kv.register_buffer(arena)           # zero-copy: the READs land in place
+        busy_s = 0.0
+        for lo in range(0, n // 2, 16):
+            slots = [arena[k * size:(k + 1) * size] for k in range(16)]
+            start = time.monotonic()
+            assert kv.batch_get_into(keys[lo:lo + 16], slots) == [size] * 16
+            busy_s += time.monotonic() - start
+            for k, slot in enumerate(slots):
+                assert np.array_equal(slot, value(seed, lo + k, size)), keys[lo + k]
+        report_figure("get 128 MiB over rdma into a registered buffer", 128 / busy_s, "MiB/s")
+        busy_s = 0.0
+        for lo in range(n // 2, n, 16):     # unregistered memory: through the staging area
+            start = time.monotonic()
+            got = kv.batch_get(keys[lo:lo + 16])
+            busy_s += time.monotonic() - start
+            for k, data in enumerate(got):
+                assert data == value(seed, lo + k, size).tobytes(), keys[lo + k]
+        report_figure("get 128 MiB over rdma as bytes (staged)", 128 / busy_s, "MiB/s")
+
+
+def test_put_and_get_through_kvclient_with_staging_and_tensors_of_any_layout(cluster):
+    with KVClient(master=cluster.master, transports=["rdma"]) as kv:
+        values = [np.arange(1000 * (i + 1), dtype=np.float32) for i in range(5)]
+        keys = [f"staged-{i}" for i in range(5)]
+        assert kv.batch_put(keys, values) == [None] * 5
+        outs = [np.empty_like(v) for v in values]
+        assert kv.batch_get_into(keys, outs) == [v.nbytes for v in values]
+        for v, o in zip(values, outs):
+            np.testing.assert_array_equal(v, o)
+        assert kv.get(keys[0]) == values[0].tobytes()
+
+
+def test_node_killed_mid_read_never_hangs_nor_returns_wrong_bytes(cluster):
+    """Every object has a replica on each node; node0 is SIGKILLed during a batch read."""
+    size, n = 4 * MiB, 16
+    keys = [f"two-copies-{i}" for i in range(n)]
+    with KVClient(master=cluster.master, transports=["rdma"], timeout_s=20.0) as kv:
+        assert kv.batch_put(keys, [value(7, i, size) for i in range(n)], replicas=2) \
+            == [None] * n
+        outs = [np.zeros(size, dtype=np.uint8) for _ in range(n)]
+        node0 = cluster.nodes[0]
+        killer = threading.Timer(0.5, node0.kill)
+        killer.start()
+        start = time.monotonic()
+        results = kv.batch_get_into(keys, outs)
+        elapsed = time.monotonic() - start
+        killer.join()
+        assert not node0.alive()
+        assert elapsed < 60.0
+        for i, (r, out) in enumerate(zip(results, outs)):
+            # the read falls back to node1's replica; an error must be typed, never wrong bytes
+            assert r == size or isinstance(r, KVPoolError), r
+            if r == size:
+                assert np.array_equal(out, value(7, i, size)), keys[i]
+        # and a later read is served by the replica on the surviving node
+        later = np.zeros(size, dtype=np.uint8)
+        assert kv.get_into(keys[0], later) == size
+        assert np.array_equal(later, value(7, 0, size))

@@ -1,0 +1,53 @@
+"""shm copies a run of adjacent ops (extents back to back in a segment, buffers back to back in
+memory) as one memcpy: the bytes must land exactly as if copied op by op."""
+
+from __future__ import annotations
+
+import numpy as np
+from kvpool.client.transport.base import IoOp
+from kvpool.client.transport.shm import SHMTransport
+from kvpool.common.errors import SegmentBoundsError
+
+BLOCK = 4096
+
+
+def test_adjacent_and_scattered_ops_move_the_right_bytes(node):
+    transport = SHMTransport()
+    try:
+        rng = np.random.default_rng(7)
+        src = rng.integers(0, 256, size=(8, BLOCK), dtype=np.uint8)
+        # Blocks 0-3 back to back (one run), then 4-7 at scattered offsets, out of order.
+        offsets = [0, BLOCK, 2 * BLOCK, 3 * BLOCK, 9 * BLOCK, 5 * BLOCK, 7 * BLOCK, 20 * BLOCK]
+        replicas = [node.replica(0, off, BLOCK) for off in offsets]
+        assert transport.write([IoOp(r, memoryview(row)) for r, row in zip(replicas, src)]) \
+            == [None] * 8
+        dst = np.zeros_like(src)                       # rows back to back: one buffer
+        assert transport.read([IoOp(r, memoryview(row)) for r, row in zip(replicas, dst)]) \
+            == [None] * 8
+        assert np.array_equal(dst, src)
+        # Extents back to back but buffers not: must not be merged.
+        apart = [bytearray(BLOCK) for _ in range(4)]
+        assert transport.read([IoOp(r, memoryview(b)) for r, b in zip(replicas[:4], apart)]) \
+            == [None] * 4
+        assert [bytes(b) for b in apart] == [row.tobytes() for row in src[:4]]
+        # Buffers back to back but extents in reverse order: must not be merged either.
+        rev = np.zeros((2, BLOCK), dtype=np.uint8)
+        assert transport.read([IoOp(replicas[1], memoryview(rev[0])),
+                               IoOp(replicas[0], memoryview(rev[1]))]) == [None, None]
+        assert np.array_equal(rev, src[[1, 0]])
+    finally:
+        transport.close()
+
+
+def test_a_refused_op_inside_a_run_fails_alone(node):
+    transport = SHMTransport()
+    try:
+        dst = np.zeros((3, BLOCK), dtype=np.uint8)
+        size = node.segments[0].size_bytes
+        replicas = [node.replica(0, 0, BLOCK), node.replica(0, size, BLOCK),
+                    node.replica(0, 2 * BLOCK, BLOCK)]
+        result = transport.read([IoOp(r, memoryview(row)) for r, row in zip(replicas, dst)])
+        assert result[0] is None and result[2] is None
+        assert isinstance(result[1], SegmentBoundsError)
+    finally:
+        transport.close()

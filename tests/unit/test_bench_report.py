@@ -1,0 +1,123 @@
+"""The benchmark's arithmetic and JSON schema: medians, percentiles, ratios, targets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from kvpool.tools.bench_report import (
+    MASTER_FIGURES,
+    RATIO_DEFINITIONS,
+    SCHEMA,
+    Figure,
+    build_report,
+    check_targets,
+    compute_ratios,
+    format_table,
+    summarize,
+    validate_report,
+)
+
+MIB = 1 << 20
+
+
+def fig(system: str, transport: str, workload: str, op: str, gbps: float) -> Figure:
+    return Figure(system, transport, workload, op, 2 * MIB, 256, gbps, gbps * 1e9 / (2 * MIB),
+                  1.0, 2.0, 3, 3)
+
+
+def all_figures(kvpool_gbps: float = 8.0) -> list[Figure]:
+    return [fig("memcpy", "-", "prompt", "copy", 10.0), fig("memcpy", "-", "small", "copy", 10.0),
+            fig("raw_tcp", "tcp", "prompt", "get", 2.0), fig("raw_tcp", "tcp", "prompt", "put", 2.0),
+            fig("redis", "tcp", "prompt", "get", 0.5), fig("redis", "tcp", "prompt", "put", 0.4),
+            fig("kvpool", "shm", "prompt", "get", kvpool_gbps),
+            fig("kvpool", "shm", "prompt", "put", 6.0),
+            fig("kvpool", "tcp", "prompt", "get", 1.5), fig("kvpool", "tcp", "prompt", "put", 1.0),
+            fig("kvpool", "shm", "small", "get", 4.0)]
+
+
+MASTER = {"objects": 1000, "batch": 256, "value_bytes": 64, "put_objects_per_s": 30000,
+          "lookup_objects_per_s": 40000, "bytes_per_object": 450.0}
+
+
+def test_summarize_takes_the_median_of_repeat_rates():
+    # Three repeats of two 1 MiB calls: rates 2/0.2, 2/0.4, 2/2.0 calls/s -> median 5 calls/s.
+    f = summarize("kvpool", "shm", "single", "get", MIB, 1, [[0.1, 0.1], [0.2, 0.2], [1.0, 1.0]])
+    assert f.objects_per_s == pytest.approx(5.0)
+    assert f.gbps == pytest.approx(5.0 * MIB / 1e9)
+    assert (f.repeats, f.calls) == (3, 6)
+    assert f.p50_ms == pytest.approx(200.0) and f.p99_ms == pytest.approx(1000.0)
+
+
+def test_summarize_counts_objects_per_call():
+    f = summarize("kvpool", "tcp", "prompt", "put", 2 * MIB, 256, [[0.5], [0.25], [1.0]])
+    assert f.objects_per_s == pytest.approx(512.0)
+    assert f.gbps == pytest.approx(2.0 * 256 * 2 * MIB / 1e9)
+
+
+def test_summarize_refuses_an_empty_repeat():
+    with pytest.raises(ValueError):
+        summarize("kvpool", "shm", "single", "get", 1, 1, [[0.1], []])
+
+
+def test_ratios_divide_the_named_figures():
+    r = compute_ratios(all_figures(), MASTER)
+    assert r["shm_get_vs_memcpy"] == pytest.approx(0.8)
+    assert r["shm_put_vs_memcpy"] == pytest.approx(0.6)
+    assert r["tcp_get_vs_raw_tcp"] == pytest.approx(0.75)
+    assert r["tcp_put_vs_raw_tcp"] == pytest.approx(0.5)
+    assert r["tcp_get_vs_redis"] == pytest.approx(3.0)
+    assert r["small_shm_get_vs_memcpy"] == pytest.approx(0.4)
+    assert r["master"] == {k: MASTER[k] for k in MASTER_FIGURES}
+
+
+def test_a_ratio_with_a_side_missing_is_none():
+    figures = [f for f in all_figures() if f.system != "redis"]
+    r = compute_ratios(figures, None)
+    assert r["tcp_get_vs_redis"] is None and r["tcp_put_vs_redis"] is None
+    assert r["shm_get_vs_memcpy"] == pytest.approx(0.8)
+    assert r["master"] == {k: None for k in MASTER_FIGURES}
+
+
+def test_targets_hold_fail_or_are_unmeasured():
+    ratios = compute_ratios(all_figures(kvpool_gbps=7.9), MASTER)
+    met = {t["name"]: t["met"] for t in check_targets(ratios)}
+    assert met["shm_get_vs_memcpy"] is False          # 0.79 < 0.8
+    assert met["shm_put_vs_memcpy"] is True            # 0.6 >= 0.6
+    assert met["master.lookup_objects_per_s"] is False
+    assert met["master.bytes_per_object"] is True      # 450 <= 500
+    ratios["master"]["bytes_per_object"] = None
+    assert {t["name"]: t["met"] for t in check_targets(ratios)}["master.bytes_per_object"] is None
+
+
+def test_report_schema_and_json_round_trip():
+    report = build_report(all_figures(), MASTER, config={"quick": True},
+                          environment={"cpus": 2}, skipped={"mooncake": "not installed"})
+    assert validate_report(report) == []
+    again = json.loads(json.dumps(report))
+    assert validate_report(again) == []
+    assert again["schema"] == SCHEMA
+    assert {name for name, _, _ in RATIO_DEFINITIONS} <= set(again["ratios"])
+
+
+@pytest.mark.parametrize("breakage, problem", [
+    (lambda r: r.pop("ratios"), "missing 'ratios'"),
+    (lambda r: r["ratios"].pop("tcp_get_vs_redis"), "lacks 'tcp_get_vs_redis'"),
+    (lambda r: r["ratios"]["master"].pop("bytes_per_object"), "ratios['master']"),
+    (lambda r: r["results"][0].pop("gbps"), "results[0]"),
+    (lambda r: r.update(schema="other/9"), "schema is"),
+])
+def test_validate_report_names_what_is_wrong(breakage, problem):
+    report = json.loads(json.dumps(build_report(all_figures(), MASTER, config={},
+                                                environment={}, skipped={})))
+    breakage(report)
+    assert any(problem in p for p in validate_report(report))
+
+
+def test_table_shows_figures_targets_and_skips():
+    report = build_report(all_figures(), MASTER, config={}, environment={},
+                          skipped={"redis": "redis-server is not installed"})
+    text = format_table(report)
+    assert "shm_get_vs_memcpy" in text and ">= 0.8" in text
+    assert "skipped redis: redis-server is not installed" in text
+    assert "450 bytes/object" in text

@@ -1,0 +1,106 @@
+"""``kvpool bench``: kvpool's throughput and latency beside the physical limits and Redis.
+
+One run measures, on the same bytes and this machine:
+
+- kvpool put / get per transport (shm, tcp; rdma where a device exists) for single values
+  (64 KiB, 1 MiB, 4 MiB), a prompt batch (256 x 2 MiB: a 4K-token Llama-3-8B prompt) and a
+  small batch (512 x 64 KiB), with the client (this process) and the store node in different
+  processes;
+- the baselines: numpy memcpy into a preallocated buffer, raw loopback TCP between two
+  processes, and Redis (a private redis-server, persistence off, pipelined redis-py + hiredis);
+- the master: batched put (PutStart + PutEnd) and lookup (GetReplicas) objects/s, and its
+  memory per indexed object (RSS growth over ``--master-objects``).
+
+Every figure is the median of ``--repeats`` repeats. It prints a table with the ratios and the
+targets, and writes ``--json FILE`` and PNG plots. Everything it starts (a local cluster, the raw
+tcp peer, redis-server) is stopped when it ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+QUICK = {"repeats": 3, "single_calls": 8, "master_objects": 1_000_000, "master_lookups": 100_000}
+FULL = {"repeats": 5, "single_calls": 32, "master_objects": 1_000_000, "master_lookups": 300_000}
+DEFAULT_SIZES = "64KiB,1MiB,4MiB"
+
+
+def _sizes(text: str) -> list[int]:
+    from kvpool.tools.cli import _size
+    return [_size(part) for part in text.split(",") if part.strip()]
+
+
+def _positive(text: str) -> int:
+    from kvpool.tools.cli import _count
+    return _count(text)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``kvpool bench`` on the CLI's subparsers."""
+    b = subparsers.add_parser(
+        "bench", help="measure put/get throughput and latency against memcpy, raw TCP and Redis",
+        description=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Examples:\n  kvpool bench --quick --json bench.json   (under 5 minutes)\n"
+               "  kvpool bench --json bench.json --plots plots/\n"
+               "  kvpool bench --master HOST:PORT --no-master-bench   (an existing cluster)")
+    b.add_argument("--master", metavar="HOST:PORT", help="bench an existing cluster instead of "
+                   "starting a local one (its master's memory is then not measured)")
+    b.add_argument("--quick", action="store_true", help="3 repeats, 8 calls per single-value "
+                   "figure, 100k master lookups: under 5 minutes on a 2-core machine")
+    b.add_argument("--json", metavar="FILE", help="write every figure, ratio and target as JSON")
+    b.add_argument("--plots", metavar="DIR", help="write PNG plots here (default: beside --json)")
+    b.add_argument("--transports", default="shm,tcp,rdma", metavar="LIST",
+                   help="kvpool transports to bench; one that cannot run here (rdma without a "
+                        "device) is reported as skipped (default: shm,tcp,rdma)")
+    b.add_argument("--sizes", type=_sizes, default=None, metavar="LIST",
+                   help=f"single-value sizes (default: {DEFAULT_SIZES})")
+    b.add_argument("--prompt-blocks", type=_positive, default=256, metavar="N",
+                   help="blocks in the prompt batch (default: 256)")
+    b.add_argument("--block-size", type=_sizes, default=None, metavar="SIZE",
+                   help="bytes per prompt block (default: 2MiB, Llama-3-8B bf16, 16 tokens)")
+    b.add_argument("--small-blocks", type=_positive, default=512, metavar="N",
+                   help="values in the small batch (default: 512)")
+    b.add_argument("--small-size", type=_sizes, default=None, metavar="SIZE",
+                   help="bytes per small-batch value (default: 64KiB)")
+    b.add_argument("--repeats", type=_positive, metavar="N",
+                   help="repeats per figure; the median is reported (default: 3 quick, 5 full)")
+    b.add_argument("--single-calls", type=_positive, metavar="N",
+                   help="single-value calls per repeat (default: 8 quick, 32 full)")
+    b.add_argument("--master-objects", type=_positive, metavar="N",
+                   help="objects indexed for the master figures (default: 1000000)")
+    b.add_argument("--master-batch", type=_positive, default=256, metavar="N",
+                   help="keys per master RPC (default: 256, one prompt's blocks)")
+    b.add_argument("--no-master-bench", action="store_true", help="skip the master figures")
+    b.add_argument("--no-redis", action="store_true", help="skip the Redis baseline")
+    b.add_argument("--peers", default="", metavar="LIST",
+                   help="more systems to compare, where installed (known: mooncake)")
+    return b
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark described by ``args``; print the table; 0 on success."""
+    from kvpool.tools.bench_run import BenchConfig, run_bench
+    preset = QUICK if args.quick else FULL
+    block = (args.block_size or [2 << 20])[0]
+    small = (args.small_size or [64 << 10])[0]
+    config = BenchConfig(
+        quick=args.quick,
+        transports=tuple(t.strip() for t in args.transports.split(",") if t.strip()),
+        sizes=tuple(args.sizes or _sizes(DEFAULT_SIZES)),
+        prompt_blocks=args.prompt_blocks, block_bytes=block,
+        small_blocks=args.small_blocks, small_bytes=small,
+        repeats=args.repeats or preset["repeats"],
+        single_calls=args.single_calls or preset["single_calls"],
+        master_objects=0 if args.no_master_bench else
+        (args.master_objects or preset["master_objects"]),
+        master_batch=args.master_batch, master_lookups=preset["master_lookups"],
+        redis=not args.no_redis,
+        peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()))
+    bad = set(config.transports) - {"shm", "tcp", "rdma"}
+    if bad:
+        print(f"kvpool bench: error: unknown transport(s) {sorted(bad)}; known: shm, tcp, rdma",
+              file=sys.stderr)
+        return 2
+    return run_bench(config, master=args.master, json_path=args.json, plots_dir=args.plots)

@@ -1,0 +1,236 @@
+"""The workloads ``kvpool bench`` times: kvpool's data path, its master, and the baselines.
+
+Each function returns :class:`~kvpool.tools.bench_report.Figure` values (or the master's
+figures as a dict). Buffers are allocated and filled before timing starts; only the calls are
+timed. kvpool's reads are checked byte for byte once per workload, so a fast wrong answer never
+counts as a result.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from kvpool.common.errors import KVPoolError
+from kvpool.tools.bench_report import Figure, summarize
+
+
+class BenchError(RuntimeError):
+    """A benchmark step failed (an error from kvpool, or bytes that came back wrong)."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A workload's shape: ``objects_per_call`` values of ``value_bytes``, ``calls`` per repeat."""
+
+    workload: str        # prompt | small | single
+    value_bytes: int
+    objects_per_call: int
+    calls: int
+
+
+def random_rows(objects: int, value_bytes: int, seed: int = 0) -> np.ndarray:
+    """``objects`` rows of ``value_bytes`` random bytes (distinct rows catch mixed-up reads)."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, size=(objects, value_bytes), dtype=np.uint8)
+
+
+def _timed(fn: Callable[..., object], *args: object) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    result = fn(*args)
+    return time.perf_counter() - t0, result
+
+
+# ---------------------------------------------------------------- baselines
+
+
+def memcpy_latencies(shape: Shape, repeats: int, src: np.ndarray) -> list[list[float]]:
+    """Per-repeat call latencies of the memcpy baseline (see :func:`memcpy_figure`)."""
+    from kvpool.tools.bench_peers import memcpy_copy
+    dst = np.empty_like(src)
+    memcpy_copy(dst, src)   # fault the destination's pages in before timing, as kvpool's are
+    return [[_timed(memcpy_copy, dst, src)[0] for _ in range(shape.calls)]
+            for _ in range(repeats)]
+
+
+def memcpy_figure(shape: Shape, latencies: list[list[float]]) -> Figure:
+    return summarize("memcpy", "-", shape.workload, "copy", shape.value_bytes,
+                     shape.objects_per_call, latencies)
+
+
+def raw_tcp_figures(peer, shape: Shape, repeats: int, src: np.ndarray) -> list[Figure]:
+    dst = np.empty_like(src)
+    src_rows, dst_rows = [memoryview(r) for r in src], [memoryview(r) for r in dst]
+    put, get = [], []
+    for _ in range(repeats):
+        put.append([_timed(peer.put, src_rows)[0] for _ in range(shape.calls)])
+        get.append([_timed(peer.get, dst_rows)[0] for _ in range(shape.calls)])
+    return [summarize("raw_tcp", "tcp", shape.workload, op, shape.value_bytes,
+                      shape.objects_per_call, lat) for op, lat in (("put", put), ("get", get))]
+
+
+def redis_figures(peer, shape: Shape, repeats: int, src: np.ndarray, prefix: str
+                  ) -> list[Figure]:
+    rows = [memoryview(r) for r in src]
+    put, get = [], []
+    for r in range(repeats):
+        keys = [[f"{prefix}/{r}/{c}/{j}" for j in range(shape.objects_per_call)]
+                for c in range(shape.calls)]
+        put.append([_timed(peer.put, k, rows)[0] for k in keys])
+        lat = []
+        for k in keys:
+            t, got = _timed(peer.get, k)
+            lat.append(t)
+            if got[0] is None or len(got[0]) != shape.value_bytes:
+                raise BenchError("redis returned a wrong value")
+        get.append(lat)
+        peer.delete([x for ks in keys for x in ks])
+    return [summarize("redis", "tcp", shape.workload, op, shape.value_bytes,
+                      shape.objects_per_call, lat) for op, lat in (("put", put), ("get", get))]
+
+
+# ---------------------------------------------------------------- kvpool data path
+
+
+def kvpool_figures(kv, transport: str, shape: Shape, repeats: int, src: np.ndarray,
+                   prefix: str) -> list[Figure]:
+    """Batched (or single-value) put then get_into of the same bytes, fresh keys per repeat."""
+    dst = np.zeros_like(src)
+    src_rows, dst_rows = list(src), list(dst)
+    single = shape.objects_per_call == 1
+    put, get = [], []
+    for r in range(repeats):
+        keys = [[f"{prefix}/{r}/{c}/{j}" for j in range(shape.objects_per_call)]
+                for c in range(shape.calls)]
+        lat = []
+        for k in keys:
+            if single:
+                t, res = _timed(kv.put, k[0], src_rows[0])
+                res = [res]
+            else:
+                t, res = _timed(kv.batch_put, k, src_rows)
+            _check(res, f"{transport} put")
+            lat.append(t)
+        put.append(lat)
+        lat = []
+        for k in keys:
+            if single:
+                t, res = _timed(kv.get_into, k[0], dst_rows[0])
+                res = [res]
+            else:
+                t, res = _timed(kv.batch_get_into, k, dst_rows)
+            _check(res, f"{transport} get")
+            lat.append(t)
+        get.append(lat)
+        if r == 0 and not np.array_equal(src, dst):
+            raise BenchError(f"{transport} get returned bytes that differ from those put")
+        _check(kv.batch_remove([x for ks in keys for x in ks]), "remove")
+    return [summarize("kvpool", transport, shape.workload, op, shape.value_bytes,
+                      shape.objects_per_call, lat) for op, lat in (("put", put), ("get", get))]
+
+
+def _check(results: Sequence, what: str) -> None:
+    for r in results:
+        if isinstance(r, KVPoolError):
+            raise BenchError(f"{what} failed: {r}")
+
+
+# ---------------------------------------------------------------- master
+
+
+def master_figures(address: str, master_pid: int | None, objects: int, batch: int,
+                   lookups: int, repeats: int, value_bytes: int = 64,
+                   virtual_segment: bool = False) -> dict:
+    """Batched PutStart+PutEnd and GetReplicas rates, and RSS growth per indexed object.
+
+    Keys are 64 hex characters (a sha256 block hash, as engines use). ``objects`` are indexed in
+    ``repeats`` equal chunks; each chunk's rate is one repeat. RSS is the master process's
+    (``master_pid``; None when the master is not ours to inspect).
+
+    ``virtual_segment`` (only for a master of our own: placement would put anyone's objects
+    there): mount a segment that no store node backs, large enough for every object at its
+    real size (a million 2 MiB blocks), and heartbeat for it; the master never touches bytes.
+    """
+    from kvpool.client.master_client import MasterClient
+    keys = [os.urandom(32).hex() for _ in range(objects)]
+    sizes = [value_bytes] * batch
+    put_rates = []
+    with MasterClient(address, timeout_s=60.0) as mc:
+        keep_alive = _mount_virtual(mc, objects * value_bytes) if virtual_segment else _no_op
+        rss_before = _rss_bytes(master_pid)
+        chunk = -(-objects // repeats)
+        for lo in range(0, objects, chunk):
+            part = keys[lo:lo + chunk]
+            t0 = time.perf_counter()
+            for i in range(0, len(part), batch):
+                keep_alive()
+                ks = part[i:i + batch]
+                placed, _ = mc.put_start(ks, sizes[:len(ks)])
+                _check(placed, "master PutStart")
+                _check(mc.put_end(ks), "master PutEnd")
+            put_rates.append(len(part) / (time.perf_counter() - t0))
+        rss_after = _rss_bytes(master_pid)
+        rng = random.Random(0)
+        lookup_rates = []
+        for _ in range(repeats):
+            sample = rng.sample(keys, min(lookups, len(keys)))
+            t0 = time.perf_counter()
+            for i in range(0, len(sample), batch):
+                keep_alive()
+                found, _ = mc.get_replicas(sample[i:i + batch])
+                _check(found, "master GetReplicas")
+            lookup_rates.append(len(sample) / (time.perf_counter() - t0))
+        if master_pid is None:   # not our master: leave it as we found it
+            for i in range(0, objects, batch):
+                mc.remove(keys[i:i + batch])
+    per_object = None
+    if rss_before is not None and rss_after is not None:
+        per_object = round((rss_after - rss_before) / objects, 1)
+    return {"objects": objects, "batch": batch, "value_bytes": value_bytes,
+            "put_objects_per_s": round(_median(put_rates)),
+            "lookup_objects_per_s": round(_median(lookup_rates)),
+            "bytes_per_object": per_object}
+
+
+def _mount_virtual(mc, total_bytes: int) -> Callable[[], None]:
+    """Mount a segment of ``2 x total_bytes`` (below the eviction watermark) for a node that
+    does not exist; return a function that heartbeats for it at most once a second."""
+    from kvpool.common.types import NodeEndpoints, SegmentInfo
+    token = os.urandom(4).hex()
+    node = NodeEndpoints(node_id=f"bench-virtual-{token}", boot_id="", tcp_endpoint="0.0.0.0:9")
+    mc.mount_segment(node, SegmentInfo(f"bench-virtual-{token}/0", 2 * total_bytes))
+    last = time.monotonic()
+
+    def keep_alive() -> None:
+        nonlocal last
+        if time.monotonic() - last > 1.0:
+            mc.heartbeat(node.node_id)
+            last = time.monotonic()
+    return keep_alive
+
+
+def _no_op() -> None:
+    pass
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def _rss_bytes(pid: int | None) -> int | None:
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

@@ -1,0 +1,220 @@
+"""The ``kvpool bench`` run: start what it needs, time every workload, report, stop everything.
+
+Order matters on a small machine: the baselines run first (nothing else of ours is busy), then
+kvpool per transport on one local cluster, then the master figures on a fresh cluster of their
+own (so the RSS growth counts only the indexed objects).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import secrets
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from kvpool.common.config import format_size
+from kvpool.common.errors import KVPoolError
+from kvpool.tools import bench_kvpool as w
+from kvpool.tools.bench_report import Figure, build_report, format_table, write_plots
+
+# The data-path cluster's segment: a removed batch that was read stays allocated until its read
+# lease (1 s here) runs out, so a few batches' worth are in use at once.
+_SEGMENT_HEADROOM = 4
+_SMALL_MASTER_VALUE_BYTES = 64   # on an existing cluster's real nodes
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    quick: bool
+    transports: tuple[str, ...]
+    sizes: tuple[int, ...]
+    prompt_blocks: int
+    block_bytes: int
+    small_blocks: int
+    small_bytes: int
+    repeats: int
+    single_calls: int
+    master_objects: int          # 0 = skip the master figures
+    master_batch: int
+    master_lookups: int
+    redis: bool = True
+    peers: tuple[str, ...] = ()
+
+    def shapes(self) -> list[w.Shape]:
+        return ([w.Shape("single", s, 1, self.single_calls) for s in self.sizes]
+                + [w.Shape("prompt", self.block_bytes, self.prompt_blocks, 1),
+                   w.Shape("small", self.small_bytes, self.small_blocks, 1)])
+
+
+def _say(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def run_bench(config: BenchConfig, *, master: str | None = None, json_path: str | None = None,
+              plots_dir: str | None = None) -> int:
+    """Measure everything ``config`` asks for; print the table; write JSON and plots."""
+    started = time.monotonic()
+    figures: list[Figure] = []
+    skipped: dict[str, str] = {}
+    data = {shape: w.random_rows(shape.objects_per_call, shape.value_bytes, seed=i)
+            for i, shape in enumerate(config.shapes())}
+    run_id = secrets.token_hex(4)
+    master_figures = None
+    environment = _environment()
+    try:
+        # Each step stops what it started before the next begins (memory and CPU are shared).
+        # memcpy is timed first and again after kvpool's figures, its repeats pooled: on a
+        # shared machine the load drifts, and the limit should not be timed at one moment only.
+        _say("baseline: memcpy")
+        memcpy = {shape: w.memcpy_latencies(shape, config.repeats, src)
+                  for shape, src in data.items()}
+        _baselines(config, data, figures, skipped, run_id, environment)
+        _kvpool(config, data, figures, skipped, master, run_id)
+        figures[:0] = [w.memcpy_figure(shape, memcpy[shape] + w.memcpy_latencies(
+            shape, config.repeats, src)) for shape, src in data.items()]
+        if config.master_objects:
+            master_figures = _master(config, master)
+        else:
+            skipped["master"] = "--no-master-bench"
+    except (w.BenchError, KVPoolError, OSError, RuntimeError) as e:
+        print(f"kvpool bench: error: {e}", file=sys.stderr)
+        return 1
+    for peer in config.peers:
+        skipped[peer] = _peer_unavailable(peer)
+    environment["elapsed_s"] = round(time.monotonic() - started, 1)
+    report = build_report(figures, master_figures, config=asdict(config),
+                          environment=environment, skipped=skipped)
+    print(format_table(report))
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
+        _say(f"wrote {json_path}")
+    plots = Path(plots_dir) if plots_dir else (Path(json_path).parent if json_path else None)
+    if plots is not None:
+        try:
+            for p in write_plots(report, plots):
+                _say(f"wrote {p}")
+        except ImportError:
+            _say("matplotlib is not installed: no plots (pip install 'kvpool[bench]')")
+    return 0
+
+
+def _environment() -> dict:
+    return {"python": platform.python_version(), "numpy": np.__version__,
+            "cpus": os.cpu_count(), "kernel": platform.release(),
+            "machine": platform.machine(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                 time.gmtime())}
+
+
+def _baselines(config: BenchConfig, data: dict, figures: list, skipped: dict, run_id: str,
+               environment: dict) -> None:
+    from kvpool.tools.bench_peers import PeerUnavailable, RawTCPPeer, RedisPeer
+    _say("baseline: raw loopback tcp (two processes)")
+    with RawTCPPeer() as peer:
+        for shape, src in data.items():
+            if shape.workload != "small":
+                figures.extend(w.raw_tcp_figures(peer, shape, config.repeats, src))
+    if not config.redis:
+        skipped["redis"] = "--no-redis"
+        return
+    try:
+        redis = RedisPeer().__enter__()
+    except PeerUnavailable as e:
+        skipped["redis"] = str(e)
+        _say(f"baseline: redis skipped: {e}")
+        return
+    with redis:
+        environment["redis_hiredis"] = redis.hiredis
+        _say(f"baseline: redis (pipelined, hiredis={redis.hiredis})")
+        for shape, src in data.items():
+            if shape.workload != "small":
+                figures.extend(w.redis_figures(redis, shape, config.repeats, src,
+                                               f"bench-{run_id}-{shape.workload}"))
+
+
+def _kvpool(config: BenchConfig, data: dict, figures: list, skipped: dict, master: str | None,
+            run_id: str) -> None:
+    from kvpool.tools.cluster import LocalCluster
+    if master is not None:
+        return _kvpool_on(config, data, figures, skipped, master, run_id)
+    largest = max(s.value_bytes * s.objects_per_call * s.calls for s in data)
+    segment = max(64 << 20, int(largest * _SEGMENT_HEADROOM))
+    _say(f"starting a local cluster: master + 1 store node ({format_size(segment)})")
+    with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as logs:
+        cluster = LocalCluster(nodes=1, segment_size=str(segment),
+                               master_args=["--lease-ttl", "1s"], log_dir=logs)
+        try:
+            _kvpool_on(config, data, figures, skipped, cluster.start(), run_id)
+        finally:
+            cluster.stop()
+
+
+def _kvpool_on(config: BenchConfig, data: dict, figures: list, skipped: dict, master: str,
+               run_id: str) -> None:
+    from kvpool.client import KVClient
+    for transport in config.transports:
+        try:
+            kv = KVClient(master, transports=[transport])
+        except KVPoolError as e:   # e.g. rdma without pyverbs or a device here
+            skipped[f"kvpool-{transport}"] = str(e)
+            _say(f"kvpool {transport}: skipped: {e}")
+            continue
+        with kv:
+            if not _reachable(kv, transport, run_id):
+                skipped[f"kvpool-{transport}"] = f"no store node is reachable over {transport}"
+                continue
+            for shape, src in data.items():
+                _say(f"kvpool {transport}: {shape.workload} {shape.objects_per_call} x "
+                     f"{format_size(shape.value_bytes)}")
+                figures.extend(w.kvpool_figures(kv, transport, shape, config.repeats, src,
+                                                f"bench-{run_id}-{transport}-{shape.workload}"
+                                                f"-{shape.value_bytes}"))
+
+
+def _reachable(kv, transport: str, run_id: str) -> bool:
+    key = f"bench-{run_id}-{transport}-probe"
+    try:
+        kv.put(key, b"probe")
+    except KVPoolError:
+        return False
+    kv.remove(key)
+    return True
+
+
+def _master(config: BenchConfig, master: str | None) -> dict:
+    from kvpool.tools.cluster import LocalCluster
+    lookups = min(config.master_lookups, config.master_objects)
+    if master is not None:   # someone's cluster: tiny values on its real nodes, then removed
+        _say(f"master: indexing {config.master_objects:,} objects of "
+             f"{_SMALL_MASTER_VALUE_BYTES} bytes in batches of {config.master_batch}")
+        return w.master_figures(master, None, config.master_objects, config.master_batch,
+                                lookups, config.repeats, _SMALL_MASTER_VALUE_BYTES)
+    # A fresh master without store nodes, so its RSS growth is the index alone; the objects are
+    # prompt blocks of their real size in a segment that no node has to back.
+    _say(f"master: indexing {config.master_objects:,} objects of "
+         f"{format_size(config.block_bytes)} in batches of {config.master_batch}")
+    with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as logs:
+        cluster = LocalCluster(nodes=0, log_dir=logs)
+        try:
+            address = cluster.start()
+            return w.master_figures(address, cluster.master_proc.popen.pid,
+                                    config.master_objects, config.master_batch, lookups,
+                                    config.repeats, config.block_bytes, virtual_segment=True)
+        finally:
+            cluster.stop()
+
+
+def _peer_unavailable(peer: str) -> str:
+    if peer == "mooncake":
+        try:
+            import mooncake.store  # noqa: F401
+        except ImportError:
+            return ("not installed (pip install mooncake-transfer-engine-non-cuda, where a "
+                    "wheel exists for this platform)")
+        return "installed, but the Mooncake Store peer is not wired into this bench yet"
+    return "unknown peer (known: mooncake)"

@@ -1,0 +1,224 @@
+"""``kvpool replay TRACE``: replay a Mooncake-format trace through the router and measure reuse
+and time to first token per routing policy (simulated clock; ``--live``: against a cluster)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+from kvpool.common.errors import InvalidArgument
+from kvpool.master.routing import DEFAULT_POLICY, POLICIES
+from kvpool.tools.replay_sim import (
+    ALL_POLICIES,
+    STORE_WRITES,
+    InstanceModel,
+    as_dict,
+    ideal_reuse,
+    load_trace,
+    simulate,
+)
+
+
+def _count(text: str, minimum: int = 1) -> int:
+    if not text.isdigit() or int(text) < minimum:
+        raise argparse.ArgumentTypeError(f"invalid count {text!r}: expected a whole number "
+                                         f">= {minimum}")
+    return int(text)
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"invalid rate {text!r}: expected a number > 0")
+    return value
+
+
+def _policies(text: str) -> list[str]:
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in names if p not in POLICIES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown policy {', '.join(bad) or text!r}: choose from "
+                                         f"{','.join(POLICIES)}")
+    return names
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "replay", help="replay a Mooncake trace through the router; reuse and TTFT per policy",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Replay a Mooncake-format request trace (one JSON object per line: "
+                    "timestamp ms, input_length, hash_ids of 512-token prefix blocks) through "
+                    "kvpool's routing index and policies with a simulated clock, and report per "
+                    "policy the fractions of prompt tokens served from the instance's own cache "
+                    "(local_hit), from the shared store (store_hit) and recomputed, and the time "
+                    "to first token (mean, p90).",
+        epilog="Instance model: each instance is a FIFO queue in front of one prefill server "
+               "that computes --prefill-tokens-per-s and loads store-held KV at "
+               "--store-tokens-per-s; its own cache is an LRU of --cache-blocks trace blocks; "
+               "the store an LRU of --store-blocks; caches fill when a prefill finishes. A block "
+               "is a hit only while every earlier block of its prompt is. ideal_reuse is what an "
+               "infinite shared cache would reuse.\n\n"
+               "Example: kvpool replay trace.jsonl --json out.json --plot out.png\n"
+               "         kvpool replay trace.jsonl --live --master 127.0.0.1:50051 --requests 50")
+    p.add_argument("trace", metavar="TRACE", help="Mooncake-format trace (.jsonl)")
+    p.add_argument("--instances", type=_count, default=8, help="serving instances (default: 8)")
+    p.add_argument("--cache-blocks", type=lambda t: _count(t, 0), default=6000,
+                   help="each instance's own prefix cache, in trace blocks, LRU (default: 6000)")
+    p.add_argument("--store-blocks", type=lambda t: _count(t, 0), default=60000,
+                   help="the shared store, in trace blocks, LRU; 0 = no store (default: 60000)")
+    p.add_argument("--store-writes", choices=STORE_WRITES, default="prefill",
+                   help="when instances put blocks into the store: `prefill` (kvpool's way: "
+                        "every block once its prefill finishes, reusable at once by any "
+                        "instance) or `eviction` (only blocks their own cache evicts, the store "
+                        "as an offload tier) (default: prefill)")
+    p.add_argument("--policies", type=_policies, default=list(ALL_POLICIES), metavar="A,B,...",
+                   help=f"routing policies to compare (default: all: {','.join(ALL_POLICIES)})")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random policy (default: 0)")
+    p.add_argument("--limit", type=_count, metavar="N", help="replay only the first N requests")
+    p.add_argument("--prefill-tokens-per-s", type=_positive, default=8000.0, metavar="RATE",
+                   help="prefill throughput of one instance (default: 8000)")
+    p.add_argument("--store-tokens-per-s", type=_positive, default=80000.0, metavar="RATE",
+                   help="rate one instance loads store-held KV at, in tokens/s (default: 80000)")
+    p.add_argument("--block-tokens", type=_count, default=512,
+                   help="tokens per trace block (default: 512, the Mooncake traces')")
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="write a PNG: reuse per tier and TTFT CDF")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    live = p.add_argument_group("live replay (against a running cluster)")
+    live.add_argument("--live", action="store_true",
+                      help="replay the first --requests requests against --master with real "
+                           "block bytes, route them with the master's Router (the one policy "
+                           "given with --policies, else the default), verify every read")
+    live.add_argument("--master", default=os.environ.get("KVPOOL_MASTER"), metavar="HOST:PORT",
+                      help="the cluster's master (--live; default: $KVPOOL_MASTER)")
+    live.add_argument("--requests", type=_count, default=50,
+                      help="requests replayed live (default: 50)")
+    live.add_argument("--live-block-tokens", type=_count, default=16,
+                      help="tokens per block live: trace blocks are scaled down to this "
+                           "(default: 16)")
+    live.add_argument("--block-bytes", type=_count, default=16384,
+                      help="KV bytes per block live (default: 16384)")
+    return p
+
+
+class Progress:
+    """A one-line progress bar on a terminal; silent when stderr is not one."""
+
+    def __init__(self, label: str, total: int, out: TextIO = sys.stderr, enabled: bool = True):
+        self.label, self.total, self.out = label, total, out
+        self.enabled = enabled and out.isatty()
+        self._shown = -1
+        self._start = time.monotonic()
+
+    def __call__(self, done: int) -> None:
+        pct = done * 100 // self.total
+        if not self.enabled or pct == self._shown:
+            return
+        self._shown = pct
+        bar = "#" * (pct // 4) + "." * (25 - pct // 4)
+        self.out.write(f"\r{self.label:<16} [{bar}] {pct:3d}% {done}/{self.total} "
+                       f"{time.monotonic() - self._start:.0f}s")
+        if done >= self.total:
+            self.out.write("\n")
+        self.out.flush()
+
+
+def run(args) -> int:
+    if args.live:
+        from kvpool.tools.replay_live import run_live
+        return run_live(args)
+    requests = load_trace(args.trace, args.limit)
+    model = InstanceModel(1 / args.prefill_tokens_per_s, 1 / args.store_tokens_per_s,
+                          args.block_tokens)
+    ideal = ideal_reuse(requests, args.block_tokens)
+    results, ttfts = {}, {}
+    for name in args.policies:
+        result, ttfts[name] = simulate(
+            requests, name, instances=args.instances, cache_blocks=args.cache_blocks,
+            store_blocks=args.store_blocks, model=model, seed=args.seed,
+            store_writes=args.store_writes,
+            progress=Progress(name, len(requests), enabled=not args.no_progress))
+        results[name] = as_dict(result)
+    report = {
+        "trace": str(args.trace), "requests": len(requests),
+        "prompt_tokens": sum(r.input_tokens for r in requests),
+        "ideal_reuse": ideal, "default_policy": DEFAULT_POLICY,
+        "config": {"instances": args.instances, "cache_blocks": args.cache_blocks,
+                   "store_blocks": args.store_blocks, "store_writes": args.store_writes,
+                   "seed": args.seed,
+                   "prefill_tokens_per_s": args.prefill_tokens_per_s,
+                   "store_tokens_per_s": args.store_tokens_per_s,
+                   "block_tokens": args.block_tokens},
+        "policies": results,
+    }
+    print(format_table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(report, ttfts, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def format_table(report: dict) -> str:
+    c = report["config"]
+    head = (f"{report['requests']} requests, {report['prompt_tokens']:,} prompt tokens; "
+            f"{c['instances']} instances x {c['cache_blocks']} blocks, store "
+            f"{c['store_blocks']} blocks (written at {c['store_writes']}); "
+            f"ideal reuse {report['ideal_reuse']:.1%}")
+    columns = (f"{'policy':<16} {'local_hit':>9} {'store_hit':>9} {'recomputed':>10} "
+               f"{'ttft_mean_s':>11} {'ttft_p90_s':>10}")
+    lines = [head, columns]
+    for name, r in report["policies"].items():
+        mark = " *" if name == report["default_policy"] else ""
+        lines.append(f"{name:<16} {r['local_hit']:>9.1%} {r['store_hit']:>9.1%} "
+                     f"{r['recomputed']:>10.1%} {r['ttft_mean_s']:>11.3f} "
+                     f"{r['ttft_p90_s']:>10.3f}{mark}")
+    lines.append("(* the default policy; fractions are of prompt tokens)")
+    return "\n".join(lines)
+
+
+def plot(report: dict, ttfts: dict[str, list[float]], path: str) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        raise InvalidArgument("--plot needs matplotlib: pip install 'kvpool[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["policies"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    bottom = [0.0] * len(names)
+    for field, color in (("local_hit", "#2b8a3e"), ("store_hit", "#74c0fc"),
+                         ("recomputed", "#dee2e6")):
+        vals = [report["policies"][n][field] for n in names]
+        ax1.bar(names, vals, bottom=bottom, label=field, color=color)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax1.axhline(report["ideal_reuse"], color="black", ls="--", lw=1, label="ideal reuse")
+    ax1.set_ylabel("fraction of prompt tokens")
+    ax1.set_title("where prompt KV came from")
+    ax1.legend(fontsize=8)
+    ax1.tick_params(axis="x", labelrotation=20)
+    for name in names:
+        xs = sorted(ttfts[name])
+        ax2.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=name)
+    ax2.set_xscale("log")
+    ax2.set_xlabel("time to first token (s, simulated)")
+    ax2.set_ylabel("fraction of requests")
+    ax2.axhline(0.9, color="grey", lw=0.5)
+    ax2.set_title("TTFT CDF")
+    ax2.legend(fontsize=8)
+    fig.suptitle(f"{Path(report['trace']).name}: {report['requests']} requests, "
+                 f"{report['config']['instances']} instances")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
