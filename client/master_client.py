@@ -6,81 +6,22 @@ Object calls return one result per key: a value, or the KVPoolError instance for
 
 from __future__ import annotations
 
-import random
-import time
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
-import grpc
+from kvpool.client.grpc_client import GrpcClient
 from kvpool.common import wire
-from kvpool.common.errors import (
-    ClientClosed,
-    InvalidArgument,
-    KVPoolError,
-    MasterUnavailable,
-    UnknownNode,
-    error_for_status,
-)
+from kvpool.common.errors import KVPoolError, UnknownNode, error_for_status
 from kvpool.common.types import NodeEndpoints, ObjectView, Replica, SegmentInfo
-from kvpool.common.wire import GRPC_OPTIONS
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
 from kvpool.protos.kvpool.v1 import master_pb2_grpc
 
-T = TypeVar("T")
 
-
-
-def parse_address(address: str) -> str:
-    """Validate ``host:port``; return it unchanged."""
-    host, sep, port = str(address).rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidArgument(f"invalid master address {address!r}: expected host:port, "
-                              "e.g. 127.0.0.1:50051")
-    return address
-
-
-class MasterClient:
+class MasterClient(GrpcClient):
     """A blocking, thread-safe client of one master."""
 
     def __init__(self, address: str, timeout_s: float = 10.0, retries: int = 3):
-        self.address = parse_address(address)
-        self._timeout_s = timeout_s
-        self._retries = retries
-        self._channel: grpc.Channel | None = grpc.insecure_channel(address, options=GRPC_OPTIONS)
-        self._stub = master_pb2_grpc.MasterStub(self._channel)
-
-    def __enter__(self) -> MasterClient:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
-
-    def _call(self, method: str, request) -> object:
-        if self._channel is None:
-            raise ClientClosed("the master client is closed")
-        fn: Callable = getattr(self._stub, method)
-        delay = 0.05
-        for attempt in range(self._retries + 1):
-            try:
-                return fn(request, timeout=self._timeout_s)
-            except grpc.RpcError as e:
-                code = e.code()
-                if code == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise InvalidArgument(e.details()) from None
-                if code == grpc.StatusCode.UNAVAILABLE and attempt < self._retries:
-                    time.sleep(delay * (0.5 + random.random()))
-                    delay *= 2
-                    continue
-                if code == grpc.StatusCode.CANCELLED and self._channel is None:
-                    raise ClientClosed("the master client was closed during the call") from None
-                raise MasterUnavailable(
-                    f"master {self.address}: {method} failed: {code.name}: {e.details()}") from None
-        raise AssertionError("unreachable")
+        super().__init__(address, master_pb2_grpc.MasterStub, timeout_s=timeout_s,
+                         retries=retries, name="master client")
 
     # -- membership (store nodes) --
     def mount_segment(self, node: NodeEndpoints, segment: SegmentInfo) -> None:

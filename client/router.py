@@ -18,11 +18,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
-from kvpool.client.master_client import parse_address
-from kvpool.common.errors import ClientClosed, HashSpecMismatch, InvalidArgument, MasterUnavailable
+from kvpool.client.grpc_client import GrpcClient, map_rpc_error
+from kvpool.common.errors import ClientClosed, InvalidArgument, MasterUnavailable
 from kvpool.common.hashing import HashSpec
 from kvpool.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvpool.common.wire import GRPC_OPTIONS
 from kvpool.protos.kvpool.v1 import routing_pb2 as pb
 from kvpool.protos.kvpool.v1 import routing_pb2_grpc
 
@@ -59,39 +58,12 @@ def batch_to_pb(instance_id: str, events: Iterable[KVEvent], ts: float = 0.0) ->
     return out
 
 
-class RouterClient:
+class RouterClient(GrpcClient):
     """A blocking, thread-safe client of the master's Router service."""
 
     def __init__(self, master: str, timeout_s: float = 10.0):
-        self.address = parse_address(master)
-        self._timeout_s = timeout_s
-        self._channel: grpc.Channel | None = grpc.insecure_channel(master, options=GRPC_OPTIONS)
-        self._stub = routing_pb2_grpc.RouterStub(self._channel)
-
-    def __enter__(self) -> RouterClient:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
-
-    def _call(self, method: str, request, **kw):
-        if self._channel is None:
-            raise ClientClosed("the router client is closed")
-        try:
-            return getattr(self._stub, method)(request, timeout=self._timeout_s, **kw)
-        except grpc.RpcError as e:
-            code = e.code()
-            if code == grpc.StatusCode.FAILED_PRECONDITION:
-                raise HashSpecMismatch(e.details()) from None
-            if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise InvalidArgument(e.details()) from None
-            raise MasterUnavailable(f"master {self.address}: {method} failed: "
-                                    f"{code.name}: {e.details()}") from None
+        super().__init__(master, routing_pb2_grpc.RouterStub, timeout_s=timeout_s, retries=3,
+                         name="router client")
 
     def register(self, spec: HashSpec, client_id: str = "") -> HashSpec:
         """Check ``spec`` against the cluster's; return the cluster's. Raises HashSpecMismatch
@@ -102,7 +74,8 @@ class RouterClient:
 
     def publish(self, instance_id: str, events: Sequence[KVEvent]) -> int:
         """Send one batch of ``instance_id``'s events (empty = heartbeat); return events applied."""
-        return self._call("PublishKVEvents", iter([batch_to_pb(instance_id, events)])).events
+        return self._call("PublishKVEvents", iter([batch_to_pb(instance_id, events)]),
+                          retry=False).events
 
     def event_stream(self, instance_id: str) -> KVEventStream:
         if self._channel is None:
@@ -169,10 +142,7 @@ class KVEventStream:
         e = self._future.exception()
         if e is None:
             raise ClientClosed("the event stream ended")
-        code = e.code()
-        if code == grpc.StatusCode.INVALID_ARGUMENT:
-            raise InvalidArgument(e.details())
-        raise MasterUnavailable(f"event stream failed: {code.name}: {e.details()}")
+        raise map_rpc_error(e, "event stream")
 
     def __enter__(self) -> KVEventStream:
         return self

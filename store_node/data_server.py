@@ -28,6 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 
+from kvpool.client.transport.base import send_all
 from kvpool.common.frames import (
     HANDOFF_REQUEST,
     MAGIC,
@@ -64,21 +65,6 @@ def _recv_exact(sock: socket.socket, view: memoryview, *, frame_started: bool) -
         if n == 0:
             raise _Disconnected(mid_frame=frame_started or got > 0)
         got += n
-
-
-def _send_all(sock: socket.socket, buffers: list[memoryview | bytes]) -> None:
-    """sendmsg (scatter-gather, no joining copy) until every buffer is sent."""
-    views = [memoryview(b) for b in buffers if len(b)]
-    while views:
-        sent = sock.sendmsg(views)
-        while sent:
-            head = views[0]
-            if sent >= head.nbytes:
-                sent -= head.nbytes
-                views.pop(0)
-            else:
-                views[0] = head[sent:]
-                sent = 0
 
 
 class DataServer:
@@ -301,14 +287,14 @@ class DataServer:
                 log.warning("request_refused", peer=peer, op=op.name, segment=segment_id,
                             offset=offset, length=length, status=status.name)
                 payload = message.encode()
-                _send_all(conn, [encode_response(status, len(payload)), payload])
+                send_all(conn, [encode_response(status, len(payload)), payload])
                 if op is Op.WRITE:
                     # The payload follows on the stream; we will not consume it frame by frame.
                     return _linger_close(conn)
                 continue
             try:
                 if op is Op.READ:
-                    _send_all(conn, [encode_response(FrameStatus.OK, length), view])
+                    send_all(conn, [encode_response(FrameStatus.OK, length), view])
                 else:
                     _recv_exact(conn, view, frame_started=True)
                     conn.sendall(encode_response(FrameStatus.OK, 0))
@@ -333,7 +319,7 @@ class DataServer:
                 log.warning("queue_pair_refused", peer=peer, error=str(exc))
                 reply = f"queue pair setup failed: {exc}".encode()
                 status = FrameStatus.UNSUPPORTED
-        _send_all(conn, [encode_response(status, len(reply)), reply])
+        send_all(conn, [encode_response(status, len(reply)), reply])
         if status == FrameStatus.OK:
             log.debug("queue_pair_connected", peer=peer)
         return True
@@ -357,7 +343,7 @@ class DataServer:
     def _refuse_malformed(self, conn: socket.socket, peer: str, reason: str) -> None:
         log.warning("malformed_frame", peer=peer, reason=reason)
         payload = reason.encode()
-        _send_all(conn, [encode_response(FrameStatus.BAD_REQUEST, len(payload)), payload])
+        send_all(conn, [encode_response(FrameStatus.BAD_REQUEST, len(payload)), payload])
         _linger_close(conn)
 
     # ---------------------------------------------------------------- shm hand-off
@@ -403,7 +389,7 @@ class DataServer:
                         close: bool = False) -> None:
         log.warning("handoff_refused", peer=peer, status=status.name, reason=message)
         payload = message.encode()
-        _send_all(conn, [encode_response(status, len(payload)), payload])
+        send_all(conn, [encode_response(status, len(payload)), payload])
         if close:
             _linger_close(conn)
 

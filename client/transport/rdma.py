@@ -36,7 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvpool.client.buffers import byte_view
-from kvpool.client.transport.base import IoOp, Transport, byte_views, group_by
+from kvpool.client.transport.base import (
+    IoOp, Transport, byte_views, group_by, recv_exact)
 from kvpool.common.errors import ClientClosed, KVPoolError, SegmentBoundsError, TransportError
 from kvpool.common.frames import (
     MAX_ERROR_BYTES,
@@ -437,16 +438,16 @@ class RDMATransport(Transport):
             local = self._dev.local_info(qp)
             sock.sendall(encode_request(Op.CONNECT_QP, "", 0, QP_INFO.size)
                          + encode_qp_info(local.qp_num, local.psn, local.gid, local.mtu))
-            status, length = RESPONSE.unpack(_recv_exact(sock, RESPONSE.size))
+            status, length = RESPONSE.unpack(recv_exact(sock, RESPONSE.size))
             if status != FrameStatus.OK:
                 if length > MAX_ERROR_BYTES:
                     raise TransportError(f"malformed reply: status {status}, {length} bytes")
-                message = _recv_exact(sock, length).decode("utf-8", "replace")
+                message = recv_exact(sock, length).decode("utf-8", "replace")
                 raise TransportError(f"node refused the queue pair: {message}")
             if length != QP_INFO.size:
                 raise TransportError(f"malformed reply: {length}-byte QP info")
             try:
-                remote = self._verbs.QPInfo(*decode_qp_info(_recv_exact(sock, length)))
+                remote = self._verbs.QPInfo(*decode_qp_info(recv_exact(sock, length)))
             except ValueError as exc:
                 raise TransportError(f"malformed reply: {exc}") from None
             self._dev.connect(qp, local, remote)
@@ -464,18 +465,6 @@ class RDMATransport(Transport):
         log.debug("rdma_queue_pair_connected", endpoint=endpoint, qp_num=local.qp_num,
                   remote_qp_num=remote.qp_num)
         return _Link(endpoint, sock, qp, cq)
-
-
-def _recv_exact(sock: socket.socket, size: int) -> bytes:
-    buf = bytearray(size)
-    view = memoryview(buf)
-    got = 0
-    while got < size:
-        n = sock.recv_into(view[got:], size - got)
-        if n == 0:
-            raise TransportError("node closed the connection")
-        got += n
-    return bytes(buf)
 
 
 def _local_refusal(op: IoOp) -> SegmentBoundsError | None:

@@ -27,7 +27,8 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
-from kvpool.client.transport.base import IoOp, Transport, byte_views, group_by
+from kvpool.client.transport.base import (
+    IoOp, Transport, byte_views, group_by, recv_exact)
 from kvpool.common.errors import ClientClosed, SegmentBoundsError, TransportError
 from kvpool.common.frames import (
     HANDOFF_REQUEST,
@@ -108,12 +109,12 @@ class _NodeLink:
         try:
             if flags & socket.MSG_CTRUNC:
                 raise TransportError("shm hand-off: control data truncated")
-            data += _recv_exact(self.sock, RESPONSE.size - len(data))
+            data += recv_exact(self.sock, RESPONSE.size - len(data), "shm hand-off: node")
             status, length = RESPONSE.unpack(data)
             if status != FrameStatus.OK:
                 if length > MAX_ERROR_BYTES:
                     raise TransportError(f"shm hand-off: malformed reply ({length}-byte error)")
-                message = _recv_exact(self.sock, length).decode("utf-8", "replace")
+                message = recv_exact(self.sock, length, "shm hand-off: node").decode("utf-8", "replace")
                 if status in (FrameStatus.UNKNOWN_SEGMENT, FrameStatus.OUT_OF_BOUNDS):
                     raise SegmentBoundsError(f"shm {self.endpoint}: {message}")
                 raise TransportError(f"shm {self.endpoint}: hand-off refused: {message}")
@@ -200,18 +201,6 @@ def _copy_run(link: _NodeLink, run: list[tuple[int, _Mapping]], ops: Sequence[Io
             region[:] = buf
         else:
             buf[:] = region
-
-
-def _recv_exact(sock: socket.socket, size: int) -> bytes:
-    buf = bytearray(size)
-    view = memoryview(buf)
-    got = 0
-    while got < size:
-        n = sock.recv_into(view[got:], size - got)
-        if n == 0:
-            raise TransportError("shm hand-off: node closed the connection")
-        got += n
-    return bytes(buf)
 
 
 class SHMTransport(Transport):

@@ -20,7 +20,8 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 
-from kvpool.client.transport.base import IoOp, Transport, byte_views, group_by
+from kvpool.client.transport.base import (
+    IoOp, Transport, byte_views, group_by, recv_exact_into, send_all)
 from kvpool.common.errors import (
     ClientClosed,
     InvalidArgument,
@@ -51,28 +52,6 @@ def _parse_endpoint(endpoint: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit():
         raise TransportError(f"malformed tcp endpoint {endpoint!r}; expected host:port")
     return host.strip("[]"), int(port)
-
-
-def _recv_exact_into(sock: socket.socket, view: memoryview) -> None:
-    got, size = 0, len(view)
-    while got < size:
-        n = sock.recv_into(view[got:], size - got)
-        if n == 0:
-            raise TransportError("node closed the connection")
-        got += n
-
-
-def _send_all(sock: socket.socket, buffers: list) -> None:
-    views = [memoryview(b) for b in buffers if len(b)]
-    while views:
-        sent = sock.sendmsg(views)
-        while sent:
-            if sent >= views[0].nbytes:
-                sent -= views[0].nbytes
-                views.pop(0)
-            else:
-                views[0] = views[0][sent:]
-                sent = 0
 
 
 class _WriteRefused(Exception):
@@ -201,10 +180,10 @@ class TCPTransport(Transport):
                 else:
                     for j in range(sent, end):
                         i = pending[j]
-                        _send_all(sock, [_request(op, ops[i]), views[i]])
+                        send_all(sock, [_request(op, ops[i]), views[i]])
                 sent = end
             i = pending[done]
-            _recv_exact_into(sock, header_view)
+            recv_exact_into(sock, header_view)
             status, length = RESPONSE.unpack(header)
             if status == FrameStatus.OK:
                 expected = views[i].nbytes if op is Op.READ else 0
@@ -212,14 +191,14 @@ class TCPTransport(Transport):
                     raise TransportError(f"malformed reply: {length} bytes for a "
                                          f"{expected}-byte {op.name}")
                 if expected:
-                    _recv_exact_into(sock, views[i])
+                    recv_exact_into(sock, views[i])
                 results[i] = None
                 done += 1
                 continue
             if status not in _STATUSES or length > MAX_ERROR_BYTES:
                 raise TransportError(f"malformed reply: status {status}, {length}-byte message")
             message_view = memoryview(bytearray(length))
-            _recv_exact_into(sock, message_view)
+            recv_exact_into(sock, message_view)
             message = message_view.tobytes().decode("utf-8", "replace")
             if status == FrameStatus.BAD_REQUEST:
                 raise TransportError(f"node rejected the request as malformed: {message}")
