@@ -14,9 +14,7 @@ from kvpool.common.errors import InvalidArgument
 
 def byte_view(obj: object, *, writable: bool) -> memoryview:
     """A flat, contiguous ``"B"`` memoryview over ``obj``'s own memory (no copy)."""
-    if type(obj).__module__.split(".")[0] == "torch":
-        return _tensor_view(obj, writable)
-    if isinstance(obj, np.ndarray):
+    if isinstance(obj, np.ndarray):   # first: the common case of a batch of KV-block rows
         if not obj.flags.c_contiguous:
             raise InvalidArgument("numpy array must be C-contiguous (use np.ascontiguousarray)")
         if writable and not obj.flags.writeable:
@@ -33,6 +31,8 @@ def byte_view(obj: object, *, writable: bool) -> memoryview:
             raise InvalidArgument(f"{type(obj).__name__} is read-only; get_into needs a "
                                   "writable buffer (bytearray, numpy array, torch tensor)")
         return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    if type(obj).__module__.split(".")[0] == "torch":
+        return _tensor_view(obj, writable)
     raise InvalidArgument(f"unsupported value type {type(obj).__name__}: expected bytes, "
                           "bytearray, memoryview, numpy array or torch CPU tensor")
 

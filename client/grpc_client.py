@@ -19,6 +19,15 @@ _REFUSALS: dict[grpc.StatusCode, type[KVPoolError]] = {
 }
 
 
+# gRPC's default reconnect backoff grows to 2 minutes, and while it waits every call fails at
+# once: a restarted master would sit idle that long. Its jitter stays; the ceiling is 2 s.
+_RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
 def parse_address(address: str) -> str:
     """Validate ``host:port``; return it unchanged."""
     host, sep, port = str(address).rpartition(":")
@@ -45,7 +54,8 @@ class GrpcClient:
         self._timeout_s = timeout_s
         self._retries = retries
         self._name = name
-        self._channel: grpc.Channel | None = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._channel: grpc.Channel | None = grpc.insecure_channel(
+            address, options=GRPC_OPTIONS + _RECONNECT_OPTIONS)
         self._stub = stub_factory(self._channel)
 
     def __enter__(self):

@@ -12,12 +12,16 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
+import numpy as np
 from kvpool.client.buffers import byte_view
+from kvpool.client.located import Located
 from kvpool.client.master_client import MasterClient
 from kvpool.client.transport.base import IoOp, Transport
 from kvpool.client.transport.registry import TRANSPORT_PREFERENCE, create_transports
+from kvpool.common.checksum import checksum
 from kvpool.common.errors import (
     ClientClosed,
+    CorruptObject,
     InvalidArgument,
     KVPoolError,
     NodeUnavailable,
@@ -89,14 +93,17 @@ class KVClient:
         immutable. Values: bytes, bytearray, memoryview, numpy array, contiguous CPU tensor."""
         _raise(self.batch_put([key], [value], replicas=replicas)[0])
 
-    def get(self, key: str) -> bytes:
-        """The value stored under ``key``; ObjectNotFound if there is none."""
-        return _raise(self.batch_get([key])[0])
+    def get(self, key: str, *, verify: bool = False) -> bytes:
+        """The value stored under ``key``; ObjectNotFound if there is none. ``verify``: check
+        the bytes against the checksum taken at put; a replica that fails is dropped from the
+        cluster and the next one read; CorruptObject when none is intact."""
+        return _raise(self.batch_get([key], verify=verify)[0])
 
-    def get_into(self, key: str, buffer) -> int:
+    def get_into(self, key: str, buffer, *, verify: bool = False) -> int:
         """Read ``key``'s value into ``buffer`` (bytearray, numpy array, CPU tensor, writable
-        memoryview) without intermediate copies; return the number of bytes written."""
-        return _raise(self.batch_get_into([key], [buffer])[0])
+        memoryview) without intermediate copies; return the number of bytes written.
+        ``verify``: as for :meth:`get` (after CorruptObject the buffer holds damaged bytes)."""
+        return _raise(self.batch_get_into([key], [buffer], verify=verify)[0])
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key])[0]
@@ -143,6 +150,8 @@ class KVClient:
         if not views:
             return results
         idx = list(views)
+        # Taken before the bytes leave, so damage anywhere after this point is caught on read.
+        sums = [checksum(views[i]) for i in idx]
         sent = time.monotonic()
         placed, put_timeout_s = self._master.put_start(
             [keys[i] for i in idx], [views[i].nbytes for i in idx],
@@ -172,25 +181,31 @@ class KVClient:
             self._master.put_revoke(failed)
         ok = [i for i in written if results[i] is None]
         if ok:
-            for i, err in zip(ok, self._master.put_end([keys[i] for i in ok])):
+            crc = dict(zip(idx, sums))
+            for i, err in zip(ok, self._master.put_end([keys[i] for i in ok],
+                                                        [crc[i] for i in ok])):
                 results[i] = TransportError(f"{keys[i]!r}: put timed out") \
                     if isinstance(err, NotPending) else err
         return results
 
-    def batch_get(self, keys: Sequence[str]) -> list[bytes | KVPoolError]:
-        """Each key's value as bytes (one copy more than batch_get_into)."""
+    def batch_get(self, keys: Sequence[str], *, verify: bool = False
+                  ) -> list[bytes | KVPoolError]:
+        """Each key's value as bytes (one copy more than batch_get_into); ``verify`` as for
+        :meth:`get`."""
         bufs: dict[int, bytearray] = {}
 
         def alloc(i: int, size: int) -> memoryview:
             bufs[i] = bytearray(size)
             return memoryview(bufs[i])
 
-        got = self._get(keys, alloc)
+        got = self._get_verified(keys, alloc) if verify else self._get(keys, alloc)
         return [r if isinstance(r, KVPoolError) else bytes(bufs[i]) for i, r in enumerate(got)]
 
-    def batch_get_into(self, keys: Sequence[str], buffers: Sequence) -> list[int | KVPoolError]:
+    def batch_get_into(self, keys: Sequence[str], buffers: Sequence, *, verify: bool = False
+                       ) -> list[int | KVPoolError]:
         """Read each key into its buffer; per key the byte count or the error (ObjectNotFound,
-        InvalidArgument for a buffer too small, NodeUnavailable when no replica answers)."""
+        InvalidArgument for a buffer too small, NodeUnavailable when no replica answers,
+        CorruptObject when ``verify`` finds no intact replica)."""
         if len(keys) != len(buffers):
             raise InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers")
         views: dict[int, memoryview | InvalidArgument] = {}
@@ -211,7 +226,39 @@ class KVClient:
                                       f"than the value ({size} bytes)")
             return v[:size]
 
-        return self._get(keys, into)
+        return self._get_verified(keys, into) if verify else self._get(keys, into)
+
+    def _get_verified(self, keys: Sequence[str], buffer_for: Callable[[int, int], memoryview]
+                      ) -> list[int | KVPoolError]:
+        """Locate and read each key, checking its bytes against its checksum, replica after
+        replica. A matching checksum also proves the bytes are the object's own, so these reads
+        need no version check when they outlive their lease; keys put without a checksum take
+        the ordinary path, which does that check."""
+        self._check_open()
+        out, valid = _validate_keys(keys)
+        if not valid:
+            return out
+        located, _ = self._master.get_replicas([keys[i] for i in valid])
+        reads, unsummed = [], []
+        for i, obj in zip(valid, located):
+            if isinstance(obj, KVPoolError):
+                out[i] = obj
+            elif obj.checksum is None:
+                unsummed.append(i)
+            else:
+                try:
+                    reads.append((i, obj, buffer_for(i, obj.size)))
+                except InvalidArgument as e:
+                    out[i] = e
+        for i, err in self._read(reads, verify=True).items():
+            out[i] = err
+        for i, obj, _ in reads:
+            out[i] = out[i] or obj.size
+        if unsummed:
+            for i, r in zip(unsummed, self._get([keys[i] for i in unsummed],
+                                                lambda j, size: buffer_for(unsummed[j], size))):
+                out[i] = r
+        return out
 
     def _get(self, keys: Sequence[str], buffer_for: Callable[[int, int], memoryview]
              ) -> list[int | KVPoolError]:
@@ -220,14 +267,24 @@ class KVClient:
         out, todo = _validate_keys(keys)
         bufs: dict[int, memoryview] = {}
         seen_version: dict[int, int] = {}
-        for _ in range(_MAX_READ_ATTEMPTS):
+        for attempt in range(_MAX_READ_ATTEMPTS):
             if not todo:
                 break
             sent = time.monotonic()
-            located, lease_ttl_s = self._master.get_replicas([keys[i] for i in todo])
+            located = self._master.locate([keys[i] for i in todo])
+            read: dict[int, KVPoolError | None] = {}
+            sizes: dict[int, int] = {}    # the keys read this round
+            fast = self._read_fast(todo, located, buffer_for, bufs) if attempt == 0 else []
+            if fast:
+                versions, lengths = located.versions.tolist(), located.sizes.tolist()
+                for j in fast:
+                    i = todo[j]
+                    seen_version[i], sizes[i], read[i] = versions[j], lengths[j], None
             reads = []
-            for i, obj in zip(todo, located):
-                seen = seen_version.get(i)
+            for j, i in enumerate(todo):
+                if i in sizes:
+                    continue
+                obj, seen = located.view(j), seen_version.get(i)
                 if isinstance(obj, KVPoolError):
                     out[i] = obj
                 elif seen == obj.version:
@@ -240,21 +297,60 @@ class KVClient:
                     except InvalidArgument as e:
                         out[i] = e
                         continue
-                    seen_version[i] = obj.version
+                    seen_version[i], sizes[i] = obj.version, obj.size
                     reads.append((i, obj, bufs[i]))
-            read = self._read(reads)
-            lease_over = time.monotonic() > sent + lease_ttl_s
+            read.update(self._read(reads))
+            lease_over = time.monotonic() > sent + located.lease_ttl_s
             todo = []
-            for i, obj, _ in reads:
+            for i, size in sizes.items():
                 if read[i] is not None:
                     out[i] = read[i]
                 elif lease_over:
                     todo.append(i)      # verify the version before trusting these bytes
                 else:
-                    out[i] = obj.size
+                    out[i] = size
         for i in todo:
             out[i] = TransportError(f"{keys[i]!r}: the object kept changing during the read")
         return out
+
+    def _read_fast(self, todo: list[int], located: Located,
+                   buffer_for: Callable[[int, int], memoryview], bufs: dict[int, memoryview]
+                   ) -> list[int]:
+        """The common case of a large read, without an object per key: keys with one replica
+        on a segment that the preferred transport (shm) reaches are read in place, one
+        ``read_extents`` per segment. Returns the positions in ``todo`` read; every other key
+        (not found, several replicas, another transport, a bad buffer, a failed copy) takes
+        the generic path, which finds its error or falls back replica by replica."""
+        batch_reader = self._transports[0] if self._transports else None
+        if not hasattr(batch_reader, "read_extents"):
+            return []
+        where = located.single_location()
+        replicas = located.replicas
+        done: list[int] = []
+        for loc in np.unique(where[where >= 0]).tolist():
+            segment = replicas.locations[loc]
+            if not batch_reader.can_reach(segment.node):
+                continue
+            positions = np.flatnonzero(where == loc)
+            views, ready = [], []
+            for j, size in zip(positions.tolist(), located.sizes[positions].tolist()):
+                i = todo[j]
+                try:
+                    bufs[i] = bufs[i] if i in bufs else buffer_for(i, size)
+                except InvalidArgument:
+                    continue
+                views.append(bufs[i])
+                ready.append(j)
+            if not ready:
+                continue
+            chosen = np.array(ready, dtype=np.int64)
+            try:
+                batch_reader.read_extents(segment, replicas.offsets[replicas.first[chosen]],
+                                          located.sizes[chosen], views)
+            except TransportError:
+                continue
+            done += ready
+        return done
 
     def stats(self):
         """The master's cluster statistics (protobuf StatsResponse)."""
@@ -290,8 +386,10 @@ class KVClient:
                 return t
         return None
 
-    def _read(self, items: list[tuple[int, ObjectView, memoryview]]) -> dict[int, KVPoolError | None]:
-        """Read each object from its best reachable replica, falling back replica by replica."""
+    def _read(self, items: list[tuple[int, ObjectView, memoryview]], verify: bool = False
+              ) -> dict[int, KVPoolError | None]:
+        """Read each object from its best reachable replica, falling back replica by replica
+        (and, with ``verify``, past replicas whose bytes fail the object's checksum)."""
         candidates: dict[int, list[tuple[Transport, Replica]]] = {}
         for i, obj, _ in items:
             if len(obj.replicas) == 1:   # the common case: no ranking to do
@@ -311,6 +409,8 @@ class KVClient:
                 if candidates[i]:
                     t, r = candidates[i].pop(0)
                     ops.append((i, t, IoOp(r, bufs[i])))
+                elif isinstance(last_error.get(i), CorruptObject):
+                    results[i] = last_error[i]   # every replica reachable was damaged
                 else:
                     results[i] = NodeUnavailable(
                         f"no replica could be read: {last_error.get(i, 'no reachable replica')}")
@@ -321,7 +421,30 @@ class KVClient:
                 else:
                     last_error[i] = err
                     pending.append(i)
+            if verify:
+                pending += self._check_sums(items, ops, results, last_error)
         return results
+
+    def _check_sums(self, items, ops, results, last_error) -> list[int]:
+        """Checksum what ``ops`` just read; a mismatch drops that replica on the master and
+        sends the object back to be read from its next replica. Returns those indexes."""
+        objs = {i: obj for i, obj, _ in items}
+        bad: list[tuple[int, Replica]] = []
+        for i, _, op in ops:
+            if results.get(i, 1) is None and checksum(op.buffer) != objs[i].checksum:
+                bad.append((i, op.replica))
+        for i, replica in bad:
+            del results[i]
+            last_error[i] = CorruptObject(f"{objs[i].key!r}: the replica in segment "
+                                          f"{replica.extent.segment_id!r} failed its checksum")
+        if bad:
+            try:
+                self._master.report_corrupt([objs[i].key for i, _ in bad],
+                                            [objs[i].version for i, _ in bad],
+                                            [r.extent.segment_id for _, r in bad])
+            except KVPoolError:
+                pass   # the next reader reports it again; the bytes are refused either way
+        return [i for i, _ in bad]
 
     def _run(self, ops: list[tuple[int, Transport | None, IoOp]], *, write: bool
              ) -> list[tuple[int, KVPoolError | None]]:

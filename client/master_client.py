@@ -6,12 +6,15 @@ Object calls return one result per key: a value, or the KVPoolError instance for
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
-from kvpool.client.grpc_client import GrpcClient
-from kvpool.common import wire
-from kvpool.common.errors import KVPoolError, UnknownNode, error_for_status
-from kvpool.common.types import NodeEndpoints, ObjectView, Replica, SegmentInfo
+import grpc
+import numpy as np
+from kvpool.client.grpc_client import GrpcClient, map_rpc_error
+from kvpool.client.located import Located
+from kvpool.common import checksum, wire
+from kvpool.common.errors import ClientClosed, KVPoolError, NoSpace, UnknownNode, error_for_status
+from kvpool.common.types import NodeEndpoints, ObjectRecord, ObjectView, Replica, SegmentInfo
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
 from kvpool.protos.kvpool.v1 import master_pb2_grpc
 
@@ -24,9 +27,11 @@ class MasterClient(GrpcClient):
                          retries=retries, name="master client")
 
     # -- membership (store nodes) --
-    def mount_segment(self, node: NodeEndpoints, segment: SegmentInfo) -> None:
-        self._call("MountSegment", pb.MountSegmentRequest(node=wire.node_to_pb(node),
-                                                          segment=wire.segment_to_pb(segment)))
+    def mount_segment(self, node: NodeEndpoints, segment: SegmentInfo, *,
+                      keeps_manifest: bool = False, recovering: bool = False) -> None:
+        self._call("MountSegment", pb.MountSegmentRequest(
+            node=wire.node_to_pb(node), segment=wire.segment_to_pb(segment),
+            keeps_manifest=keeps_manifest, recovering=recovering))
 
     def unmount_segment(self, node_id: str, segment_id: str) -> None:
         r = self._call("UnmountSegment", pb.UnmountSegmentRequest(node_id=node_id,
@@ -34,10 +39,50 @@ class MasterClient(GrpcClient):
         if err := error_for_status(r.status, segment_id):
             raise err
 
-    def heartbeat(self, node_id: str) -> None:
+    def heartbeat(self, node_id: str
+                  ) -> tuple[list[ObjectRecord], list[tuple[str, int]]]:
+        """Keep the node alive; returns what the master committed in and dropped from its
+        segments since the last heartbeat (empty unless it mounted with keeps_manifest)."""
         r = self._call("Heartbeat", pb.HeartbeatRequest(node_id=node_id))
         if r.status == pb.STATUS_UNKNOWN_NODE:
             raise UnknownNode(f"master does not know node {node_id!r}")
+        return (wire.records_from_pb(r.committed),
+                list(zip(r.removed_keys, r.removed_versions)))
+
+    def watch_manifest(self, node_id: str, deadline_s: float
+                       ) -> Iterator[tuple[list[ObjectRecord], list[tuple[str, int]]]]:
+        """The changes to a node's manifest as the master makes them, until ``deadline_s``
+        passes (then the iterator ends: watch again) or the master goes away (raises)."""
+        if self._channel is None:
+            raise ClientClosed(f"the {self._name} is closed")
+        stream = self._stub.WatchManifest(pb.WatchManifestRequest(node_id=node_id),
+                                          timeout=deadline_s)
+        try:
+            for msg in stream:
+                yield (wire.records_from_pb(msg.committed),
+                       list(zip(msg.removed_keys, msg.removed_versions)))
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return
+            if e.code() == grpc.StatusCode.CANCELLED and self._channel is None:
+                raise ClientClosed(f"the {self._name} was closed during the call") from None
+            raise map_rpc_error(e, f"master {self.address}: WatchManifest") from None
+        finally:
+            stream.cancel()
+
+    def announce_objects(self, node_id: str, records: Sequence[ObjectRecord], done: bool
+                         ) -> list[KVPoolError | None]:
+        """Re-announce objects a node holds to a master that forgot them (Conflict: drop it)."""
+        r = self._call("AnnounceObjects", pb.AnnounceObjectsRequest(
+            node_id=node_id, objects=wire.records_to_pb(records), done=done))
+        return [error_for_status(s, rec.key) for rec, s in zip(records, r.statuses)]
+
+    def report_corrupt(self, keys: Sequence[str], versions: Sequence[int],
+                       segment_ids: Sequence[str]) -> list[KVPoolError | None]:
+        """Tell the master these replicas failed their checksum: it drops them."""
+        r = self._call("ReportCorrupt", pb.ReportCorruptRequest(
+            keys=keys, versions=versions, segment_ids=segment_ids))
+        return [error_for_status(s, k) for k, s in zip(keys, r.statuses)]
 
     # -- objects --
     def put_start(self, keys: Sequence[str], sizes: Sequence[int], replicas: int = 0
@@ -45,10 +90,18 @@ class MasterClient(GrpcClient):
         r = self._call("PutStart", pb.PutStartRequest(keys=keys, sizes=sizes, replicas=replicas))
         placed = wire.replicas_from_columns(r.replicas, sizes)
         out = [error_for_status(s, k) or p for k, s, p in zip(keys, r.statuses, placed)]
+        if r.space_summary:   # say how much was asked, and how much room there is
+            out = [NoSpace(f"{k!r}: no room for {size} bytes (x{replicas or 'default'} "
+                           f"replicas), even after eviction; {r.space_summary}")
+                   if type(o) is NoSpace else o for k, size, o in zip(keys, sizes, out)]
         return out, r.put_timeout_s
 
-    def put_end(self, keys: Sequence[str]) -> list[KVPoolError | None]:
-        return self._statuses("PutEnd", keys)
+    def put_end(self, keys: Sequence[str], checksums: Sequence[int | None] | None = None
+                ) -> list[KVPoolError | None]:
+        """Commit; ``checksums``: each object's CRC-32C (common/checksum.py), or None."""
+        r = self._call("PutEnd", pb.PutEndRequest(
+            keys=keys, checksums=[checksum.encode(c) for c in checksums] if checksums else ()))
+        return [error_for_status(s, k) for k, s in zip(keys, r.statuses)]
 
     def put_revoke(self, keys: Sequence[str]) -> list[KVPoolError | None]:
         return self._statuses("PutRevoke", keys)
@@ -63,11 +116,19 @@ class MasterClient(GrpcClient):
     def get_replicas(self, keys: Sequence[str]) -> tuple[list[ObjectView | KVPoolError], float]:
         r = self._call("GetReplicas", pb.KeysRequest(keys=keys))
         sizes = list(r.sizes)
+        sums = r.checksums if len(r.checksums) == len(sizes) else [0] * len(sizes)
+        decode = checksum.decode
         located = wire.replicas_from_columns(r.replicas, sizes)
         out: list[ObjectView | KVPoolError] = [
-            error_for_status(s, k) or ObjectView(k, size, version, replicas)
-            for k, s, size, version, replicas in zip(keys, r.statuses, sizes, r.versions, located)]
+            error_for_status(s, k) or ObjectView(k, size, version, replicas, decode(c))
+            for k, s, size, version, replicas, c in zip(keys, r.statuses, sizes, r.versions,
+                                                        located, sums)]
         return out, r.lease_ttl_s
+
+    def locate(self, keys: Sequence[str]) -> Located:
+        """``get_replicas`` in columnar form (the same RPC, leases and errors), for reads of
+        many keys: no Python object per key until one is asked for."""
+        return _located(keys, self._call("GetReplicas", pb.KeysRequest(keys=keys)))
 
     def stats(self) -> pb.StatsResponse:
         return self._call("Stats", pb.StatsRequest())
@@ -75,3 +136,13 @@ class MasterClient(GrpcClient):
     def _statuses(self, method: str, keys: Sequence[str]) -> list[KVPoolError | None]:
         r = self._call(method, pb.KeysRequest(keys=keys))
         return [error_for_status(s, k) for k, s in zip(keys, r.statuses)]
+
+
+def _located(keys: Sequence[str], r: pb.GetReplicasResponse) -> Located:
+    """A GetReplicas answer in columns."""
+    sizes = np.array(r.sizes, dtype=np.uint64)
+    sums = np.array(r.checksums, dtype=np.uint64)
+    return Located(keys=keys, statuses=np.array(r.statuses, dtype=np.int32), sizes=sizes,
+                   versions=np.array(r.versions, dtype=np.uint64),
+                   checksums=sums if len(sums) == len(sizes) else np.zeros_like(sizes),
+                   replicas=wire.replica_arrays(r.replicas), lease_ttl_s=r.lease_ttl_s)

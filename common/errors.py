@@ -36,6 +36,15 @@ class ValueTooLarge(NoSpace, InvalidArgument):
     """The value is larger than any mounted segment: it can never be stored."""
 
 
+class CorruptObject(KVPoolError):
+    """Every replica read failed its checksum: the object's bytes are damaged. The damaged
+    replicas were dropped from the index; no data was returned."""
+
+
+class Conflict(KVPoolError):
+    """An announced object contradicts the master's index (overlapping extent, other version)."""
+
+
 class NotPending(KVPoolError):
     """PutEnd / PutRevoke on a key that is not being put (it timed out, or was never started)."""
 
@@ -77,6 +86,7 @@ _STATUS_TO_ERROR: dict[int, type[KVPoolError]] = {
     pb.STATUS_INVALID_ARGUMENT: InvalidArgument,
     pb.STATUS_NOT_PENDING: NotPending,
     pb.STATUS_UNKNOWN_NODE: UnknownNode,
+    pb.STATUS_CONFLICT: Conflict,
 }
 
 _ERROR_TO_STATUS: dict[type[KVPoolError], int] = {
@@ -87,6 +97,7 @@ _ERROR_TO_STATUS: dict[type[KVPoolError], int] = {
     InvalidArgument: pb.STATUS_INVALID_ARGUMENT,
     NotPending: pb.STATUS_NOT_PENDING,
     UnknownNode: pb.STATUS_UNKNOWN_NODE,
+    Conflict: pb.STATUS_CONFLICT,
 }
 
 

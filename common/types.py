@@ -87,3 +87,17 @@ class ObjectView:
     size: int
     version: int             # unique per stored object; a key stored again gets a new one
     replicas: tuple[Replica, ...]
+    checksum: int | None = None   # CRC-32C of the bytes (common/checksum.py); None = unknown
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectRecord:
+    """One committed object as a store node's manifest holds it: enough for a restarted master
+    to index it again without reading a byte."""
+
+    key: str
+    segment_id: str
+    offset: int
+    size: int
+    checksum: int | None      # CRC-32C (common/checksum.py); None = not recorded
+    version: int

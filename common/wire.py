@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
-from kvpool.common.types import Extent, NodeEndpoints, Replica, SegmentInfo
+import numpy as np
+from kvpool.common import checksum
+from kvpool.common.types import Extent, NodeEndpoints, ObjectRecord, Replica, SegmentInfo
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
 
 # Batches of hundreds of blocks with descriptors exceed gRPC's 4 MiB default.
@@ -134,3 +136,44 @@ def replicas_from_columns(columns: pb.ReplicaColumns, lengths: Sequence[int]
 
 _REPLICA_FIELDS = [f.name for f in fields(Replica)]
 _EXTENT_ARG = _REPLICA_FIELDS.index("extent")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaArrays:
+    """A :class:`pb.ReplicaColumns` decoded without a Python object per replica: the batch
+    form of :func:`replicas_from_columns`, for read paths that move hundreds of blocks.
+
+    Replica ``j`` lives in ``locations[location[j]]`` (a Replica whose extent has offset and
+    length 0: it names the node and the segment) at ``offsets[j]``; object ``i`` owns the
+    ``counts[i]`` replicas from ``first[i]`` on.
+    """
+
+    locations: list[Replica]
+    counts: np.ndarray     # uint32, one per object
+    first: np.ndarray      # int64, one per object: the index of its first replica
+    location: np.ndarray   # int64, one per replica
+    offsets: np.ndarray    # uint64, one per replica
+
+
+def replica_arrays(columns: pb.ReplicaColumns) -> ReplicaArrays:
+    counts = np.array(columns.counts, dtype=np.uint32)
+    first = np.cumsum(counts, dtype=np.int64) - counts
+    return ReplicaArrays(locations=[replica_from_pb(m) for m in columns.locations],
+                         counts=counts, first=first,
+                         location=np.array(columns.location, dtype=np.int64),
+                         offsets=np.array(columns.offsets, dtype=np.uint64))
+
+
+def records_to_pb(records: Sequence[ObjectRecord]) -> pb.ObjectRecords:
+    """Manifest entries in columns (HeartbeatResponse.committed, AnnounceObjectsRequest)."""
+    return pb.ObjectRecords(keys=[r.key for r in records],
+                            segment_ids=[r.segment_id for r in records],
+                            offsets=[r.offset for r in records], sizes=[r.size for r in records],
+                            checksums=[checksum.encode(r.checksum) for r in records],
+                            versions=[r.version for r in records])
+
+
+def records_from_pb(msg: pb.ObjectRecords) -> list[ObjectRecord]:
+    return [ObjectRecord(k, sid, off, size, checksum.decode(c), v)
+            for k, sid, off, size, c, v in zip(msg.keys, msg.segment_ids, msg.offsets,
+                                               msg.sizes, msg.checksums, msg.versions)]

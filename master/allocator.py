@@ -85,6 +85,30 @@ class RangeAllocator:
         self._used += length
         return offset
 
+    def allocate_at(self, offset: int, size: int) -> bool:
+        """Allocate exactly ``[offset, offset + aligned size)`` if it is free and aligned; return
+        whether it was. A restarted master rebuilds its allocators this way from the extents
+        store nodes announce."""
+        length = self.aligned_size(size)
+        if offset < 0 or offset % self._alignment or offset + length > self._capacity:
+            return False
+        i = self._by_offset.bisect_right(offset)
+        if i == 0:
+            return False
+        free_off, free_len = self._by_offset.peekitem(i - 1)
+        if free_off + free_len < offset + length:
+            return False
+        self._remove_free(free_off, free_len)
+        if offset > free_off:
+            self._add_free(free_off, offset - free_off)
+        if free_off + free_len > offset + length:
+            self._add_free(offset + length, free_off + free_len - offset - length)
+        if len(self._lengths) < _MAX_SHARED_LENGTHS:
+            length = self._lengths.setdefault(length, length)
+        self._allocated[offset] = length
+        self._used += length
+        return True
+
     def free(self, offset: int, size: int) -> None:
         """Free an allocation made by ``allocate(size)`` that returned ``offset``.
 

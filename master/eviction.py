@@ -1,13 +1,15 @@
 """Eviction policies: the order in which complete objects are offered for eviction.
 
 A policy only orders keys. Whether a candidate may actually go (leased, pinned, PENDING) is
-the state's decision, so policies stay small and interchangeable (LRU now; prefix-aware later).
+the state's decision, so policies stay small and interchangeable: ``LRUPolicy`` (plain) and
+``PrefixAwarePolicy`` (KV prefix chains: tails before parents, the design's eviction order).
 """
 
 from __future__ import annotations
 
+import heapq
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from itertools import islice
 
 _ABSENT = object()
@@ -82,3 +84,88 @@ class LRUPolicy(EvictionPolicy):
 
     def __len__(self) -> int:
         return len(self._order)
+
+
+class PrefixAwarePolicy(EvictionPolicy):
+    """LRU over the *leaves* of the prefix forest: a block is a victim only once no block that
+    extends its chain is left (as SGLang's radix cache and vLLM's reverse-order free queue do).
+
+    Why: a chained KV block is useful only while every earlier block of its prompt is cached too.
+    Plain LRU touches a prompt's blocks in order, so it evicts a chain's *head* first and
+    strands the rest; here the tail goes first, and a block shared by many chains (a system
+    prompt, an earlier conversation turn) stays while any chain below it does.
+
+    ``on_insert(key, parent)`` names the block the key extends (None for a chain's first block);
+    ``on_access`` of a block refreshes only that block, so callers touch a whole matched prefix.
+    Cost: O(log n) per insert, access and victim, with stale heap entries dropped lazily.
+    """
+
+    def __init__(self) -> None:
+        self._clock = 0
+        self._stamp: dict[Hashable, int] = {}          # key -> last use (a logical clock)
+        self._parent: dict[Hashable, Hashable | None] = {}
+        self._children: dict[Hashable, int] = {}       # key -> how many tracked keys extend it
+        self._leaves: list[tuple[int, Hashable]] = []  # heap (stamp, key); stale entries skipped
+
+    def on_insert(self, key: Hashable, parent: Hashable | None = None) -> None:
+        if key in self._stamp:
+            self.on_access(key)
+            return
+        self._parent[key] = parent
+        self._children[key] = 0
+        if parent in self._stamp:
+            self._children[parent] += 1
+        self._touch(key)
+
+    def on_access(self, key: Hashable) -> None:
+        if key in self._stamp:
+            self._touch(key)
+
+    def on_remove(self, key: Hashable) -> None:
+        if self._stamp.pop(key, _ABSENT) is _ABSENT:
+            return
+        del self._children[key]
+        parent = self._parent.pop(key)
+        # A parent removed before its children (remove, node loss) leaves them as chain heads;
+        # if it comes back its count starts at 0, hence the guard.
+        if parent in self._stamp and self._children[parent] > 0:
+            self._children[parent] -= 1
+            if self._children[parent] == 0:    # a leaf again: a victim in its own turn
+                heapq.heappush(self._leaves, (self._stamp[parent], parent))
+
+    def candidates(self) -> Iterator[Hashable]:
+        offered: list[tuple[int, Hashable]] = []
+        try:
+            while self._leaves:
+                entry = heapq.heappop(self._leaves)
+                if not self._is_live_leaf(entry):
+                    continue
+                offered.append(entry)
+                yield entry[1]
+        finally:   # keys offered but not removed (leased, pinned) stay candidates
+            for entry in offered:
+                if self._is_live_leaf(entry):
+                    heapq.heappush(self._leaves, entry)
+
+    def __len__(self) -> int:
+        return len(self._stamp)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._stamp
+
+    def _touch(self, key: Hashable) -> None:
+        self._clock += 1
+        self._stamp[key] = self._clock
+        if self._children[key] == 0:
+            heapq.heappush(self._leaves, (self._clock, key))
+            self._compact()
+
+    def _is_live_leaf(self, entry: tuple[int, Hashable]) -> bool:
+        stamp, key = entry
+        return self._stamp.get(key) == stamp and self._children[key] == 0
+
+    def _compact(self) -> None:
+        # Touches leave stale entries behind; rebuild once they outnumber the live keys.
+        if len(self._leaves) > 2 * len(self._stamp) + 1024:
+            self._leaves = [(s, k) for k, s in self._stamp.items() if self._children[k] == 0]
+            heapq.heapify(self._leaves)

@@ -5,8 +5,10 @@ Every handler runs on the server's one asyncio loop, so MasterState needs no loc
 
 from __future__ import annotations
 
+import contextlib
+
 import grpc
-from kvpool.common import wire
+from kvpool.common import checksum, wire
 from kvpool.common.errors import (
     InvalidArgument,
     KVPoolError,
@@ -14,7 +16,8 @@ from kvpool.common.errors import (
     status_for_error,
 )
 from kvpool.common.logging import get_logger
-from kvpool.master.state import MasterState
+from kvpool.master.manifest_watch import ManifestWatchers
+from kvpool.master.state import ManifestDelta, MasterState
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
 from kvpool.protos.kvpool.v1 import master_pb2_grpc
 
@@ -32,9 +35,16 @@ async def _check_batch(keys, context: grpc.aio.ServicerContext) -> None:
                             f"batch of {len(keys)} keys; the limit is {_MAX_BATCH}")
 
 
+def _changes(delta: ManifestDelta) -> pb.ManifestChanges:
+    return pb.ManifestChanges(committed=wire.records_to_pb(delta.committed),
+                              removed_keys=[k for k, _ in delta.removed],
+                              removed_versions=[v for _, v in delta.removed])
+
+
 class MasterServicer(master_pb2_grpc.MasterServicer):
     def __init__(self, state: MasterState):
         self._state = state
+        self._watchers = ManifestWatchers(state)
 
     async def MountSegment(self, request, context):
         node, segment = wire.node_from_pb(request.node), wire.segment_from_pb(request.segment)
@@ -42,7 +52,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "node_id, segment_id and a non-zero size are required")
         try:
-            self._state.mount_segment(node, segment)
+            self._state.mount_segment(node, segment, keeps_manifest=request.keeps_manifest,
+                                      recovering=request.recovering)
         except InvalidArgument as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         log.info("segment_mounted", node=node.node_id, segment=segment.segment_id,
@@ -59,10 +70,51 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
     async def Heartbeat(self, request, context):
         try:
-            self._state.heartbeat(request.node_id)
+            # A watching node gets its changes on its stream, in order: not here as well.
+            delta = self._state.heartbeat(
+                request.node_id, take_manifest=not self._watchers.delivers(request.node_id))
         except UnknownNode:
             return pb.HeartbeatResponse(status=pb.STATUS_UNKNOWN_NODE)
-        return pb.HeartbeatResponse(status=pb.STATUS_OK)
+        if delta is None:
+            return pb.HeartbeatResponse(status=pb.STATUS_OK)
+        return pb.HeartbeatResponse(status=pb.STATUS_OK,
+                                    committed=wire.records_to_pb(delta.committed),
+                                    removed_keys=[k for k, _ in delta.removed],
+                                    removed_versions=[v for _, v in delta.removed])
+
+    async def WatchManifest(self, request, context):
+        try:
+            self._state.heartbeat(request.node_id, take_manifest=False)
+        except UnknownNode as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        # aclosing: a cancelled stream must unregister its watch now, not when collected.
+        async with contextlib.aclosing(self._watchers.stream(request.node_id)) as deltas:
+            async for delta in deltas:
+                await context.write(_changes(delta))
+
+    async def AnnounceObjects(self, request, context):
+        records = wire.records_from_pb(request.objects)
+        await _check_batch(records, context)
+        try:
+            results = self._state.announce_objects(request.node_id, records, request.done)
+        except UnknownNode as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        indexed = sum(r is None for r in results)
+        log.info("objects_announced", node=request.node_id, indexed=indexed,
+                 refused=len(results) - indexed, done=request.done)
+        return pb.AnnounceObjectsResponse(statuses=map(_status, results))
+
+    async def ReportCorrupt(self, request, context):
+        await _check_batch(request.keys, context)
+        if not len(request.keys) == len(request.versions) == len(request.segment_ids):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "keys, versions and segment_ids must be parallel")
+        results = self._state.report_corrupt(list(request.keys), list(request.versions),
+                                             list(request.segment_ids))
+        await self._watchers.flush(self._state.nodes_with_changes())
+        log.warning("corrupt_replicas_dropped", keys=list(request.keys)[:8],
+                    segments=sorted(set(request.segment_ids)))
+        return pb.StatusesResponse(statuses=map(_status, results))
 
     async def PutStart(self, request, context):
         await _check_batch(request.keys, context)
@@ -79,12 +131,24 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             else:
                 statuses.append(pb.STATUS_OK)
                 columns.add(r)
+        # Evictions made room: their removals reach the nodes before anyone writes there.
+        await self._watchers.flush(self._state.nodes_with_changes())
+        summary = self._state.space_summary() if pb.STATUS_NO_SPACE in statuses else ""
         return pb.PutStartResponse(put_timeout_s=self._state.config.put_timeout_s,
-                                   statuses=statuses, replicas=columns.to_pb())
+                                   statuses=statuses, replicas=columns.to_pb(),
+                                   space_summary=summary)
 
     async def PutEnd(self, request, context):
         await _check_batch(request.keys, context)
-        return pb.StatusesResponse(statuses=map(_status, self._state.put_end(list(request.keys))))
+        sums = [checksum.decode(c) for c in request.checksums] if request.checksums else None
+        if sums is not None and len(sums) != len(request.keys):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{len(request.keys)} keys but {len(sums)} checksums")
+        results = self._state.put_end(list(request.keys), sums)
+        # Answer once the nodes holding the new objects were told (a master killed right
+        # after this answer loses none of them).
+        await self._watchers.flush(self._state.nodes_with_changes())
+        return pb.StatusesResponse(statuses=map(_status, results))
 
     async def PutRevoke(self, request, context):
         await _check_batch(request.keys, context)
@@ -92,7 +156,9 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
     async def Remove(self, request, context):
         await _check_batch(request.keys, context)
-        return pb.StatusesResponse(statuses=map(_status, self._state.remove(list(request.keys))))
+        results = self._state.remove(list(request.keys))
+        await self._watchers.flush(self._state.nodes_with_changes())
+        return pb.StatusesResponse(statuses=map(_status, results))
 
     async def Exists(self, request, context):
         await _check_batch(request.keys, context)
@@ -102,22 +168,25 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
     async def GetReplicas(self, request, context):
         await _check_batch(request.keys, context)
-        statuses, sizes, versions = [], [], []
+        statuses, sizes, versions, sums = [], [], [], []
         columns = wire.ReplicaColumnsWriter()
+        encode = checksum.encode
         for r in self._state.locate(list(request.keys)):
             if isinstance(r, KVPoolError):
                 statuses.append(status_for_error(r))
                 sizes.append(0)
                 versions.append(0)
+                sums.append(0)
                 columns.skip()
             else:
                 statuses.append(pb.STATUS_OK)
                 sizes.append(r[0])
                 versions.append(r[1])
+                sums.append(encode(r[3]))
                 columns.add_places(r[2], self._state.replica_in)
         return pb.GetReplicasResponse(lease_ttl_s=self._state.config.lease_ttl_s,
                                       statuses=statuses, sizes=sizes, versions=versions,
-                                      replicas=columns.to_pb())
+                                      replicas=columns.to_pb(), checksums=sums)
 
     async def Stats(self, request, context):
         s = self._state.stats()

@@ -19,6 +19,7 @@ from typing import TypeVar
 from kvpool.common.config import MasterConfig
 from kvpool.common.errors import (
     AlreadyExists,
+    Conflict,
     InvalidArgument,
     KVPoolError,
     NoSpace,
@@ -30,6 +31,7 @@ from kvpool.common.errors import (
 from kvpool.common.types import (
     Extent,
     NodeEndpoints,
+    ObjectRecord,
     ObjectState,
     ObjectView,
     Replica,
@@ -66,11 +68,23 @@ class MasterStats:
     nodes: int
 
 
+@dataclass(frozen=True, slots=True)
+class ManifestDelta:
+    """What changed in one node's segments since its last heartbeat: objects committed there,
+    and ``(key, version)`` of objects dropped from there (applied after the commits)."""
+
+    committed: list[ObjectRecord]
+    removed: list[tuple[str, int]]
+
+
 @dataclass(eq=False, slots=True)
 class _Node:
     endpoints: NodeEndpoints
     last_seen: float
     segment_ids: set[str] = field(default_factory=set)
+    # For a node that keeps a manifest: ObjectRecords committed and (key, version) dropped in
+    # its segments, in order, until its next heartbeat takes them. None: it keeps none.
+    manifest_log: list | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -80,6 +94,7 @@ class _Segment:
     allocator: RangeAllocator
     keys: set[str] = field(default_factory=set)   # indexed objects with a replica here
     quarantined_bytes: int = 0
+    manifest_log: list | None = None   # its node's (shared), to append to without a lookup
 
 
 @dataclass(eq=False, slots=True)
@@ -97,6 +112,7 @@ class _Object:
     state: ObjectState = PENDING
     lease_until: float = 0.0
     pinned: bool = False
+    checksum: int | None = None   # CRC-32C of the bytes, as the writer computed it
 
     @property
     def replicas(self) -> list[Extent]:
@@ -134,6 +150,8 @@ class MasterState:
         # blocks mostly have one size): 28 bytes less per indexed object.
         self._sizes: dict[int, int] = {}
         self._hits = self._misses = self._evictions = 0
+        # Segments whose node is still announcing what they hold: no new object goes there.
+        self._recovering: set[str] = set()
 
     @property
     def config(self) -> MasterConfig:
@@ -141,8 +159,14 @@ class MasterState:
 
     # -- membership -----------------------------------------------------------------------
 
-    def mount_segment(self, node: NodeEndpoints, segment: SegmentInfo) -> None:
+    def mount_segment(self, node: NodeEndpoints, segment: SegmentInfo, *,
+                      keeps_manifest: bool = False, recovering: bool = False) -> None:
         """Register ``segment`` on ``node`` (registering or updating the node); a heartbeat too.
+
+        ``keeps_manifest``: the node wants to hear what is committed in and dropped from its
+        segments (``heartbeat`` returns it). ``recovering``: the node will announce objects it
+        already holds there (``announce_objects``); nothing new is placed in the segment until
+        it says it is done.
 
         Idempotent for the same (node, segment). InvalidArgument for a segment id mounted by
         another node or with another size/tier, an empty id, or a segment below the alignment.
@@ -169,10 +193,15 @@ class MasterState:
         if n is None:
             n = self._nodes[node.node_id] = _Node(node, now)
         n.endpoints, n.last_seen = node, now
+        if keeps_manifest and n.manifest_log is None:
+            n.manifest_log = []
         if seg is None:
             alloc = RangeAllocator(segment.size_bytes, self._config.alignment_bytes)
-            self._segments[segment.segment_id] = _Segment(node.node_id, segment, alloc)
+            seg = self._segments[segment.segment_id] = _Segment(node.node_id, segment, alloc)
             n.segment_ids.add(segment.segment_id)
+            if recovering:
+                self._recovering.add(segment.segment_id)
+        seg.manifest_log = n.manifest_log
 
     def unmount_segment(self, node_id: str, segment_id: str) -> None:
         """Drop a segment and every replica in it; a no-op if it is not mounted (retries)."""
@@ -183,9 +212,48 @@ class MasterState:
         if seg is not None:
             self._drop_segment(seg)
 
-    def heartbeat(self, node_id: str) -> None:
-        """Keep ``node_id`` alive; UnknownNode tells the node to mount its segments again."""
+    def heartbeat(self, node_id: str, take_manifest: bool = True) -> ManifestDelta | None:
+        """Keep ``node_id`` alive; UnknownNode tells the node to mount its segments again.
+        For a node that keeps a manifest, what changed in its segments since it was last taken
+        (unless ``take_manifest`` is False: the changes go another way, ``take_manifest``)."""
         self._live_node(node_id)
+        return self.take_manifest(node_id) if take_manifest else None
+
+    def take_manifest(self, node_id: str) -> ManifestDelta | None:
+        """What was committed in and dropped from the node's segments since the last take;
+        None for an unknown node or one that keeps no manifest."""
+        n = self._nodes.get(node_id)
+        if n is None or n.manifest_log is None:
+            return None
+        log, n.manifest_log[:] = list(n.manifest_log), []
+        return ManifestDelta([e for e in log if type(e) is ObjectRecord],
+                             [e for e in log if type(e) is tuple])
+
+    def nodes_with_changes(self) -> list[str]:
+        """The nodes whose manifest changes have not been taken yet."""
+        return [nid for nid, n in self._nodes.items() if n.manifest_log]
+
+    def announce_objects(self, node_id: str, records: Sequence[ObjectRecord],
+                         done: bool = False) -> list[KVPoolError | None]:
+        """Index again objects a node holds (after a master restart): each one is COMPLETE at
+        exactly its announced extent, a replica of an indexed object of the same key, version
+        and size, or refused with Conflict (overlapping extent, other version) and the node
+        forgets it. ``done``: the node has announced everything; its recovering segments
+        take new objects from now on."""
+        n = self._live_node(node_id)
+        out = [_attempt(self._announce_one, node_id, r) for r in records]
+        if done:
+            self._recovering.difference_update(n.segment_ids)
+        return out
+
+    def report_corrupt(self, keys: Sequence[str], versions: Sequence[int],
+                       segment_ids: Sequence[str]) -> list[KVPoolError | None]:
+        """Drop replicas whose bytes failed the checksum; an object left without replicas is
+        removed. A report about another version of the key, or a replica already gone, is
+        a no-op (reports race with removals and with other readers' reports)."""
+        now = self._clock()
+        return [_attempt(self._drop_corrupt_one, k, v, sid, now)
+                for k, v, sid in zip(keys, versions, segment_ids)]
 
     # -- objects ----------------------------------------------------------------------------
 
@@ -208,9 +276,15 @@ class MasterState:
                            (now + self._config.put_timeout_s, next(self._seq), started))
         return out
 
-    def put_end(self, keys: Sequence[str]) -> list[KVPoolError | None]:
-        """Commit PENDING objects: readable and evictable from now on."""
-        return [_attempt(self._put_end_one, key) for key in keys]
+    def put_end(self, keys: Sequence[str], checksums: Sequence[int | None] | None = None
+                ) -> list[KVPoolError | None]:
+        """Commit PENDING objects: readable and evictable from now on. ``checksums``: the
+        CRC-32C of each object's bytes as the writer computed it (None: not computed)."""
+        if checksums is None:
+            return [_attempt(self._put_end_one, key, None) for key in keys]
+        if len(checksums) != len(keys):
+            raise InvalidArgument(f"{len(keys)} keys but {len(checksums)} checksums")
+        return [_attempt(self._put_end_one, key, c) for key, c in zip(keys, checksums)]
 
     def put_revoke(self, keys: Sequence[str]) -> list[KVPoolError | None]:
         """Abandon PENDING objects; their space is free at once (the writer says it stopped)."""
@@ -220,13 +294,14 @@ class MasterState:
         """Where each complete object lives; each one found is leased for ``lease_ttl_s``."""
         return [r if isinstance(r, KVPoolError) else
                 ObjectView(key, r[0], r[1], tuple(self._replica(Extent(sid, offset, r[0]))
-                                                  for sid, offset in r[2]))
+                                                  for sid, offset in r[2]), r[3])
                 for key, r in zip(keys, self.locate(keys))]
 
     def locate(self, keys: Sequence[str]
-               ) -> list[tuple[int, int, tuple[tuple[str, int], ...]] | KVPoolError]:
+               ) -> list[tuple[int, int, tuple[tuple[str, int], ...], int | None] | KVPoolError]:
         """``get_replicas`` in raw form, for the servicer's hot path: per key ``(size, version,
-        ((segment_id, offset), ...))`` or the error; the same leases, LRU touch and counting.
+        ((segment_id, offset), ...), checksum)`` or the error; the same leases, LRU touch and
+        counting.
         :meth:`replica_in` describes each segment."""
         now = self._clock()
         lease_until = now + self._config.lease_ttl_s
@@ -246,7 +321,7 @@ class MasterState:
             where = ((obj.segment_id, obj.offset),)
             if obj.more:
                 where += tuple((e.segment_id, e.offset) for e in obj.more)
-            out.append((obj.size, obj.version, where))
+            out.append((obj.size, obj.version, where, obj.checksum))
         return out
 
     def replica_in(self, segment_id: str, offset: int = 0, length: int = 0) -> Replica:
@@ -303,11 +378,12 @@ class MasterState:
             raise InvalidArgument(f"replicas must be >= 1, not {n!r}")
         if key in self._objects:
             raise AlreadyExists(f"{key!r} already exists")
-        nodes = {s.node_id for s in self._segments.values()}
+        segments = self._open_segments()
+        nodes = {s.node_id for s in segments}
         if len(nodes) < n:
             raise NoSpace(f"{key!r}: {n} replicas asked but only {len(nodes)} live nodes "
                           "have segments")
-        fits = [s for s in self._segments.values()
+        fits = [s for s in segments
                 if s.allocator.capacity_bytes >= s.allocator.aligned_size(size)]
         if not fits:
             raise ValueTooLarge(f"{key!r}: {size} bytes is larger than every segment")
@@ -317,7 +393,8 @@ class MasterState:
             raise NoSpace(f"{key!r}: fewer than {n} nodes have a segment of {size} bytes")
         extents = self._place(size, n, fits, now)
         if extents is None:
-            raise NoSpace(f"{key!r}: no room for {size} bytes x{n}, even after eviction")
+            raise NoSpace(f"{key!r}: no room for {size} bytes x{n}, even after eviction: "
+                          + self._space_summary(segments))
         if len(self._sizes) < _MAX_SHARED_SIZES:
             size = self._sizes.setdefault(size, size)
         obj = _Object(key, size, next(self._versions), extents[0].segment_id, extents[0].offset,
@@ -329,8 +406,28 @@ class MasterState:
         started.append(obj)
         return self._replicas(obj)
 
+    def space_summary(self) -> str:
+        """How much room the cluster has for new objects, for a NoSpace message."""
+        return self._space_summary(self._open_segments())
+
+    def _space_summary(self, segments) -> str:
+        segments = list(segments)
+        free = sum(s.allocator.free_bytes - s.quarantined_bytes for s in segments)
+        total = sum(s.allocator.capacity_bytes for s in segments)
+        largest = max((s.allocator.largest_free_bytes for s in segments), default=0)
+        # What is left is held by pending, pinned or leased objects, which are never evicted.
+        return (f"the cluster has {free} of {total} bytes free in {len(segments)} segments "
+                f"(largest free range {largest} bytes), the rest held by objects that are "
+                f"pending, pinned or leased ({self._pending} pending)")
+
+    def _open_segments(self):
+        """The segments new objects may go to: all but those still being announced."""
+        if not self._recovering:
+            return self._segments.values()
+        return [s for sid, s in self._segments.items() if sid not in self._recovering]
+
     def _place(self, size: int, n: int, fits: list[_Segment], now: float) -> list[Extent] | None:
-        extents = choose_segments(self._segments.values(), size, n)
+        extents = choose_segments(self._open_segments(), size, n)
         if extents is not None:
             return extents
         # Only objects with a replica in a segment that could hold this one make room for it.
@@ -342,12 +439,13 @@ class MasterState:
             if not any(e.segment_id in fit_ids for e in obj.replicas):
                 continue
             self._evict(obj)
-            extents = choose_segments(self._segments.values(), size, n)
+            extents = choose_segments(self._open_segments(), size, n)
             if extents is not None:
                 return extents
         return None
 
-    def _get_one(self, key: str, now: float) -> tuple[int, int, tuple[tuple[str, int], ...]]:
+    def _get_one(self, key: str, now: float
+                 ) -> tuple[int, int, tuple[tuple[str, int], ...], int | None]:
         try:
             obj = self._complete(key)
         except ObjectNotFound:
@@ -359,13 +457,68 @@ class MasterState:
         where = ((obj.segment_id, obj.offset),)
         if obj.more:
             where += tuple((e.segment_id, e.offset) for e in obj.more)
-        return obj.size, obj.version, where
+        return obj.size, obj.version, where, obj.checksum
 
-    def _put_end_one(self, key: str) -> None:
+    def _put_end_one(self, key: str, checksum: int | None) -> None:
         obj = self._pending_object(key)
         obj.state = COMPLETE
+        obj.checksum = checksum
         self._pending -= 1
         self._policy.on_insert(obj.key)   # the indexed str, not the request's equal copy
+        for e in obj.replicas:
+            log = self._segments[e.segment_id].manifest_log
+            if log is not None:
+                log.append(ObjectRecord(obj.key, e.segment_id, e.offset, obj.size, checksum,
+                                        obj.version))
+
+    def _announce_one(self, node_id: str, r: ObjectRecord) -> None:
+        validate_key(r.key)
+        seg = self._segments.get(r.segment_id)
+        if seg is None or seg.node_id != node_id:
+            raise Conflict(f"{r.key!r}: segment {r.segment_id!r} is not mounted by {node_id!r}")
+        obj = self._objects.get(r.key)
+        extent = Extent(r.segment_id, r.offset, r.size)
+        if obj is not None and (obj.state is not COMPLETE or obj.version != r.version
+                                or obj.size != r.size or obj.checksum != r.checksum):
+            raise Conflict(f"{r.key!r}: indexed as another object")
+        if obj is not None and extent in obj.replicas:
+            return   # announced again (a node retrying a batch whose answer it lost)
+        if obj is not None and any(e.segment_id == r.segment_id for e in obj.replicas):
+            raise Conflict(f"{r.key!r}: already has a replica in {r.segment_id!r}")
+        if r.size < 1 or not seg.allocator.allocate_at(r.offset, r.size):
+            raise Conflict(f"{r.key!r}: extent {r.offset}+{r.size} in {r.segment_id!r} overlaps "
+                           "another object or lies outside the segment")
+        seg.keys.add(r.key)
+        if obj is not None:   # another node's replica of it was announced first
+            obj.replicas = [*obj.replicas, extent]
+            return
+        size = self._sizes.setdefault(r.size, r.size) if len(self._sizes) < _MAX_SHARED_SIZES \
+            else r.size
+        obj = _Object(r.key, size, r.version, r.segment_id, r.offset, state=COMPLETE,
+                      checksum=r.checksum)
+        self._objects[r.key] = obj
+        self._policy.on_insert(obj.key)
+        # Versions stay unique per key across the restart: new ones come after every announced.
+        nxt = next(self._versions)
+        self._versions = itertools.count(max(nxt, r.version + 1))
+
+    def _drop_corrupt_one(self, key: str, version: int, segment_id: str, now: float) -> None:
+        validate_key(key)
+        obj = self._objects.get(key)
+        if obj is None or obj.state is not COMPLETE or obj.version != version:
+            return
+        bad = [e for e in obj.replicas if e.segment_id == segment_id]
+        if not bad:
+            return
+        seg = self._segments[segment_id]
+        obj.replicas = [e for e in obj.replicas if e.segment_id != segment_id]
+        seg.keys.discard(key)
+        if seg.manifest_log is not None:
+            seg.manifest_log.append((key, version))
+        # Other readers may be copying it under their lease: reuse only after that.
+        self._free_later(bad, max(now, obj.lease_until))
+        if not obj.replicas:
+            self._unindex(obj)
 
     def _put_revoke_one(self, key: str) -> None:
         obj = self._pending_object(key)
@@ -485,7 +638,10 @@ class MasterState:
         else:
             self._policy.on_remove(obj.key)
         for e in obj.replicas:
-            self._segments[e.segment_id].keys.discard(obj.key)
+            seg = self._segments[e.segment_id]
+            seg.keys.discard(obj.key)
+            if seg.manifest_log is not None and obj.state is COMPLETE:
+                seg.manifest_log.append((obj.key, obj.version))
 
     def _free_now(self, extents: list[Extent]) -> None:
         for e in extents:
@@ -501,6 +657,7 @@ class MasterState:
         """Forget a segment: its replicas go, and objects left without replicas vanish."""
         sid = seg.info.segment_id
         del self._segments[sid]
+        self._recovering.discard(sid)
         self._nodes[seg.node_id].segment_ids.discard(sid)
         for key in seg.keys:
             obj = self._objects[key]

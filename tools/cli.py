@@ -31,6 +31,11 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _size_or_off(text: str) -> int:
+    """A size, or 0 for "off"."""
+    return 0 if text.strip() == "0" else _size(text)
+
+
 def _duration(text: str) -> float:
     try:
         return parse_duration(text)
@@ -124,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: 1s)")
     n.add_argument("--no-shm", action="store_true",
                    help="do not offer the same-host shared-memory hand-off (tcp only)")
+    n.add_argument("--scrub-rate", type=_size_or_off, default=64 << 20, metavar="SIZE",
+                   help="bytes per second the scrubber reads to re-check stored objects' "
+                        "checksums; a damaged replica is dropped from the index (default: "
+                        "64MiB; 0 = no scrubbing)")
+    n.add_argument("--scrub-interval", type=_duration, default=60.0, metavar="DURATION",
+                   help="rest between two scrubbing passes (default: 60s)")
     rd = n.add_mutually_exclusive_group()
     rd.add_argument("--rdma-device", metavar="NAME",
                     help="register the segments with this RDMA device (e.g. mlx5_0, rxe0; "
@@ -211,7 +222,8 @@ def _cmd_store_node(args) -> int:
                      port=args.port, node_id=args.node_id,
                      heartbeat_interval_s=args.heartbeat_interval, shm=not args.no_shm,
                      advertise_host=args.advertise_host,
-                     rdma_device=False if args.no_rdma else args.rdma_device)
+                     rdma_device=False if args.no_rdma else args.rdma_device,
+                     scrub_bytes_per_s=args.scrub_rate, scrub_interval_s=args.scrub_interval)
     node.start()
     rdma = f" rdma={node.endpoints.rdma_device}" if node.endpoints.rdma_device else ""
     print(f"store-node: {node.node_id} tcp={node.endpoints.tcp_endpoint}{rdma}", flush=True)

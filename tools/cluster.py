@@ -123,6 +123,24 @@ class LocalCluster:
             raise
         return self.master
 
+    def kill_master(self) -> None:
+        """SIGKILL the master (a crash: no clean shutdown); the nodes keep running."""
+        if self.master_proc:
+            self.master_proc.kill()
+            if self.master_proc.popen.stdout:
+                self.master_proc.popen.stdout.close()
+
+    def restart_master(self) -> str:
+        """Kill the master (SIGKILL) if it runs, and start a new one, with an empty index, on
+        the same address; returns once it serves. The nodes re-announce what they hold."""
+        self.kill_master()
+        _, _, port = self.master.rpartition(":")
+        self.master_proc = Proc("master", ["master", "--host", self.host, "--port", port,
+                                           *self.master_args], self._log("master"))
+        address = self.master_proc.wait_ready("master")
+        assert address == self.master, (address, self.master)
+        return address
+
     def add_node(self, name: str, extra_args: Sequence[str] = ()) -> Proc:
         """Start one more store node and wait until its segments are mounted."""
         proc = Proc(name, ["store-node", "--master", self.master, "--host", self.host,

@@ -15,12 +15,15 @@ from kvpool.common.errors import InvalidArgument
 from kvpool.master.routing import DEFAULT_POLICY, POLICIES
 from kvpool.tools.replay_sim import (
     ALL_POLICIES,
+    STORE_EVICTIONS,
     STORE_WRITES,
     InstanceModel,
     as_dict,
     ideal_reuse,
     load_trace,
+    percentile,
     simulate,
+    ttft_floor_s,
 )
 
 
@@ -62,10 +65,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     "to first token (mean, p90).",
         epilog="Instance model: each instance is a FIFO queue in front of one prefill server "
                "that computes --prefill-tokens-per-s and loads store-held KV at "
-               "--store-tokens-per-s; its own cache is an LRU of --cache-blocks trace blocks; "
-               "the store an LRU of --store-blocks; caches fill when a prefill finishes. A block "
-               "is a hit only while every earlier block of its prompt is. ideal_reuse is what an "
-               "infinite shared cache would reuse.\n\n"
+               "--store-tokens-per-s; its own cache is an LRU of --cache-blocks trace blocks "
+               "(a prompt's tail evicted before its head, as vLLM does); the store holds "
+               "--store-blocks with prefix-aware eviction; caches fill when a prefill finishes. "
+               "A block is a hit only while every earlier block of its prompt is. ideal_reuse is "
+               "what an infinite shared cache would reuse; floor p90 is the p90 TTFT no policy "
+               "can beat (each prompt's prefill of what no earlier request computed).\n\n"
                "Example: kvpool replay trace.jsonl --json out.json --plot out.png\n"
                "         kvpool replay trace.jsonl --live --master 127.0.0.1:50051 --requests 50")
     p.add_argument("trace", metavar="TRACE", help="Mooncake-format trace (.jsonl)")
@@ -79,6 +84,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "every block once its prefill finishes, reusable at once by any "
                         "instance) or `eviction` (only blocks their own cache evicts, the store "
                         "as an offload tier) (default: prefill)")
+    p.add_argument("--store-eviction", choices=STORE_EVICTIONS, default="prefix",
+                   help="the store's eviction order: `prefix` (kvpool's: least recently used "
+                        "chain tails first, a block only after every block extending it) or "
+                        "`lru` (plain) (default: prefix)")
     p.add_argument("--policies", type=_policies, default=list(ALL_POLICIES), metavar="A,B,...",
                    help=f"routing policies to compare (default: all: {','.join(ALL_POLICIES)})")
     p.add_argument("--seed", type=int, default=0, help="seed of the random policy (default: 0)")
@@ -144,15 +153,17 @@ def run(args) -> int:
         result, ttfts[name] = simulate(
             requests, name, instances=args.instances, cache_blocks=args.cache_blocks,
             store_blocks=args.store_blocks, model=model, seed=args.seed,
-            store_writes=args.store_writes,
+            store_writes=args.store_writes, store_eviction=args.store_eviction,
             progress=Progress(name, len(requests), enabled=not args.no_progress))
         results[name] = as_dict(result)
     report = {
         "trace": str(args.trace), "requests": len(requests),
         "prompt_tokens": sum(r.input_tokens for r in requests),
         "ideal_reuse": ideal, "default_policy": DEFAULT_POLICY,
+        "ttft_floor_p90_s": percentile(sorted(ttft_floor_s(requests, model)), 0.90),
         "config": {"instances": args.instances, "cache_blocks": args.cache_blocks,
                    "store_blocks": args.store_blocks, "store_writes": args.store_writes,
+                   "store_eviction": args.store_eviction,
                    "seed": args.seed,
                    "prefill_tokens_per_s": args.prefill_tokens_per_s,
                    "store_tokens_per_s": args.store_tokens_per_s,
@@ -173,15 +184,17 @@ def format_table(report: dict) -> str:
     c = report["config"]
     head = (f"{report['requests']} requests, {report['prompt_tokens']:,} prompt tokens; "
             f"{c['instances']} instances x {c['cache_blocks']} blocks, store "
-            f"{c['store_blocks']} blocks (written at {c['store_writes']}); "
-            f"ideal reuse {report['ideal_reuse']:.1%}")
+            f"{c['store_blocks']} blocks (written at {c['store_writes']}, "
+            f"{c['store_eviction']} eviction); {c['prefill_tokens_per_s']:,.0f} prefill tokens/s "
+            f"per instance; ideal reuse {report['ideal_reuse']:.2%}, floor p90 "
+            f"{report['ttft_floor_p90_s']:.3f} s")
     columns = (f"{'policy':<16} {'local_hit':>9} {'store_hit':>9} {'recomputed':>10} "
                f"{'ttft_mean_s':>11} {'ttft_p90_s':>10}")
     lines = [head, columns]
     for name, r in report["policies"].items():
         mark = " *" if name == report["default_policy"] else ""
-        lines.append(f"{name:<16} {r['local_hit']:>9.1%} {r['store_hit']:>9.1%} "
-                     f"{r['recomputed']:>10.1%} {r['ttft_mean_s']:>11.3f} "
+        lines.append(f"{name:<16} {r['local_hit']:>9.2%} {r['store_hit']:>9.2%} "
+                     f"{r['recomputed']:>10.2%} {r['ttft_mean_s']:>11.3f} "
                      f"{r['ttft_p90_s']:>10.3f}{mark}")
     lines.append("(* the default policy; fractions are of prompt tokens)")
     return "\n".join(lines)

@@ -11,11 +11,16 @@ The instance model (documented here because every figure depends on it):
 - A request's service time is ``recomputed_tokens * prefill_s_per_token +
   store_hit_tokens * store_s_per_token``; local (GPU cache) hits cost nothing. Its TTFT is its
   wait in the queue plus its service time.
-- Each instance's GPU prefix cache is an LRU of ``cache_blocks`` trace blocks. When a request
+- Each instance's GPU prefix cache is an LRU of ``cache_blocks`` trace blocks in which a
+  prompt's blocks are ordered tail first, so its last blocks go before its first (vLLM's block
+  manager frees a finished request's blocks in reverse order for this reason). When a request
   is routed, its local hits are touched (they are in use); when its prefill finishes, all its
-  blocks enter the instance's cache (evicting LRU blocks) and the shared store.
-- The store is one LRU of ``store_blocks`` blocks (0 = no store); reading a block touches it,
-  putting a block it holds does not. ``store_writes="prefill"`` (kvpool's way, the default):
+  blocks enter the instance's cache and the shared store.
+- The store holds ``store_blocks`` blocks (0 = no store) under ``store_eviction``: ``"prefix"``
+  (the default, the master's :class:`~kvpool.master.eviction.PrefixAwarePolicy`: least
+  recently used chain tails first, a block only once no block extending it is left) or
+  ``"lru"``. Reading a block touches it, putting a block it holds does not.
+  ``store_writes="prefill"`` (kvpool's way, the default):
   an instance puts every block of a prompt when its prefill finishes, so any instance can reuse
   it at once. ``"eviction"``: an instance puts a block only when its own cache evicts it (the
   store as an offload tier behind each GPU cache, as offloading connectors do): the store and
@@ -43,6 +48,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from kvpool.common.errors import InvalidArgument
+from kvpool.master.eviction import PrefixAwarePolicy
 from kvpool.master.routing import (
     GPU,
     STORE,
@@ -57,6 +63,7 @@ from kvpool.master.routing import (
 
 ALL_POLICIES = ("random", "round_robin", "least_loaded", "prefix_affinity", "kvpool")
 STORE_WRITES = ("prefill", "eviction")
+STORE_EVICTIONS = ("prefix", "lru")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +75,20 @@ class Request:
 
 @dataclass(frozen=True, slots=True)
 class InstanceModel:
-    """Defaults: a 70B-class model, 8,000 prefill tokens/s per instance, KV loaded from the
-    store 10x faster than it is computed (~320 KiB per token at ~25 GB/s)."""
+    """Per-instance rates. The defaults model the testbed of the Mooncake paper this trace comes
+    from (FAST'25: a LLaMA2-70B-architecture model, nodes of 8 A800-80GB GPUs and 200 Gbps
+    RDMA NICs), one instance per node:
+
+    - prefill 8,000 tokens/s: 2 x 70e9 FLOP per token x 8,000/s = 1.1 PFLOP/s, ~45% of the
+      node's 2.5 PFLOP/s dense BF16 peak (attention at the trace's 12k-token mean prompt adds
+      ~10% more work; the figure is a realistic MFU, not a peak);
+    - store loads 80,000 tokens/s: LLaMA2-70B's KV is 320 KiB per token (80 layers x K,V x 8
+      GQA heads x 128 x 2 bytes), so 80k tokens/s is ~26 GB/s, one 200 Gbps NIC.
+
+    Load on the conversation trace: 144.8 M prompt tokens in 3,537 s (40.9k tokens/s offered);
+    even with ideal reuse 25.6k tokens/s must be prefilled, 40% of 8 x 8,000 — queues form in
+    bursts, not steadily. ``kvpool replay --prefill-tokens-per-s 4000 / 16000`` gives 80% / 20%
+    (the README's sensitivity table)."""
 
     prefill_s_per_token: float = 1 / 8000
     store_s_per_token: float = 1 / 80000
@@ -134,6 +153,24 @@ def ideal_reuse(requests: Iterable[Request], block_tokens: int = 512) -> float:
     return reused / total if total else 0.0
 
 
+def ttft_floor_s(requests: Iterable[Request], model: InstanceModel) -> list[float]:
+    """Per request, a TTFT no routing or caching can beat: the prefill of the tokens no earlier
+    request computed (those :func:`ideal_reuse` cannot reuse), with no wait and free loads.
+    Its p90 bounds every policy's p90 from below (a percentile of pointwise larger values is
+    larger), so it shows how much of a p90 is the prompts' own work rather than routing."""
+    seen: set[int] = set()
+    out = []
+    for r in requests:
+        reused = 0
+        for h, size in zip(r.hash_ids, _block_tokens(r, model.block_tokens)):
+            if h not in seen:
+                break
+            reused += size
+        seen.update(r.hash_ids)
+        out.append((r.input_tokens - reused) * model.prefill_s_per_token)
+    return out
+
+
 class LRUBlocks:
     """A capacity-bounded LRU set of block hashes."""
 
@@ -171,6 +208,47 @@ class LRUBlocks:
         return [h for h in stored if h not in gone], [h for h in evicted if h not in gone]
 
 
+class PrefixBlocks:
+    """The shared store's blocks under prefix-aware eviction (the master's
+    :class:`~kvpool.master.eviction.PrefixAwarePolicy`): least recently used *chain tails*
+    first, so a block goes only after every block extending it. ``parent_of`` maps a block to
+    the block before it in its prompt (the trace's hash chains). Same interface as
+    :class:`LRUBlocks`."""
+
+    def __init__(self, capacity: int, parent_of: dict):
+        self.capacity = capacity
+        self._parent_of = parent_of
+        self._policy = PrefixAwarePolicy()
+
+    def __contains__(self, h) -> bool:
+        return h in self._policy
+
+    def __len__(self) -> int:
+        return len(self._policy)
+
+    def touch(self, hashes: Iterable) -> None:
+        for h in hashes:
+            self._policy.on_access(h)
+
+    def add(self, hashes: Iterable, refresh: bool = True) -> tuple[list, list]:
+        stored, evicted = [], []
+        if self.capacity <= 0:
+            return stored, evicted
+        for h in hashes:
+            if h in self:
+                if refresh:
+                    self._policy.on_access(h)
+                continue
+            self._policy.on_insert(h, self._parent_of.get(h))
+            stored.append(h)
+            while len(self._policy) > self.capacity:
+                victim = next(self._policy.candidates())
+                self._policy.on_remove(victim)
+                evicted.append(victim)
+        gone = set(evicted) & set(stored)
+        return [h for h in stored if h not in gone], [h for h in evicted if h not in gone]
+
+
 @dataclass(eq=False, slots=True)
 class _Instance:
     name: str
@@ -182,7 +260,7 @@ class _Instance:
 def simulate(requests: Sequence[Request], policy: str, *, instances: int = 8,
              cache_blocks: int = 6000, store_blocks: int = 60000,
              model: InstanceModel = InstanceModel(), seed: int = 0,
-             store_writes: str = "prefill",
+             store_writes: str = "prefill", store_eviction: str = "prefix",
              affinity_slack_tokens: int | None = None,
              progress: Callable[[int], None] | None = None) -> tuple[PolicyResult, list[float]]:
     """Replay ``requests`` through ``policy``; return the result and every request's TTFT."""
@@ -190,7 +268,12 @@ def simulate(requests: Sequence[Request], policy: str, *, instances: int = 8,
         raise InvalidArgument("--instances must be >= 1")
     if store_writes not in STORE_WRITES:
         raise InvalidArgument(f"store writes {store_writes!r}: expected one of {STORE_WRITES}")
-    store = LRUBlocks(store_blocks)
+    if store_eviction not in STORE_EVICTIONS:
+        raise InvalidArgument(f"store eviction {store_eviction!r}: expected one of "
+                              f"{STORE_EVICTIONS}")
+    parent_of: dict = {}
+    store = PrefixBlocks(store_blocks, parent_of) if store_eviction == "prefix" \
+        else LRUBlocks(store_blocks)
     index = RoutingIndex(lambda: 0.0, instance_ttl_s=math.inf,
                          store_lookup=lambda hs: [h in store for h in hs],
                          cost=_cost(model, affinity_slack_tokens))
@@ -206,12 +289,15 @@ def simulate(requests: Sequence[Request], policy: str, *, instances: int = 8,
         now = req.arrival_s
         while done and done[0][0] <= now:
             _, _, name, hashes = heapq.heappop(done)
-            stored, evicted = fleet[name].cache.add(hashes)
+            # Tail first, as vLLM frees a finished request's blocks: its cache evicts a
+            # prompt's last blocks before its first.
+            stored, evicted = fleet[name].cache.add(hashes[::-1])
             events = ([BlockStored(tuple(stored))] if stored else []) \
                 + ([BlockRemoved(tuple(evicted))] if evicted else [])
             index.apply(name, events)
             # As in the master: a put of a stored key is a no-op that does not refresh it.
-            store.add(hashes if store_writes == "prefill" else evicted, refresh=False)
+            # Evictions come tail first; put them parents first, as chains are.
+            store.add(hashes if store_writes == "prefill" else evicted[::-1], refresh=False)
         candidates = []
         for inst in fleet.values():
             while inst.finishes and inst.finishes[0] <= now:
@@ -219,11 +305,13 @@ def simulate(requests: Sequence[Request], policy: str, *, instances: int = 8,
             queued_s = max(0.0, inst.free_at_s - now)
             candidates.append(Candidate(inst.name, len(inst.finishes),
                                         round(queued_s / model.prefill_s_per_token)))
+        for parent, h in zip((None, *req.hash_ids), req.hash_ids):
+            parent_of.setdefault(h, parent)
         query = RouteQuery(req.hash_ids, req.input_tokens, model.block_tokens)
         d = index.route(query, candidates, router)
         inst = fleet[d.instance_id]
         hit_gpu, hit_store = d.hit_blocks[GPU], d.hit_blocks[STORE]
-        inst.cache.touch(req.hash_ids[:hit_gpu])
+        inst.cache.touch(req.hash_ids[:hit_gpu][::-1])
         store.touch(req.hash_ids[hit_gpu:hit_gpu + hit_store])   # only reads touch the store
         service_s = (d.recomputed_tokens * model.prefill_s_per_token
                      + d.hit_tokens[STORE] * model.store_s_per_token)
@@ -241,8 +329,8 @@ def simulate(requests: Sequence[Request], policy: str, *, instances: int = 8,
     result = PolicyResult(
         local_hit=local / total, store_hit=via_store / total,
         recomputed=(total - local - via_store) / total,
-        ttft_mean_s=sum(ttfts) / len(ttfts), ttft_p90_s=_percentile(ordered, 0.90),
-        ttft_p99_s=_percentile(ordered, 0.99))
+        ttft_mean_s=sum(ttfts) / len(ttfts), ttft_p90_s=percentile(ordered, 0.90),
+        ttft_p99_s=percentile(ordered, 0.99))
     return result, ttfts
 
 
@@ -254,7 +342,7 @@ def _cost(model: InstanceModel, affinity_slack_tokens: int | None) -> CostModel:
         replace(cost, affinity_slack_tokens=affinity_slack_tokens)
 
 
-def _percentile(ordered: Sequence[float], q: float) -> float:
+def percentile(ordered: Sequence[float], q: float) -> float:
     """Nearest-rank percentile of sorted values."""
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 

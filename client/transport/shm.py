@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 from kvpool.client.transport.base import (
     IoOp, Transport, byte_views, group_by, recv_exact)
-from kvpool.common.errors import ClientClosed, SegmentBoundsError, TransportError
+from kvpool.common.errors import ClientClosed, InvalidArgument, SegmentBoundsError, TransportError
 from kvpool.common.frames import (
     HANDOFF_REQUEST,
     MAX_ERROR_BYTES,
@@ -39,7 +39,7 @@ from kvpool.common.frames import (
 )
 from kvpool.common.host import local_boot_id
 from kvpool.common.logging import get_logger
-from kvpool.common.types import NodeEndpoints
+from kvpool.common.types import NodeEndpoints, Replica
 
 log = get_logger(__name__)
 
@@ -192,6 +192,12 @@ def _copy_run(link: _NodeLink, run: list[tuple[int, _Mapping]], ops: Sequence[Io
     else:   # the run's buffers are one contiguous range: view it whole (they outlive the copy)
         buf = memoryview((ctypes.c_char * (end - start)).from_address(
             _address(views[first]))).cast("B")
+    _copy(link, mapping, start, end, buf, write)
+
+
+def _copy(link: _NodeLink, mapping: _Mapping, start: int, end: int, buf: memoryview,
+          write: bool) -> None:
+    """Move ``buf`` to or from ``[start, end)`` of ``mapping``."""
     try:
         region = mapping.view[start:end]
     except ValueError as exc:   # released: the link was dropped by another thread
@@ -232,6 +238,45 @@ class SHMTransport(Transport):
 
     def write(self, ops: Sequence[IoOp]) -> list[TransportError | None]:
         return self._run(ops, byte_views(ops, writable=False), write=True)
+
+    def read_extents(self, segment: Replica, offsets: np.ndarray, lengths: np.ndarray,
+                     views: Sequence[memoryview]) -> None:
+        """Copy ``[offsets[k], offsets[k] + lengths[k])`` of ``segment``'s segment into
+        ``views[k]`` (flat, writable, exactly ``lengths[k]`` bytes) for every k: ``read`` for
+        many extents of one segment, without an IoOp per extent, the runs found with numpy.
+
+        All or nothing: raises TransportError (SegmentBoundsError for an extent outside the
+        segment); the caller then reads those keys again through ``read`` to learn which."""
+        if self._closed:
+            raise ClientClosed("transport is closed")
+        if not views:
+            return
+        endpoint = segment.node.shm_endpoint
+        link = self._link(endpoint)
+        if not link.alive():
+            self._drop(link, "node hung up")
+            raise TransportError(f"shm node {endpoint} hung up (node gone)")
+        if len(offsets) != len(views) or any(
+                v.nbytes != n for v, n in zip(views, lengths.tolist(), strict=True)):
+            raise InvalidArgument("read_extents needs one buffer of each extent's length")
+        mapping = self._segment(link, segment.extent.segment_id)
+        ends = offsets + lengths
+        if int(ends.max()) > mapping.size:
+            raise SegmentBoundsError(f"an extent ends past segment "
+                                     f"{segment.extent.segment_id!r} of {mapping.size} bytes")
+        addresses = np.fromiter(map(_address, views), dtype=np.uint64, count=len(views))
+        # A new run wherever the next extent or the next buffer does not follow on.
+        follows = (offsets[1:] == ends[:-1]) & (addresses[1:] == addresses[:-1] + lengths[:-1])
+        starts = np.flatnonzero(~follows) + 1
+        for first, stop in zip([0, *starts.tolist()], [*starts.tolist(), len(views)]):
+            start, end = int(offsets[first]), int(ends[stop - 1])
+            buf = views[first] if stop - first == 1 else memoryview(
+                (ctypes.c_char * (end - start)).from_address(int(addresses[first]))).cast("B")
+            try:
+                _copy(link, mapping, start, end, buf, write=False)
+            except TransportError as exc:
+                self._drop(link, str(exc))
+                raise
 
     def close(self) -> None:
         with self._lock:
@@ -287,17 +332,21 @@ class SHMTransport(Transport):
     def _mapping(self, link: _NodeLink, op: IoOp) -> _Mapping:
         """The mapping of ``op``'s segment, with ``op``'s extent checked against it."""
         extent = op.replica.extent
-        try:
-            mapping = link.mapping(extent.segment_id, self._timeout_s)
-        except TransportError:
-            raise
-        except OSError as exc:
-            raise TransportError(f"shm hand-off with {link.endpoint} failed: {exc}") from exc
+        mapping = self._segment(link, extent.segment_id)
         if extent.offset < 0 or extent.length < 0 or extent.end > mapping.size:
             raise SegmentBoundsError(
                 f"[{extent.offset}, {extent.end}) is outside segment {extent.segment_id!r} "
                 f"of {mapping.size} bytes")
         return mapping
+
+    def _segment(self, link: _NodeLink, segment_id: str) -> _Mapping:
+        """The mapping of a segment of ``link``'s node (handed off on first use)."""
+        try:
+            return link.mapping(segment_id, self._timeout_s)
+        except TransportError:
+            raise
+        except OSError as exc:
+            raise TransportError(f"shm hand-off with {link.endpoint} failed: {exc}") from exc
 
     def _link(self, endpoint: str) -> _NodeLink:
         with self._lock:

@@ -4,6 +4,7 @@ memory) as one memcpy: the bytes must land exactly as if copied op by op."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from kvpool.client.transport.base import IoOp
 from kvpool.client.transport.shm import SHMTransport
 from kvpool.common.errors import SegmentBoundsError
@@ -49,5 +50,37 @@ def test_a_refused_op_inside_a_run_fails_alone(node):
         result = transport.read([IoOp(r, memoryview(row)) for r, row in zip(replicas, dst)])
         assert result[0] is None and result[2] is None
         assert isinstance(result[1], SegmentBoundsError)
+    finally:
+        transport.close()
+
+
+def test_read_extents_moves_the_same_bytes_as_read(node):
+    transport = SHMTransport()
+    try:
+        rng = np.random.default_rng(11)
+        src = rng.integers(0, 256, size=(6, BLOCK), dtype=np.uint8)
+        offsets = [0, BLOCK, 2 * BLOCK, 9 * BLOCK, 5 * BLOCK, 6 * BLOCK]   # runs: 0-2, 3, 4-5
+        replicas = [node.replica(0, off, BLOCK) for off in offsets]
+        assert transport.write([IoOp(r, memoryview(row)) for r, row in zip(replicas, src)]) \
+            == [None] * 6
+        dst = np.zeros_like(src)
+        apart = bytearray(BLOCK)    # one buffer elsewhere: splits the first run
+        views = [memoryview(dst[0]), memoryview(apart), *map(memoryview, dst[2:])]
+        transport.read_extents(node.replica(0, 0, 0), np.array(offsets, dtype=np.uint64),
+                               np.full(6, BLOCK, dtype=np.uint64), views)
+        assert bytes(apart) == src[1].tobytes()
+        assert np.array_equal(dst[[0, 2, 3, 4, 5]], src[[0, 2, 3, 4, 5]])
+    finally:
+        transport.close()
+
+
+def test_read_extents_refuses_an_extent_outside_the_segment(node):
+    transport = SHMTransport()
+    try:
+        size = node.segments[0].size_bytes
+        with pytest.raises(SegmentBoundsError):
+            transport.read_extents(node.replica(0, 0, 0), np.array([0, size], dtype=np.uint64),
+                                   np.full(2, BLOCK, dtype=np.uint64),
+                                   [memoryview(bytearray(BLOCK)) for _ in range(2)])
     finally:
         transport.close()

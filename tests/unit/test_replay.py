@@ -13,10 +13,12 @@ from kvpool.tools.replay_sim import (
     ALL_POLICIES,
     InstanceModel,
     LRUBlocks,
+    PrefixBlocks,
     Request,
     ideal_reuse,
     load_trace,
     simulate,
+    ttft_floor_s,
 )
 
 TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
@@ -88,6 +90,39 @@ def test_lru_reports_what_it_stored_and_evicted():
     assert lru.add([4, 5, 6]) == ([5, 6], [1, 3])   # 4 came and went in the same call
 
 
+def test_the_store_evicts_chain_tails_first():
+    store = PrefixBlocks(3, parent_of={2: 1, 3: 2, 5: 1})
+    assert store.add([1, 2, 3]) == ([1, 2, 3], [])
+    assert store.add([5]) == ([5], [3])            # plain LRU would drop 1 and strand 2-3
+    store.touch([1, 2])
+    assert store.add([6]) == ([6], [5]) and 1 in store and 2 in store and len(store) == 3
+    with pytest.raises(InvalidArgument, match="store eviction"):
+        simulate([Request(0.0, 10, (1,))], "kvpool", store_eviction="fifo")
+
+
+def test_prefix_eviction_keeps_more_reuse_than_lru_when_the_store_is_tight():
+    model = InstanceModel(prefill_s_per_token=0.001, store_s_per_token=0.0001, block_tokens=10)
+    # A 3-block prompt, two 1-block ones, the first again; the store holds 4 blocks. The third
+    # prompt's put evicts LRU's oldest block, the first prompt's head, which strands the rest;
+    # prefix-aware eviction drops that prompt's tail and the repeat reuses 2 blocks.
+    reqs = [Request(0.0, 30, (1, 2, 3)), Request(1.0, 10, (7,)), Request(2.0, 10, (8,)),
+            Request(3.0, 30, (1, 2, 3))]
+
+    def store_hit(eviction: str) -> float:
+        return simulate(reqs, "round_robin", instances=1, cache_blocks=0, store_blocks=4,
+                        model=model, store_eviction=eviction)[0].store_hit
+    assert store_hit("lru") == 0 and store_hit("prefix") == pytest.approx(20 / 80)
+
+
+def test_the_ttft_floor_is_the_prefill_of_what_no_earlier_request_computed():
+    model = InstanceModel(prefill_s_per_token=0.01, block_tokens=10)
+    reqs = [Request(0.0, 20, (1, 2)), Request(0.0, 25, (1, 2, 3)), Request(0.0, 15, (9, 2))]
+    assert ttft_floor_s(reqs, model) == pytest.approx([0.2, 0.05, 0.15])
+    for policy in ALL_POLICIES:
+        _, ttfts = simulate(reqs, policy, instances=2, model=model)
+        assert all(t >= f - 1e-12 for t, f in zip(ttfts, ttft_floor_s(reqs, model)))
+
+
 def test_bad_traces_are_explained(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": 10}\n')
@@ -107,6 +142,7 @@ def test_cli_writes_json_and_plot(tmp_path):
     report = json.loads(out.read_text())
     assert report["default_policy"] == "kvpool" and 0 < report["ideal_reuse"] < 1
     assert report["config"]["store_writes"] == "prefill"
+    assert report["config"]["store_eviction"] == "prefix" and report["ttft_floor_p90_s"] > 0
     assert set(report["policies"]) == set(ALL_POLICIES)
     for res in report["policies"].values():
         assert res["local_hit"] + res["store_hit"] + res["recomputed"] == pytest.approx(1)

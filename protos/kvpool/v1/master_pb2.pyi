@@ -17,6 +17,7 @@ class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STATUS_INVALID_ARGUMENT: _ClassVar[Status]
     STATUS_NOT_PENDING: _ClassVar[Status]
     STATUS_UNKNOWN_NODE: _ClassVar[Status]
+    STATUS_CONFLICT: _ClassVar[Status]
 
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -31,6 +32,7 @@ STATUS_TOO_LARGE: Status
 STATUS_INVALID_ARGUMENT: Status
 STATUS_NOT_PENDING: Status
 STATUS_UNKNOWN_NODE: Status
+STATUS_CONFLICT: Status
 TIER_DRAM: Tier
 TIER_HBM: Tier
 TIER_DISK: Tier
@@ -86,12 +88,16 @@ class Replica(_message.Message):
     def __init__(self, node: _Optional[_Union[NodeEndpoints, _Mapping]] = ..., segment_id: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., rdma_addr: _Optional[int] = ..., rdma_rkey: _Optional[int] = ..., rdma_length: _Optional[int] = ...) -> None: ...
 
 class MountSegmentRequest(_message.Message):
-    __slots__ = ("node", "segment")
+    __slots__ = ("node", "segment", "keeps_manifest", "recovering")
     NODE_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    KEEPS_MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    RECOVERING_FIELD_NUMBER: _ClassVar[int]
     node: NodeEndpoints
     segment: SegmentInfo
-    def __init__(self, node: _Optional[_Union[NodeEndpoints, _Mapping]] = ..., segment: _Optional[_Union[SegmentInfo, _Mapping]] = ...) -> None: ...
+    keeps_manifest: bool
+    recovering: bool
+    def __init__(self, node: _Optional[_Union[NodeEndpoints, _Mapping]] = ..., segment: _Optional[_Union[SegmentInfo, _Mapping]] = ..., keeps_manifest: _Optional[bool] = ..., recovering: _Optional[bool] = ...) -> None: ...
 
 class MountSegmentResponse(_message.Message):
     __slots__ = ()
@@ -118,10 +124,82 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("status",)
+    __slots__ = ("status", "committed", "removed_keys", "removed_versions")
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     status: Status
-    def __init__(self, status: _Optional[_Union[Status, str]] = ...) -> None: ...
+    committed: ObjectRecords
+    removed_keys: _containers.RepeatedScalarFieldContainer[str]
+    removed_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., committed: _Optional[_Union[ObjectRecords, _Mapping]] = ..., removed_keys: _Optional[_Iterable[str]] = ..., removed_versions: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ObjectRecords(_message.Message):
+    __slots__ = ("keys", "segment_ids", "offsets", "sizes", "checksums", "versions")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    segment_ids: _containers.RepeatedScalarFieldContainer[str]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., segment_ids: _Optional[_Iterable[str]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class WatchManifestRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class ManifestChanges(_message.Message):
+    __slots__ = ("committed", "removed_keys", "removed_versions")
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    committed: ObjectRecords
+    removed_keys: _containers.RepeatedScalarFieldContainer[str]
+    removed_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, committed: _Optional[_Union[ObjectRecords, _Mapping]] = ..., removed_keys: _Optional[_Iterable[str]] = ..., removed_versions: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AnnounceObjectsRequest(_message.Message):
+    __slots__ = ("node_id", "objects", "done")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    objects: ObjectRecords
+    done: bool
+    def __init__(self, node_id: _Optional[str] = ..., objects: _Optional[_Union[ObjectRecords, _Mapping]] = ..., done: _Optional[bool] = ...) -> None: ...
+
+class AnnounceObjectsResponse(_message.Message):
+    __slots__ = ("statuses",)
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    statuses: _containers.RepeatedScalarFieldContainer[Status]
+    def __init__(self, statuses: _Optional[_Iterable[_Union[Status, str]]] = ...) -> None: ...
+
+class ReportCorruptRequest(_message.Message):
+    __slots__ = ("keys", "versions", "segment_ids")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    segment_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., versions: _Optional[_Iterable[int]] = ..., segment_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PutEndRequest(_message.Message):
+    __slots__ = ("keys", "checksums")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
     __slots__ = ("keys", "sizes", "replicas")
@@ -146,14 +224,16 @@ class ReplicaColumns(_message.Message):
     def __init__(self, locations: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., counts: _Optional[_Iterable[int]] = ..., location: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PutStartResponse(_message.Message):
-    __slots__ = ("put_timeout_s", "statuses", "replicas")
+    __slots__ = ("put_timeout_s", "statuses", "replicas", "space_summary")
     PUT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     STATUSES_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    SPACE_SUMMARY_FIELD_NUMBER: _ClassVar[int]
     put_timeout_s: float
     statuses: _containers.RepeatedScalarFieldContainer[Status]
     replicas: ReplicaColumns
-    def __init__(self, put_timeout_s: _Optional[float] = ..., statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., replicas: _Optional[_Union[ReplicaColumns, _Mapping]] = ...) -> None: ...
+    space_summary: str
+    def __init__(self, put_timeout_s: _Optional[float] = ..., statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., replicas: _Optional[_Union[ReplicaColumns, _Mapping]] = ..., space_summary: _Optional[str] = ...) -> None: ...
 
 class KeysRequest(_message.Message):
     __slots__ = ("keys",)
@@ -168,18 +248,20 @@ class StatusesResponse(_message.Message):
     def __init__(self, statuses: _Optional[_Iterable[_Union[Status, str]]] = ...) -> None: ...
 
 class GetReplicasResponse(_message.Message):
-    __slots__ = ("lease_ttl_s", "statuses", "sizes", "versions", "replicas")
+    __slots__ = ("lease_ttl_s", "statuses", "sizes", "versions", "replicas", "checksums")
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     STATUSES_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     lease_ttl_s: float
     statuses: _containers.RepeatedScalarFieldContainer[Status]
     sizes: _containers.RepeatedScalarFieldContainer[int]
     versions: _containers.RepeatedScalarFieldContainer[int]
     replicas: ReplicaColumns
-    def __init__(self, lease_ttl_s: _Optional[float] = ..., statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., sizes: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Union[ReplicaColumns, _Mapping]] = ...) -> None: ...
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_ttl_s: _Optional[float] = ..., statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., sizes: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Union[ReplicaColumns, _Mapping]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -49,6 +49,16 @@ class MasterStub:
                 request_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.AnnounceObjects = channel.unary_unary(
+                '/kvpool.v1.Master/AnnounceObjects',
+                request_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.AnnounceObjectsRequest.SerializeToString,
+                response_deserializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.AnnounceObjectsResponse.FromString,
+                _registered_method=True)
+        self.WatchManifest = channel.unary_stream(
+                '/kvpool.v1.Master/WatchManifest',
+                request_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.WatchManifestRequest.SerializeToString,
+                response_deserializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.ManifestChanges.FromString,
+                _registered_method=True)
         self.PutStart = channel.unary_unary(
                 '/kvpool.v1.Master/PutStart',
                 request_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.PutStartRequest.SerializeToString,
@@ -56,7 +66,7 @@ class MasterStub:
                 _registered_method=True)
         self.PutEnd = channel.unary_unary(
                 '/kvpool.v1.Master/PutEnd',
-                request_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.KeysRequest.SerializeToString,
+                request_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.PutEndRequest.SerializeToString,
                 response_deserializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.StatusesResponse.FromString,
                 _registered_method=True)
         self.PutRevoke = channel.unary_unary(
@@ -77,6 +87,11 @@ class MasterStub:
         self.Remove = channel.unary_unary(
                 '/kvpool.v1.Master/Remove',
                 request_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.KeysRequest.SerializeToString,
+                response_deserializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.StatusesResponse.FromString,
+                _registered_method=True)
+        self.ReportCorrupt = channel.unary_unary(
+                '/kvpool.v1.Master/ReportCorrupt',
+                request_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.ReportCorruptRequest.SerializeToString,
                 response_deserializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.StatusesResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
@@ -107,6 +122,18 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AnnounceObjects(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchManifest(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PutStart(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -114,7 +141,8 @@ class MasterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PutEnd(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """wire-compatible with KeysRequest
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -144,6 +172,13 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportCorrupt(self, request, context):
+        """Drop the named replicas (a checksum mismatch); an object left without one is removed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -168,6 +203,16 @@ def add_MasterServicer_to_server(servicer, server):
                     request_deserializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.HeartbeatRequest.FromString,
                     response_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.HeartbeatResponse.SerializeToString,
             ),
+            'AnnounceObjects': grpc.unary_unary_rpc_method_handler(
+                    servicer.AnnounceObjects,
+                    request_deserializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.AnnounceObjectsRequest.FromString,
+                    response_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.AnnounceObjectsResponse.SerializeToString,
+            ),
+            'WatchManifest': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchManifest,
+                    request_deserializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.WatchManifestRequest.FromString,
+                    response_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.ManifestChanges.SerializeToString,
+            ),
             'PutStart': grpc.unary_unary_rpc_method_handler(
                     servicer.PutStart,
                     request_deserializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.PutStartRequest.FromString,
@@ -175,7 +220,7 @@ def add_MasterServicer_to_server(servicer, server):
             ),
             'PutEnd': grpc.unary_unary_rpc_method_handler(
                     servicer.PutEnd,
-                    request_deserializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.KeysRequest.FromString,
+                    request_deserializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.PutEndRequest.FromString,
                     response_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.StatusesResponse.SerializeToString,
             ),
             'PutRevoke': grpc.unary_unary_rpc_method_handler(
@@ -196,6 +241,11 @@ def add_MasterServicer_to_server(servicer, server):
             'Remove': grpc.unary_unary_rpc_method_handler(
                     servicer.Remove,
                     request_deserializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.KeysRequest.FromString,
+                    response_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.StatusesResponse.SerializeToString,
+            ),
+            'ReportCorrupt': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportCorrupt,
+                    request_deserializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.ReportCorruptRequest.FromString,
                     response_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.StatusesResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
@@ -296,6 +346,60 @@ class Master:
             _registered_method=True)
 
     @staticmethod
+    def AnnounceObjects(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/AnnounceObjects',
+            kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.AnnounceObjectsRequest.SerializeToString,
+            kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.AnnounceObjectsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchManifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvpool.v1.Master/WatchManifest',
+            kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.WatchManifestRequest.SerializeToString,
+            kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.ManifestChanges.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def PutStart(request,
             target,
             options=(),
@@ -337,7 +441,7 @@ class Master:
             request,
             target,
             '/kvpool.v1.Master/PutEnd',
-            kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.KeysRequest.SerializeToString,
+            kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.PutEndRequest.SerializeToString,
             kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.StatusesResponse.FromString,
             options,
             channel_credentials,
@@ -446,6 +550,33 @@ class Master:
             target,
             '/kvpool.v1.Master/Remove',
             kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.KeysRequest.SerializeToString,
+            kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.StatusesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportCorrupt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/ReportCorrupt',
+            kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.ReportCorruptRequest.SerializeToString,
             kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.StatusesResponse.FromString,
             options,
             channel_credentials,

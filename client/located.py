@@ -1,0 +1,59 @@
+"""GetReplicas' answer kept in columns, so a read of hundreds of blocks builds no object per key.
+
+The generic read path asks :meth:`Located.view` for one key's :class:`ObjectView`; the shm fast
+path (:meth:`KVClient._read_fast`) works on the arrays directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from kvpool.common import checksum
+from kvpool.common.errors import KVPoolError, error_for_status
+from kvpool.common.types import Extent, ObjectView, Replica
+from kvpool.common.wire import ReplicaArrays
+from kvpool.protos.kvpool.v1 import master_pb2 as pb
+
+
+@dataclass(frozen=True, slots=True)
+class Located:
+    """Per key (in request order): status, size, version and replicas, as arrays."""
+
+    keys: Sequence[str]
+    statuses: np.ndarray   # pb.Status values
+    sizes: np.ndarray      # uint64; 0 where the status is not OK
+    versions: np.ndarray   # uint64
+    checksums: np.ndarray  # uint64, as on the wire (common/checksum.py: 0 = none recorded)
+    replicas: ReplicaArrays
+    lease_ttl_s: float     # each object found is leased this long from the request
+
+    def found(self) -> np.ndarray:
+        """A boolean mask of the keys whose status is OK."""
+        return self.statuses == pb.STATUS_OK
+
+    def single_location(self) -> np.ndarray:
+        """Per key, the location index of its only replica, or -1 (not found, or several)."""
+        r = self.replicas
+        if len(r.location) == 0:
+            return np.full(len(self.statuses), -1, dtype=np.int64)
+        single = self.found() & (r.counts == 1)
+        # first[i] of a key without replicas may point one past the end: clamp, then mask.
+        return np.where(single, r.location[np.minimum(r.first, len(r.location) - 1)], -1)
+
+    def view(self, i: int) -> ObjectView | KVPoolError:
+        """Key ``i`` as an ObjectView, or its error."""
+        err = error_for_status(int(self.statuses[i]), self.keys[i])
+        if err is not None:
+            return err
+        r, size = self.replicas, int(self.sizes[i])
+        first = int(r.first[i])
+        reps = []
+        for j in range(first, first + int(r.counts[i])):
+            template = r.locations[int(r.location[j])]
+            reps.append(Replica(template.node,
+                                Extent(template.extent.segment_id, int(r.offsets[j]), size),
+                                template.rdma_addr, template.rdma_rkey, template.rdma_length))
+        return ObjectView(self.keys[i], size, int(self.versions[i]), tuple(reps),
+                          checksum.decode(int(self.checksums[i])))

@@ -1,0 +1,87 @@
+"""The scrubber: re-checks the checksums of the objects a node holds while they sit idle, so
+damage (a bad DIMM, a stray write) is found before a reader trips on it, and the damaged
+replica is dropped from the master's index (then readers use another replica, or miss).
+
+It reads at a bounded rate (``bytes_per_s``) so that it never competes with serving.
+Only objects in the manifest are checked: they are committed, so their bytes never change
+while they are indexed; a report about one removed meanwhile is a no-op on the master.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from kvpool.common.checksum import checksum
+from kvpool.common.logging import get_logger
+from kvpool.common.types import ObjectRecord
+from kvpool.store_node.manifest import Manifest
+from kvpool.store_node.memory import Segment
+
+log = get_logger(__name__)
+
+
+class Scrubber:
+    """Walks the manifest, checksumming each object's extent; reports the ones that differ."""
+
+    def __init__(self, manifest: Manifest, segments: Mapping[str, Segment],
+                 report: Callable[[Sequence[ObjectRecord]], None], bytes_per_s: int,
+                 pass_interval_s: float = 60.0):
+        """``report(records)``: tell the master these replicas are damaged. ``bytes_per_s``:
+        how fast to read; ``pass_interval_s``: rest between two passes over the manifest."""
+        if bytes_per_s <= 0:
+            raise ValueError(f"bytes_per_s must be > 0, not {bytes_per_s}")
+        self._manifest, self._segments, self._report = manifest, segments, report
+        self._rate, self._rest_s = bytes_per_s, pass_interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.objects_checked = 0
+        self.corrupt_found = 0
+
+    def scrub_once(self) -> list[ObjectRecord]:
+        """One pass over the manifest at the configured rate; returns the damaged records
+        (already reported and forgotten)."""
+        bad: list[ObjectRecord] = []
+        started, read = time.monotonic(), 0
+        for r in self._manifest.records():
+            if self._stop.is_set():
+                break
+            seg = self._segments.get(r.segment_id)
+            if r.checksum is None or seg is None:
+                continue
+            try:
+                crc = checksum(seg.buffer[r.offset:r.offset + r.size])
+            except ValueError:   # the segment was closed: the node is stopping
+                break
+            self.objects_checked += 1
+            if crc != r.checksum:
+                bad.append(r)
+            read += r.size
+            ahead_s = read / self._rate - (time.monotonic() - started)
+            if ahead_s > 0 and self._stop.wait(ahead_s):
+                break
+        if bad:
+            self.corrupt_found += len(bad)
+            log.warning("scrub_found_corrupt", objects=len(bad), keys=[r.key for r in bad[:8]])
+            self._report(bad)
+            self._manifest.forget(r.key for r in bad)
+        return bad
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="scrubber", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.scrub_once()
+            except Exception:   # a failed report is retried next pass; never die silently
+                log.exception("scrub_failed")
+            self._stop.wait(self._rest_s)

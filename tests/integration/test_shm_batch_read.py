@@ -1,0 +1,90 @@
+"""The shm batch read (KVClient._read_fast: no object per key) keeps every semantic of the
+generic read path: per-key results, replica fallback, typed errors, lease re-checks."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+from kvpool.client import KVClient
+from kvpool.client.transport.shm import SHMTransport
+from kvpool.common.errors import InvalidArgument, ObjectNotFound, TransportError
+
+BLOCK = 64 << 10
+
+
+class SlowSHM(SHMTransport):
+    """A real shm transport whose batch reads start only after ``delay_s`` (a reader stalled
+    past its lease)."""
+
+    def __init__(self, delay_s: float, started: threading.Event):
+        super().__init__()
+        self.delay_s, self.started = delay_s, started
+
+    def read_extents(self, *args):
+        self.started.set()
+        time.sleep(self.delay_s)
+        return super().read_extents(*args)
+
+
+class BrokenBatchSHM(SHMTransport):
+    """A real shm transport whose batch reads always fail: only the generic path works."""
+
+    def read_extents(self, *args):
+        raise TransportError("batch read refused (test)")
+
+
+def _rows(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size=(n, BLOCK), dtype=np.uint8)
+
+
+def test_one_batch_mixes_fast_keys_generic_keys_and_errors(cluster):
+    src = _rows(8, 1)
+    with KVClient(cluster.master, transports=["shm"]) as kv:
+        keys = [f"mix/{j}" for j in range(8)]
+        assert kv.batch_put(keys[:6], list(src[:6]), replicas=1) == [None] * 6
+        assert kv.batch_put(keys[6:], list(src[6:]), replicas=2) == [None] * 2
+        dst = np.zeros_like(src)
+        small = bytearray(BLOCK // 2)
+        buffers = [*dst[:3], small, *dst[4:], bytearray(BLOCK)]
+        got = kv.batch_get_into([*keys, "mix/missing"], buffers)
+        assert [g for j, g in enumerate(got) if j not in (3, 8)] == [BLOCK] * 7
+        assert isinstance(got[3], InvalidArgument)         # buffer too small, the rest read
+        assert isinstance(got[8], ObjectNotFound)
+        assert np.array_equal(np.delete(dst, 3, axis=0), np.delete(src, 3, axis=0))
+        assert kv.batch_get(keys[:2]) == [src[0].tobytes(), src[1].tobytes()]
+
+
+def test_a_failed_batch_read_falls_back_to_the_generic_path(cluster):
+    src = _rows(4, 2)
+    with KVClient(cluster.master, transports=[BrokenBatchSHM()]) as kv:
+        keys = [f"broken/{j}" for j in range(4)]
+        assert kv.batch_put(keys, list(src)) == [None] * 4
+        dst = np.zeros_like(src)
+        assert kv.batch_get_into(keys, list(dst)) == [BLOCK] * 4
+        assert np.array_equal(dst, src)
+
+
+def test_batch_read_past_its_lease_is_verified(cluster, timeouts):
+    src = _rows(4, 3)
+    started = threading.Event()
+    with KVClient(cluster.master, transports=["shm"]) as kv:
+        keys = [f"lease/{j}" for j in range(4)]
+        assert kv.batch_put(keys, list(src)) == [None] * 4
+        with KVClient(cluster.master,
+                      transports=[SlowSHM(timeouts.lease_ttl_s * 1.5, started)]) as slow:
+            dst = np.zeros_like(src)
+            assert slow.batch_get_into(keys, list(dst)) == [BLOCK] * 4   # verified, not failed
+            assert np.array_equal(dst, src)
+            # Removed, its space reused, while the slow read runs: never another object's bytes.
+            started.clear()
+            result: list = []
+            t = threading.Thread(target=lambda: result.append(slow.batch_get(keys[:1])[0]))
+            t.start()
+            assert started.wait(10)
+            kv.remove(keys[0])          # leased: vanishes now, space freed after the lease
+            time.sleep(timeouts.lease_ttl_s + 0.5)
+            kv.put("lease/new", src[1])  # may reuse the space keys[0] had
+            t.join()
+            assert isinstance(result[0], ObjectNotFound), result[0][:8]

@@ -1,0 +1,72 @@
+"""PrefixAwarePolicy: chain tails go before their parents; shared parents outlive their chains."""
+
+from __future__ import annotations
+
+from kvpool.master.eviction import LRUPolicy, PrefixAwarePolicy
+
+
+def chain(policy: PrefixAwarePolicy, keys: list[str], parent: str | None = None) -> None:
+    for key in keys:
+        policy.on_insert(key, parent)
+        parent = key
+
+
+def evict(policy, n: int) -> list[str]:
+    out = []
+    for _ in range(n):
+        victim = next(policy.candidates())
+        policy.on_remove(victim)
+        out.append(victim)
+    return out
+
+
+def test_tails_go_before_heads_where_lru_takes_heads_first():
+    prefix = PrefixAwarePolicy()
+    chain(prefix, ["a", "b", "c"])
+    chain(prefix, ["x", "y"])
+    assert evict(prefix, 5) == ["c", "b", "a", "y", "x"]
+    lru = LRUPolicy()
+    for key in ["a", "b", "c", "x", "y"]:
+        lru.on_insert(key)
+    assert list(lru.candidates())[:3] == ["a", "b", "c"]   # the head first: strands b and c
+
+
+def test_a_shared_parent_stays_while_any_chain_below_it_does():
+    p = PrefixAwarePolicy()
+    chain(p, ["sys", "t1"])
+    chain(p, ["u1"], parent="sys")
+    p.on_access("t1")                 # the older chain's tail is used again
+    assert evict(p, 1) == ["u1"]      # sys is older than everything but still has t1 below it
+    assert evict(p, 2) == ["t1", "sys"]
+    assert len(p) == 0
+
+
+def test_keys_offered_but_kept_stay_candidates():
+    p = PrefixAwarePolicy()
+    chain(p, ["a", "b"])
+    p.on_insert("z")
+    walk = p.candidates()
+    assert next(walk) == "b"          # the caller skips b (leased, pinned) ...
+    assert next(walk) == "z"
+    p.on_remove("z")                  # ... and evicts z
+    walk.close()
+    assert list(p.candidates()) == ["b"] and "a" in p and "z" not in p
+
+
+def test_removing_a_parent_first_and_reinserting_it_is_safe():
+    p = PrefixAwarePolicy()
+    chain(p, ["a", "b"])
+    p.on_remove("a")                  # node loss took the parent; b is a chain head now
+    p.on_insert("a")
+    p.on_remove("b")
+    p.on_remove("missing")            # unknown keys are ignored
+    assert evict(p, 1) == ["a"] and len(p) == 0
+
+
+def test_many_touches_do_not_grow_without_bound():
+    p = PrefixAwarePolicy()
+    chain(p, ["a", "b"])
+    for _ in range(10_000):
+        p.on_access("b")
+    assert len(p._leaves) <= 2 * len(p) + 1025
+    assert evict(p, 2) == ["b", "a"]

@@ -1,0 +1,143 @@
+"""MasterState: checksums, corrupt replicas, manifest deltas, rebuild from announcements, and
+NoSpace that says how much room there is; all on the fake clock."""
+
+from __future__ import annotations
+
+import pytest
+from kvpool.common.errors import Conflict, NoSpace, ObjectNotFound
+from kvpool.common.types import ObjectRecord, SegmentInfo
+from kvpool.master.allocator import RangeAllocator
+
+from .test_state import endpoints, make_state
+
+
+def mount(state, node_id, segment_id, size=4096, **kw):
+    state.mount_segment(endpoints(node_id), SegmentInfo(segment_id, size), **kw)
+
+
+def put(state, key, size=64, replicas=None, crc=None):
+    [placed] = state.put_start([key], [size], replicas)
+    assert isinstance(placed, tuple), placed
+    assert state.put_end([key], [crc]) == [None]
+    return placed
+
+
+# -- allocator ------------------------------------------------------------------------------
+
+def test_allocate_at_takes_exactly_the_extent_and_refuses_overlaps():
+    a = RangeAllocator(1024, 64)
+    assert a.allocate_at(128, 100)         # rounds to 128 bytes: [128, 256)
+    assert not a.allocate_at(192, 64)      # overlaps
+    assert not a.allocate_at(100, 64)      # unaligned
+    assert not a.allocate_at(1000, 64)     # past the end
+    assert a.free_ranges() == [(0, 128), (256, 768)]
+    assert a.used_bytes == 128
+    a.free(128, 100)
+    assert a.free_ranges() == [(0, 1024)]
+
+
+# -- integrity ------------------------------------------------------------------------------
+
+def test_checksum_is_kept_and_returned(clock):
+    state = make_state(clock)
+    mount(state, "n1", "s1")
+    put(state, "k", crc=0xDEADBEEF)
+    [view] = state.get_replicas(["k"])
+    assert view.checksum == 0xDEADBEEF
+
+
+def test_report_corrupt_drops_one_replica_then_the_object(clock):
+    state = make_state(clock)
+    mount(state, "n1", "s1")
+    mount(state, "n2", "s2")
+    put(state, "k", replicas=2, crc=7)
+    [view] = state.get_replicas(["k"])   # leased now
+    assert state.report_corrupt(["k"], [view.version], ["s1"]) == [None]
+    [after] = state.get_replicas(["k"])
+    assert [r.extent.segment_id for r in after.replicas] == ["s2"]
+    # A stale report (another version) changes nothing; the last replica removes the object.
+    state.report_corrupt(["k"], [view.version + 99], ["s2"])
+    assert state.exists(["k"]) == [True]
+    state.report_corrupt(["k"], [view.version], ["s2"])
+    assert state.exists(["k"]) == [False]
+    # The damaged space waits for the lease, then is free.
+    clock.advance(10)
+    state.tick()
+    assert all(s.used_bytes == 0 and s.quarantined_bytes == 0 for s in state.stats().segments)
+
+
+# -- manifest deltas and rebuild ------------------------------------------------------------
+
+def test_heartbeat_carries_commits_and_removals_to_manifest_nodes(clock):
+    state = make_state(clock)
+    mount(state, "n1", "s1", keeps_manifest=True)
+    put(state, "a", crc=1)
+    put(state, "b", crc=2)
+    state.remove(["a"])
+    delta = state.heartbeat("n1")
+    assert [r.key for r in delta.committed] == ["a", "b"]
+    assert [k for k, _ in delta.removed] == ["a"]
+    assert state.heartbeat("n1").committed == []   # taken once
+    mount(state, "n2", "s2")
+    assert state.heartbeat("n2") is None           # keeps no manifest: nothing queued
+
+
+def test_restarted_master_rebuilds_index_and_allocators_from_announcements(clock):
+    old = make_state(clock)
+    mount(old, "n1", "s1", keeps_manifest=True)
+    mount(old, "n2", "s2", keeps_manifest=True)
+    put(old, "a", 100, replicas=2, crc=11)
+    put(old, "b", 200, crc=22)
+    manifests = {n: old.heartbeat(n).committed for n in ("n1", "n2")}
+    used = sorted((s.info.segment_id, s.used_bytes) for s in old.stats().segments)
+
+    new = make_state(clock)
+    for n, sid in (("n1", "s1"), ("n2", "s2")):
+        mount(new, n, sid, keeps_manifest=True, recovering=True)
+    # Nothing is placed in a recovering segment, so no announced extent is handed out twice.
+    with pytest.raises(NoSpace):
+        raise new.put_start(["c"], [64])[0]
+    for n in ("n1", "n2"):
+        assert new.announce_objects(n, manifests[n], done=True) == [None] * len(manifests[n])
+        # Announcing again (a lost answer, retried) is harmless.
+        assert new.announce_objects(n, manifests[n]) == [None] * len(manifests[n])
+    assert sorted((s.info.segment_id, s.used_bytes) for s in new.stats().segments) == used
+    a, b = new.get_replicas(["a", "b"])
+    assert (a.size, a.checksum, len(a.replicas)) == (100, 11, 2)
+    assert (b.size, b.checksum) == (200, 22)
+    # New objects get new versions, and land outside the announced extents.
+    [placed] = new.put_start(["c"], [64])
+    assert new.put_end(["c"]) == [None]
+    [c] = new.get_replicas(["c"])
+    assert c.version not in (a.version, b.version)
+    taken = {(r.extent.segment_id, r.extent.offset) for v in (a, b) for r in v.replicas}
+    assert (placed[0].extent.segment_id, placed[0].extent.offset) not in taken
+
+
+def test_conflicting_announcements_are_refused(clock):
+    state = make_state(clock)
+    mount(state, "n1", "s1", keeps_manifest=True, recovering=True)
+    ok = ObjectRecord("a", "s1", 0, 100, 5, 3)
+    overlap = ObjectRecord("b", "s1", 64, 100, 6, 4)
+    other_version = ObjectRecord("a", "s1", 1024, 100, 5, 9)
+    foreign = ObjectRecord("c", "s9", 0, 100, 5, 1)
+    results = state.announce_objects("n1", [ok, overlap, other_version, foreign], done=True)
+    assert results[0] is None
+    assert all(isinstance(r, Conflict) for r in results[1:])
+    with pytest.raises(ObjectNotFound):
+        raise state.get_replicas(["b"])[0]
+
+
+# -- back-pressure --------------------------------------------------------------------------
+
+def test_no_space_says_what_was_asked_and_what_the_cluster_has(clock):
+    state = make_state(clock)
+    mount(state, "n1", "s1", size=4096)
+    put(state, "a", 2048)
+    state.pin(["a"])
+    results = state.put_start(["b", "c"], [1024, 3000])
+    assert isinstance(results[0], tuple)          # b fits
+    err = results[1]
+    assert isinstance(err, NoSpace)
+    msg = str(err)
+    assert "3000 bytes" in msg and "1024 of 4096 bytes free" in msg, msg
