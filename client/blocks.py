@@ -43,12 +43,16 @@ class TokenBlocks:
     def put(self, tokens: Sequence[int], blocks: Sequence) -> list[KVPoolError | None]:
         """Store ``blocks[i]`` (the KV of full block i) for the first ``len(blocks)`` full
         blocks of ``tokens``. Blocks already stored are left alone and reported as None: another
-        instance computed the same KV. Per block: None or the error (NoSpace, ...)."""
+        instance computed the same KV. Per block: None or the error (NoSpace, ...).
+
+        Block i names block i - 1 as its parent, so the master's prefix-aware eviction drops
+        a prompt's blocks from the tail and keeps prefixes shared by many prompts longest."""
         keys = self.keys(tokens)
         if len(blocks) > len(keys):
             raise InvalidArgument(f"{len(blocks)} KV blocks for a prompt of {len(keys)} full "
                                   f"blocks of {self.spec.block_size} tokens")
-        results = self.kv.batch_put(keys[:len(blocks)], blocks)
+        keys = keys[:len(blocks)]
+        results = self.kv.batch_put(keys, blocks, parents=[None, *keys[:-1]] if keys else None)
         return [None if isinstance(r, AlreadyExists) else r for r in results]
 
     def cached_prefix(self, tokens: Sequence[int]) -> int:

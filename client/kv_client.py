@@ -88,10 +88,14 @@ class KVClient:
             raise ClientClosed("KVClient is closed")
 
     # -- single-key API: raises the per-key error --
-    def put(self, key: str, value, *, replicas: int | None = None) -> None:
+    def put(self, key: str, value, *, replicas: int | None = None,
+            parent: str | None = None) -> None:
         """Store ``value`` under ``key``. Raises AlreadyExists if the key is stored: keys are
-        immutable. Values: bytes, bytearray, memoryview, numpy array, contiguous CPU tensor."""
-        _raise(self.batch_put([key], [value], replicas=replicas)[0])
+        immutable. Values: bytes, bytearray, memoryview, numpy array, contiguous CPU tensor.
+        ``parent``: the key of the block this one extends (a KV prefix chain), so eviction
+        takes the chain from its tail; None for none."""
+        _raise(self.batch_put([key], [value], replicas=replicas,
+                              parents=None if parent is None else [parent])[0])
 
     def get(self, key: str, *, verify: bool = False) -> bytes:
         """The value stored under ``key``; ObjectNotFound if there is none. ``verify``: check
@@ -127,13 +131,17 @@ class KVClient:
                 results[i] = err
         return results
 
-    def batch_put(self, keys: Sequence[str], values: Sequence, *, replicas: int | None = None
-                  ) -> list[KVPoolError | None]:
+    def batch_put(self, keys: Sequence[str], values: Sequence, *, replicas: int | None = None,
+                  parents: Sequence[str | None] | None = None) -> list[KVPoolError | None]:
         """Store each value under its key; per key None (stored) or the error (AlreadyExists,
-        NoSpace, InvalidArgument, NodeUnavailable, ...). Keys that fail are never half-stored."""
+        NoSpace, InvalidArgument, NodeUnavailable, ...). Keys that fail are never half-stored.
+        ``parents``: parallel to ``keys``, the key each block extends (None: none); a parent
+        may be earlier in the same batch."""
         self._check_open()
         if len(keys) != len(values):
             raise InvalidArgument(f"{len(keys)} keys but {len(values)} values")
+        if parents is not None and len(parents) != len(keys):
+            raise InvalidArgument(f"{len(keys)} keys but {len(parents)} parents")
         results, valid = _validate_keys(keys)
         views: dict[int, memoryview] = {}
         for i in valid:
@@ -155,7 +163,8 @@ class KVClient:
         sent = time.monotonic()
         placed, put_timeout_s = self._master.put_start(
             [keys[i] for i in idx], [views[i].nbytes for i in idx],
-            self._replicas if replicas is None else replicas)
+            self._replicas if replicas is None else replicas,
+            [parents[i] for i in idx] if parents is not None else None)
         deadline = sent + put_timeout_s - _PUT_DEADLINE_MARGIN_S
         ops: list[tuple[int, Transport | None, IoOp]] = []
         for i, where in zip(idx, placed):
@@ -179,7 +188,8 @@ class KVClient:
         failed = [keys[i] for i in written if results[i] is not None]
         if failed:
             self._master.put_revoke(failed)
-        ok = [i for i in written if results[i] is None]
+        # In request order: a parent committed before its children is linked to them.
+        ok = sorted(i for i in written if results[i] is None)
         if ok:
             crc = dict(zip(idx, sums))
             for i, err in zip(ok, self._master.put_end([keys[i] for i in ok],

@@ -85,9 +85,13 @@ class MasterClient(GrpcClient):
         return [error_for_status(s, k) for k, s in zip(keys, r.statuses)]
 
     # -- objects --
-    def put_start(self, keys: Sequence[str], sizes: Sequence[int], replicas: int = 0
+    def put_start(self, keys: Sequence[str], sizes: Sequence[int], replicas: int = 0,
+                  parents: Sequence[str | None] | None = None
                   ) -> tuple[list[tuple[Replica, ...] | KVPoolError], float]:
-        r = self._call("PutStart", pb.PutStartRequest(keys=keys, sizes=sizes, replicas=replicas))
+        """Allocate; ``parents``: parallel to ``keys``, the block each extends (None: none)."""
+        r = self._call("PutStart", pb.PutStartRequest(
+            keys=keys, sizes=sizes, replicas=replicas,
+            parents=[p or "" for p in parents] if parents and any(parents) else ()))
         placed = wire.replicas_from_columns(r.replicas, sizes)
         out = [error_for_status(s, k) or p for k, s, p in zip(keys, r.statuses, placed)]
         if r.space_summary:   # say how much was asked, and how much room there is

@@ -69,6 +69,10 @@ def format_size(n: int | float) -> str:
     raise AssertionError("unreachable")
 
 
+# Names MasterConfig.eviction accepts; master/eviction.py maps each to its policy class.
+EVICTION_POLICIES = ("prefix", "lru")
+
+
 @dataclass(frozen=True)
 class MasterConfig:
     """The master's tunables. Units are in the names."""
@@ -81,8 +85,14 @@ class MasterConfig:
     low_watermark: float = 0.85        # ...down to this
     default_replicas: int = 1
     alignment_bytes: int = 64          # extents start on this boundary (cache line)
+    # Eviction order (master/eviction.py): "prefix" (chain tails first, shared parents last,
+    # LRU for objects without a parent) or "lru" (plain; ~170 bytes less per indexed object).
+    eviction: str = "prefix"
 
     def __post_init__(self) -> None:
+        if self.eviction not in EVICTION_POLICIES:
+            raise ConfigError(f"unknown eviction policy {self.eviction!r}: expected one of "
+                              f"{', '.join(EVICTION_POLICIES)}")
         if not 0 < self.low_watermark < self.high_watermark <= 1:
             raise ConfigError("watermarks must satisfy 0 < low_watermark < high_watermark <= 1")
         if self.default_replicas < 1:

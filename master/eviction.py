@@ -3,6 +3,21 @@
 A policy only orders keys. Whether a candidate may actually go (leased, pinned, PENDING) is
 the state's decision, so policies stay small and interchangeable: ``LRUPolicy`` (plain) and
 ``PrefixAwarePolicy`` (KV prefix chains: tails before parents, the design's eviction order).
+The master takes the one ``MasterConfig.eviction`` names (``kvpool master --eviction``).
+
+Who goes first under ``PrefixAwarePolicy`` (the default), for the keys the master may evict:
+
+======================================  =====================================================
+Object                                  When it is offered
+======================================  =====================================================
+chain tail (no stored child)            by LRU among all such leaves, oldest first
+block whose children are all gone       becomes a leaf: offered in LRU turn by its own use
+block shared by k chains                only after all k chains below it are gone: last
+object put without a parent             a leaf from the start: plain LRU with the tails
+parent named but not stored at PutEnd   not linked: the block counts as a chain head
+announced after a master restart        no parent known (manifests carry none): a head
+pinned / leased / PENDING (the state)   skipped; a pinned tail also holds its parents
+======================================  =====================================================
 """
 
 from __future__ import annotations
@@ -19,8 +34,9 @@ class EvictionPolicy(ABC):
     """Tracks the evictable population and orders it, best victim first."""
 
     @abstractmethod
-    def on_insert(self, key: str) -> None:
-        """``key`` became evictable (its put completed)."""
+    def on_insert(self, key: str, parent: str | None = None) -> None:
+        """``key`` became evictable (its put completed); ``parent``: the key of the block it
+        extends, None for none (policies that ignore chains ignore it)."""
 
     @abstractmethod
     def on_access(self, key: str) -> None:
@@ -54,7 +70,7 @@ class LRUPolicy(EvictionPolicy):
         # tracks millions).
         self._order: dict[str, None] = {}   # oldest first
 
-    def on_insert(self, key: str) -> None:
+    def on_insert(self, key: str, parent: str | None = None) -> None:
         self._order.pop(key, None)
         self._order[key] = None
 
@@ -84,6 +100,15 @@ class LRUPolicy(EvictionPolicy):
 
     def __len__(self) -> int:
         return len(self._order)
+
+
+def make_eviction_policy(name: str) -> EvictionPolicy:
+    """A fresh policy by its MasterConfig.eviction name ("prefix" or "lru")."""
+    if name == "lru":
+        return LRUPolicy()
+    if name == "prefix":
+        return PrefixAwarePolicy()
+    raise ValueError(f"unknown eviction policy {name!r}")   # MasterConfig validated it
 
 
 class PrefixAwarePolicy(EvictionPolicy):

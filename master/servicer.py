@@ -121,8 +121,12 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         if len(request.keys) != len(request.sizes):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{len(request.keys)} keys but {len(request.sizes)} sizes")
+        if request.parents and len(request.parents) != len(request.keys):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{len(request.keys)} keys but {len(request.parents)} parents")
         results = self._state.put_start(list(request.keys), list(request.sizes),
-                                        request.replicas or None)
+                                        request.replicas or None,
+                                        list(request.parents) if request.parents else None)
         statuses, columns = [], wire.ReplicaColumnsWriter()
         for r in results:
             if isinstance(r, KVPoolError):

@@ -39,7 +39,7 @@ from kvpool.common.types import (
     validate_key,
 )
 from kvpool.master.allocator import RangeAllocator
-from kvpool.master.eviction import EvictionPolicy, LRUPolicy
+from kvpool.master.eviction import EvictionPolicy, make_eviction_policy
 from kvpool.master.placement import choose_segments
 
 PENDING, COMPLETE = ObjectState.PENDING, ObjectState.COMPLETE
@@ -113,6 +113,9 @@ class _Object:
     lease_until: float = 0.0
     pinned: bool = False
     checksum: int | None = None   # CRC-32C of the bytes, as the writer computed it
+    # The block this one extends (None: none), from PutStart until PutEnd hands it to the
+    # policy, then cleared: the request's copy of the parent's key would cost a str per object.
+    parent: str | None = None
 
     @property
     def replicas(self) -> list[Extent]:
@@ -133,9 +136,12 @@ class MasterState:
 
     def __init__(self, config: MasterConfig, clock: Callable[[], float] = time.monotonic,
                  policy: EvictionPolicy | None = None) -> None:
+        """``policy``: the eviction order; by default the one ``config.eviction`` names
+        ("prefix": a chain's tail before its parents, shared parents last, plain LRU for
+        objects without a parent)."""
         self._config = config
         self._clock = clock
-        self._policy = policy if policy is not None else LRUPolicy()
+        self._policy = policy if policy is not None else make_eviction_policy(config.eviction)
         self._nodes: dict[str, _Node] = {}
         self._segments: dict[str, _Segment] = {}
         self._objects: dict[str, _Object] = {}
@@ -258,19 +264,28 @@ class MasterState:
     # -- objects ----------------------------------------------------------------------------
 
     def put_start(self, keys: Sequence[str], sizes: Sequence[int],
-                  replicas: int | None = None) -> list[tuple[Replica, ...] | KVPoolError]:
+                  replicas: int | None = None, parents: Sequence[str | None] | None = None
+                  ) -> list[tuple[Replica, ...] | KVPoolError]:
         """Allocate replicas for each new key (PENDING); returns where to write each one.
 
-        Raises InvalidArgument only when ``keys`` and ``sizes`` differ in length.
+        ``parents``: parallel to ``keys`` (or None): the key of the block each object extends,
+        None or "" for none. The eviction policy learns it at PutEnd; a parent that is not
+        stored by then is not linked (the object counts as a chain head).
+
+        Raises InvalidArgument only when ``keys`` and ``sizes`` (or ``parents``) differ in
+        length.
         """
         if len(keys) != len(sizes):
             raise InvalidArgument(f"{len(keys)} keys but {len(sizes)} sizes")
+        if parents is not None and len(parents) != len(keys):
+            raise InvalidArgument(f"{len(keys)} keys but {len(parents)} parents")
         n = self._config.default_replicas if replicas is None else replicas
         now = self._clock()
         seen: set[str] = set()
         started: list[_Object] = []
-        out = [_attempt(self._put_one, key, size, n, now, seen, started)
-               for key, size in zip(keys, sizes)]
+        out = [_attempt(self._put_one, key, size, n, now, seen, started,
+                        parents[i] if parents is not None else None)
+               for i, (key, size) in enumerate(zip(keys, sizes))]
         if started:
             heapq.heappush(self._put_deadlines,
                            (now + self._config.put_timeout_s, next(self._seq), started))
@@ -366,7 +381,7 @@ class MasterState:
     # -- per-key operations -----------------------------------------------------------------
 
     def _put_one(self, key: str, size: int, n: int, now: float, seen: set[str],
-                 started: list[_Object]) -> tuple[Replica, ...]:
+                 started: list[_Object], parent: str | None = None) -> tuple[Replica, ...]:
         validate_key(key)
         # Before any other check, so a repeated key is refused whatever happened to the first.
         if key in seen:
@@ -376,6 +391,10 @@ class MasterState:
             raise InvalidArgument(f"{key!r}: size must be an int >= 1, not {size!r}")
         if not isinstance(n, int) or n < 1:
             raise InvalidArgument(f"replicas must be >= 1, not {n!r}")
+        if parent:
+            validate_key(parent)
+            if parent == key:
+                raise InvalidArgument(f"{key!r} names itself as its parent")
         if key in self._objects:
             raise AlreadyExists(f"{key!r} already exists")
         segments = self._open_segments()
@@ -398,7 +417,7 @@ class MasterState:
         if len(self._sizes) < _MAX_SHARED_SIZES:
             size = self._sizes.setdefault(size, size)
         obj = _Object(key, size, next(self._versions), extents[0].segment_id, extents[0].offset,
-                      tuple(extents[1:]))
+                      tuple(extents[1:]), parent=parent or None)
         self._objects[key] = obj
         for e in extents:
             self._segments[e.segment_id].keys.add(key)
@@ -464,7 +483,12 @@ class MasterState:
         obj.state = COMPLETE
         obj.checksum = checksum
         self._pending -= 1
-        self._policy.on_insert(obj.key)   # the indexed str, not the request's equal copy
+        # The indexed strs, not the request's equal copies. A parent evicted or not yet put is
+        # not linked: this block is then a chain head to the policy (it can still go first).
+        parent = self._objects.get(obj.parent) if obj.parent else None
+        self._policy.on_insert(obj.key, parent.key if parent is not None
+                               and parent.state is COMPLETE else None)
+        obj.parent = None
         for e in obj.replicas:
             log = self._segments[e.segment_id].manifest_log
             if log is not None:
@@ -497,6 +521,9 @@ class MasterState:
         obj = _Object(r.key, size, r.version, r.segment_id, r.offset, state=COMPLETE,
                       checksum=r.checksum)
         self._objects[r.key] = obj
+        # Manifests carry no parent, so after a master restart every announced object is a
+        # chain head to the policy: plain LRU among them (in announce order) until they go;
+        # blocks put after the restart link to announced parents again.
         self._policy.on_insert(obj.key)
         # Versions stay unique per key across the restart: new ones come after every announced.
         nxt = next(self._versions)

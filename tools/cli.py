@@ -10,6 +10,7 @@ import sys
 import threading
 
 from kvpool.common.config import (
+    EVICTION_POLICIES,
     ConfigError,
     MasterConfig,
     format_size,
@@ -108,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="evict down to this (default: 0.85)")
     m.add_argument("--replicas", type=_count, help="copies per object unless a client asks "
                    "otherwise (default: 1)")
+    m.add_argument("--eviction", choices=EVICTION_POLICIES,
+                   help="what a full segment gives up first: 'prefix' evicts KV prefix chains "
+                        "from the tail (blocks name their parent; shared prefixes go last, plain "
+                        "LRU for objects without one), 'lru' is plain least-recently-used and "
+                        "indexes each object in ~170 fewer bytes (default: prefix)")
     _log_arg(m)
 
     n = sub.add_parser("store-node", help="run a store node that pools memory segments",
@@ -201,7 +207,8 @@ def _cmd_master(args) -> int:
     config = load(MasterConfig, args.config, put_timeout_s=args.put_timeout,
                   lease_ttl_s=args.lease_ttl, node_ttl_s=args.node_ttl,
                   quarantine_s=args.quarantine, high_watermark=args.high_watermark,
-                  low_watermark=args.low_watermark, default_replicas=args.replicas)
+                  low_watermark=args.low_watermark, default_replicas=args.replicas,
+                  eviction=args.eviction)
     asyncio.run(serve(config, args.host, args.port,
                       on_started=lambda addr: print(f"master: {addr}", flush=True)))
     return 0

@@ -1,0 +1,121 @@
+"""MasterState with its default PrefixAwarePolicy: the parents named at PutStart decide what a
+full segment gives up (chain tails first, shared parents last), within the lease/pin rules."""
+
+from __future__ import annotations
+
+import pytest
+from kvpool.common.config import ConfigError, MasterConfig
+from kvpool.common.errors import InvalidArgument
+from kvpool.common.types import SegmentInfo
+
+from .test_state import LEASE_S, endpoints, make_state
+
+BLOCK = 64   # one alignment unit: a segment of n * BLOCK bytes holds exactly n blocks
+# A shared two-block prefix (a system prompt) and two conversations that extend it.
+CHAINS = [("s0", None), ("s1", "s0"), ("a0", "s1"), ("a1", "a0"), ("b0", "s1"), ("b1", "b0")]
+
+
+def fill(state, clock) -> None:
+    state.mount_segment(endpoints("n1"), SegmentInfo("s", len(CHAINS) * BLOCK))
+    for key, parent in CHAINS:   # one put each, so every block has its own last-use time
+        [placed] = state.put_start([key], [BLOCK], parents=[parent])
+        assert isinstance(placed, tuple), placed
+        assert state.put_end([key]) == [None]
+        clock.advance(1)
+
+
+def evicted_by_new_puts(state, clock, n: int) -> list[str]:
+    """Put ``n`` parentless blocks into the full segment; the keys each one pushed out."""
+    order, stored = [], {key for key, _ in CHAINS}
+    for i in range(n):
+        clock.advance(LEASE_S + 1)   # nothing is leased
+        [placed] = state.put_start([f"new{i}"], [BLOCK])
+        assert isinstance(placed, tuple), placed
+        state.put_end([f"new{i}"])
+        gone = [k for k, there in zip(sorted(stored), state.exists(sorted(stored))) if not there]
+        order += gone
+        stored -= set(gone)
+    return order
+
+
+def test_full_segment_evicts_chain_tails_first_and_the_shared_prefix_last(clock):
+    state = make_state(clock)
+    fill(state, clock)
+    # Plain LRU would take s0 first (the oldest), stranding every block after it.
+    assert evicted_by_new_puts(state, clock, 6) == ["a1", "a0", "b1", "b0", "s1", "s0"]
+
+
+def test_eviction_lru_config_ignores_parents(clock):
+    state = make_state(clock, eviction="lru")
+    fill(state, clock)
+    assert evicted_by_new_puts(state, clock, 6) == ["s0", "s1", "a0", "a1", "b0", "b1"]
+    with pytest.raises(ConfigError, match="expected one of prefix, lru"):
+        MasterConfig(eviction="fifo")
+
+
+def test_reading_a_prefix_keeps_that_chain_and_its_parents(clock):
+    state = make_state(clock)
+    fill(state, clock)
+    state.get_replicas(["s0", "s1", "a0", "a1"])   # a prompt matched s0..a1: all touched
+    assert evicted_by_new_puts(state, clock, 3) == ["b1", "b0", "a1"]
+
+
+def test_a_pinned_tail_holds_its_whole_chain_and_newer_blocks_go_instead(clock):
+    state = make_state(clock)
+    fill(state, clock)
+    assert state.pin(["a1"]) == [None]
+    # a1 cannot go, so neither can a0, s1, s0 (a parent never goes before its children): once
+    # b's chain is gone, the new blocks make room for each other although they are younger.
+    assert evicted_by_new_puts(state, clock, 4) == ["b1", "b0"]
+    assert state.unpin(["a1"]) == [None]
+    clock.advance(LEASE_S + 1)
+    state.put_start(["last"], [BLOCK])
+    assert state.exists(["a1", "a0"]) == [False, True]
+
+
+def test_parent_committed_in_the_same_batch_is_linked(clock):
+    state = make_state(clock)
+    state.mount_segment(endpoints("n1"), SegmentInfo("s", 3 * BLOCK))
+    keys = ["h", "m", "t"]
+    state.put_start(keys, [BLOCK] * 3, parents=[None, "h", "m"])
+    assert state.put_end(keys) == [None] * 3
+    clock.advance(LEASE_S + 1)
+    state.put_start(["x"], [BLOCK])
+    state.put_end(["x"])
+    assert state.exists(keys) == [True, True, False]   # the tail, not the oldest block
+
+
+def test_bad_parents_are_refused_per_key_or_for_the_batch(clock):
+    state = make_state(clock)
+    state.mount_segment(endpoints("n1"), SegmentInfo("s", 4 * BLOCK))
+    self_parent, ok = state.put_start(["k", "j"], [BLOCK, BLOCK], parents=["k", ""])
+    assert isinstance(self_parent, InvalidArgument) and isinstance(ok, tuple)
+    with pytest.raises(InvalidArgument, match="2 keys but 1 parents"):
+        state.put_start(["a", "b"], [BLOCK, BLOCK], parents=["a"])
+
+
+def test_after_a_master_restart_announced_blocks_are_plain_lru_until_relinked(clock):
+    """Manifests carry no parent: a restarted master sees every announced block as a chain
+    head, evicted in plain LRU order (announce order); blocks put later link to them again."""
+    old = make_state(clock)
+    old.mount_segment(endpoints("n1"), SegmentInfo("s", 4 * BLOCK), keeps_manifest=True)
+    for key, parent in [("p0", None), ("p1", "p0"), ("p2", "p1")]:
+        old.put_start([key], [BLOCK], parents=[parent])
+        old.put_end([key])
+    manifest = old.heartbeat("n1").committed
+
+    new = make_state(clock)
+    new.mount_segment(endpoints("n1"), SegmentInfo("s", 4 * BLOCK), keeps_manifest=True,
+                      recovering=True)
+    assert new.announce_objects("n1", manifest, done=True) == [None] * 3
+    new.put_start(["p3"], [BLOCK], parents=["p2"])   # extends an announced block
+    new.put_end(["p3"])
+    clock.advance(LEASE_S + 1)
+    order = []
+    for i in range(4):
+        new.put_start([f"x{i}"], [BLOCK])
+        new.put_end([f"x{i}"])
+        order += [k for k in ("p0", "p1", "p2", "p3") if k not in order
+                  and not new.exists([k])[0]]
+    # p0, p1 lost their links (LRU among heads); p2 is p3's parent again, so p3 goes first.
+    assert order == ["p0", "p1", "p3", "p2"]
