@@ -21,19 +21,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvpool.tools.argtypes import count_type, size_type
+
 QUICK = {"repeats": 3, "single_calls": 8, "master_objects": 1_000_000, "master_lookups": 100_000}
 FULL = {"repeats": 5, "single_calls": 32, "master_objects": 1_000_000, "master_lookups": 300_000}
 DEFAULT_SIZES = "64KiB,1MiB,4MiB"
 
 
 def _sizes(text: str) -> list[int]:
-    from kvpool.tools.cli import _size
-    return [_size(part) for part in text.split(",") if part.strip()]
-
-
-def _positive(text: str) -> int:
-    from kvpool.tools.cli import _count
-    return _count(text)
+    return [size_type(part) for part in text.split(",") if part.strip()]
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -56,21 +52,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "device) is reported as skipped (default: shm,tcp,rdma)")
     b.add_argument("--sizes", type=_sizes, default=None, metavar="LIST",
                    help=f"single-value sizes (default: {DEFAULT_SIZES})")
-    b.add_argument("--prompt-blocks", type=_positive, default=256, metavar="N",
+    b.add_argument("--prompt-blocks", type=count_type, default=256, metavar="N",
                    help="blocks in the prompt batch (default: 256)")
     b.add_argument("--block-size", type=_sizes, default=None, metavar="SIZE",
                    help="bytes per prompt block (default: 2MiB, Llama-3-8B bf16, 16 tokens)")
-    b.add_argument("--small-blocks", type=_positive, default=512, metavar="N",
+    b.add_argument("--small-blocks", type=count_type, default=512, metavar="N",
                    help="values in the small batch (default: 512)")
     b.add_argument("--small-size", type=_sizes, default=None, metavar="SIZE",
                    help="bytes per small-batch value (default: 64KiB)")
-    b.add_argument("--repeats", type=_positive, metavar="N",
+    b.add_argument("--repeats", type=count_type, metavar="N",
                    help="repeats per figure; the median is reported (default: 3 quick, 5 full)")
-    b.add_argument("--single-calls", type=_positive, metavar="N",
+    b.add_argument("--single-calls", type=count_type, metavar="N",
                    help="single-value calls per repeat (default: 8 quick, 32 full)")
-    b.add_argument("--master-objects", type=_positive, metavar="N",
+    b.add_argument("--master-objects", type=count_type, metavar="N",
                    help="objects indexed for the master figures (default: 1000000)")
-    b.add_argument("--master-batch", type=_positive, default=256, metavar="N",
+    b.add_argument("--master-batch", type=count_type, default=256, metavar="N",
                    help="keys per master RPC (default: 256, one prompt's blocks)")
     b.add_argument("--no-master-bench", action="store_true", help="skip the master figures")
     b.add_argument("--no-redis", action="store_true", help="skip the Redis baseline")

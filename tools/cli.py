@@ -9,61 +9,12 @@ import signal
 import sys
 import threading
 
-from kvpool.common.config import (
-    EVICTION_POLICIES,
-    ConfigError,
-    MasterConfig,
-    format_size,
-    load,
-    parse_duration,
-    parse_size,
-)
+from kvpool.common.config import EVICTION_POLICIES, ConfigError, MasterConfig, format_size, load, parse_size
 from kvpool.common.errors import KVPoolError
-from kvpool.tools import bench
-from kvpool.tools import kv_events_cmd, replay
+from kvpool.tools import bench, kv_events_cmd, replay
+from kvpool.tools.argtypes import count_type, duration_type, fraction_type, port_type, size_type, size_or_off_type
 
 DEFAULT_MASTER_PORT = 50051
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _size_or_off(text: str) -> int:
-    """A size, or 0 for "off"."""
-    return 0 if text.strip() == "0" else _size(text)
-
-
-def _duration(text: str) -> float:
-    try:
-        return parse_duration(text)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"invalid fraction {text!r}: expected 0 < x <= 1, e.g. 0.9")
-    return value
-
-
-def _port(text: str) -> int:
-    if not text.isdigit() or int(text) > 65535:
-        raise argparse.ArgumentTypeError(f"invalid port {text!r}: expected 0-65535 (0 = any free port)")
-    return int(text)
-
-
-def _count(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"invalid count {text!r}: expected a whole number >= 1")
-    return int(text)
 
 
 def _master_arg(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -90,24 +41,24 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run the master. Prints `master: HOST:PORT` once serving.")
     m.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; "
                    "0.0.0.0 for a multi-host cluster)")
-    m.add_argument("--port", type=_port, default=DEFAULT_MASTER_PORT,
+    m.add_argument("--port", type=port_type, default=DEFAULT_MASTER_PORT,
                    help=f"gRPC port (default: {DEFAULT_MASTER_PORT}; 0 = any free port)")
     m.add_argument("--config", metavar="FILE", help="YAML file of master settings (the long "
                    "option names with _ for -, e.g. put_timeout_s: 30s); flags override it")
-    m.add_argument("--put-timeout", type=_duration, metavar="DURATION",
+    m.add_argument("--put-timeout", type=duration_type, metavar="DURATION",
                    help="reclaim a put not completed within this (default: 30s)")
-    m.add_argument("--lease-ttl", type=_duration, metavar="DURATION",
+    m.add_argument("--lease-ttl", type=duration_type, metavar="DURATION",
                    help="protect an object from eviction/removal this long after a read is "
                         "granted (default: 5s)")
-    m.add_argument("--node-ttl", type=_duration, metavar="DURATION",
+    m.add_argument("--node-ttl", type=duration_type, metavar="DURATION",
                    help="declare a store node dead after this long without a heartbeat (default: 10s)")
-    m.add_argument("--quarantine", type=_duration, metavar="DURATION",
+    m.add_argument("--quarantine", type=duration_type, metavar="DURATION",
                    help="keep space of a reclaimed put unused this long (default: 30s)")
-    m.add_argument("--high-watermark", type=_fraction, metavar="FRACTION",
+    m.add_argument("--high-watermark", type=fraction_type, metavar="FRACTION",
                    help="evict when a segment is fuller than this (default: 0.95)")
-    m.add_argument("--low-watermark", type=_fraction, metavar="FRACTION",
+    m.add_argument("--low-watermark", type=fraction_type, metavar="FRACTION",
                    help="evict down to this (default: 0.85)")
-    m.add_argument("--replicas", type=_count, help="copies per object unless a client asks "
+    m.add_argument("--replicas", type=count_type, help="copies per object unless a client asks "
                    "otherwise (default: 1)")
     m.add_argument("--eviction", choices=EVICTION_POLICIES,
                    help="what a full segment gives up first: 'prefix' evicts KV prefix chains "
@@ -122,24 +73,24 @@ def build_parser() -> argparse.ArgumentParser:
                                    "segments for one-sided RDMA where a device exists. Prints "
                                    "`store-node: NODE_ID` once mounted.")
     _master_arg(n)
-    n.add_argument("--segment-size", type=_size, action="append", metavar="SIZE",
+    n.add_argument("--segment-size", type=size_type, action="append", metavar="SIZE",
                    help="size of one DRAM segment, e.g. 4GiB; repeat for several (default: one 4GiB)")
     n.add_argument("--host", default="127.0.0.1", help="address the data server listens on "
                    "(default: 127.0.0.1)")
-    n.add_argument("--port", type=_port, default=0, help="data server tcp port (default: 0 = any)")
+    n.add_argument("--port", type=port_type, default=0, help="data server tcp port (default: 0 = any)")
     n.add_argument("--advertise-host", help="address clients dial, if not --host (e.g. the "
                    "node's LAN address when listening on 0.0.0.0)")
     n.add_argument("--node-id", help="stable name of this node (default: HOSTNAME-RANDOM)")
-    n.add_argument("--heartbeat-interval", type=_duration, default=1.0, metavar="DURATION",
+    n.add_argument("--heartbeat-interval", type=duration_type, default=1.0, metavar="DURATION",
                    help="how often to heartbeat the master; keep well under its --node-ttl "
                         "(default: 1s)")
     n.add_argument("--no-shm", action="store_true",
                    help="do not offer the same-host shared-memory hand-off (tcp only)")
-    n.add_argument("--scrub-rate", type=_size_or_off, default=64 << 20, metavar="SIZE",
+    n.add_argument("--scrub-rate", type=size_or_off_type, default=64 << 20, metavar="SIZE",
                    help="bytes per second the scrubber reads to re-check stored objects' "
                         "checksums; a damaged replica is dropped from the index (default: "
                         "64MiB; 0 = no scrubbing)")
-    n.add_argument("--scrub-interval", type=_duration, default=60.0, metavar="DURATION",
+    n.add_argument("--scrub-interval", type=duration_type, default=60.0, metavar="DURATION",
                    help="rest between two scrubbing passes (default: 60s)")
     rd = n.add_mutually_exclusive_group()
     rd.add_argument("--rdma-device", metavar="NAME",
@@ -154,11 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     u = sub.add_parser("up", help="run a local cluster (a master and store nodes) until Ctrl-C",
                        description="Run a master and store nodes on this host until Ctrl-C. "
                                    "Prints `master: HOST:PORT`.")
-    u.add_argument("--nodes", type=_count, default=2, help="store nodes to start (default: 2)")
-    u.add_argument("--segment-size", type=_size, default=parse_size("1GiB"), metavar="SIZE",
+    u.add_argument("--nodes", type=count_type, default=2, help="store nodes to start (default: 2)")
+    u.add_argument("--segment-size", type=size_type, default=parse_size("1GiB"), metavar="SIZE",
                    help="DRAM segment per node (default: 1GiB)")
     u.add_argument("--host", default="127.0.0.1", help="listen address (default: 127.0.0.1)")
-    u.add_argument("--port", type=_port, default=0, help="master port (default: 0 = any free port)")
+    u.add_argument("--port", type=port_type, default=0, help="master port (default: 0 = any free port)")
 
     s = sub.add_parser("stat", help="show segments, usage, objects, hits and misses",
                        description="Print the cluster's state as the master sees it.")
@@ -170,14 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
                                    "through kvpool with Llama-3-8B-sized KV blocks, print hits, "
                                    "prefill tokens saved, bytes moved and GB/s, then stop.")
     _master_arg(d, required=False)
-    d.add_argument("--instances", type=_count, default=4, help="serving instances (processes) "
+    d.add_argument("--instances", type=count_type, default=4, help="serving instances (processes) "
                    "(default: 4)")
-    d.add_argument("--requests", type=_count, default=12, help="requests per instance (default: 12)")
-    d.add_argument("--prefixes", type=_count, default=3,
+    d.add_argument("--requests", type=count_type, default=12, help="requests per instance (default: 12)")
+    d.add_argument("--prefixes", type=count_type, default=3,
                    help="distinct shared system prompts (default: 3)")
-    d.add_argument("--prefix-tokens", type=_count, default=1024,
+    d.add_argument("--prefix-tokens", type=count_type, default=1024,
                    help="tokens in each shared prefix (default: 1024)")
-    d.add_argument("--block-bytes", type=_size, default=parse_size("2MiB"), metavar="SIZE",
+    d.add_argument("--block-bytes", type=size_type, default=parse_size("2MiB"), metavar="SIZE",
                    help="KV bytes per 16-token block (default: 2MiB, Llama-3-8B in bf16)")
     d.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
 

@@ -13,6 +13,7 @@ from typing import TextIO
 
 from kvpool.common.errors import InvalidArgument
 from kvpool.master.routing import DEFAULT_POLICY, POLICIES
+from kvpool.tools.argtypes import count_type
 from kvpool.tools.replay_sim import (
     ALL_POLICIES,
     STORE_EVICTIONS,
@@ -25,13 +26,6 @@ from kvpool.tools.replay_sim import (
     simulate,
     ttft_floor_s,
 )
-
-
-def _count(text: str, minimum: int = 1) -> int:
-    if not text.isdigit() or int(text) < minimum:
-        raise argparse.ArgumentTypeError(f"invalid count {text!r}: expected a whole number "
-                                         f">= {minimum}")
-    return int(text)
 
 
 def _positive(text: str) -> float:
@@ -74,10 +68,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                "Example: kvpool replay trace.jsonl --json out.json --plot out.png\n"
                "         kvpool replay trace.jsonl --live --master 127.0.0.1:50051 --requests 50")
     p.add_argument("trace", metavar="TRACE", help="Mooncake-format trace (.jsonl)")
-    p.add_argument("--instances", type=_count, default=8, help="serving instances (default: 8)")
-    p.add_argument("--cache-blocks", type=lambda t: _count(t, 0), default=6000,
+    p.add_argument("--instances", type=count_type, default=8, help="serving instances (default: 8)")
+    p.add_argument("--cache-blocks", type=lambda t: count_type(t, 0), default=6000,
                    help="each instance's own prefix cache, in trace blocks, LRU (default: 6000)")
-    p.add_argument("--store-blocks", type=lambda t: _count(t, 0), default=60000,
+    p.add_argument("--store-blocks", type=lambda t: count_type(t, 0), default=60000,
                    help="the shared store, in trace blocks, LRU; 0 = no store (default: 60000)")
     p.add_argument("--store-writes", choices=STORE_WRITES, default="prefill",
                    help="when instances put blocks into the store: `prefill` (kvpool's way: "
@@ -91,12 +85,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--policies", type=_policies, default=list(ALL_POLICIES), metavar="A,B,...",
                    help=f"routing policies to compare (default: all: {','.join(ALL_POLICIES)})")
     p.add_argument("--seed", type=int, default=0, help="seed of the random policy (default: 0)")
-    p.add_argument("--limit", type=_count, metavar="N", help="replay only the first N requests")
+    p.add_argument("--limit", type=count_type, metavar="N", help="replay only the first N requests")
     p.add_argument("--prefill-tokens-per-s", type=_positive, default=8000.0, metavar="RATE",
                    help="prefill throughput of one instance (default: 8000)")
     p.add_argument("--store-tokens-per-s", type=_positive, default=80000.0, metavar="RATE",
                    help="rate one instance loads store-held KV at, in tokens/s (default: 80000)")
-    p.add_argument("--block-tokens", type=_count, default=512,
+    p.add_argument("--block-tokens", type=count_type, default=512,
                    help="tokens per trace block (default: 512, the Mooncake traces')")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="write a PNG: reuse per tier and TTFT CDF")
@@ -108,12 +102,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
                            "given with --policies, else the default), verify every read")
     live.add_argument("--master", default=os.environ.get("KVPOOL_MASTER"), metavar="HOST:PORT",
                       help="the cluster's master (--live; default: $KVPOOL_MASTER)")
-    live.add_argument("--requests", type=_count, default=50,
+    live.add_argument("--requests", type=count_type, default=50,
                       help="requests replayed live (default: 50)")
-    live.add_argument("--live-block-tokens", type=_count, default=16,
+    live.add_argument("--live-block-tokens", type=count_type, default=16,
                       help="tokens per block live: trace blocks are scaled down to this "
                            "(default: 16)")
-    live.add_argument("--block-bytes", type=_count, default=16384,
+    live.add_argument("--block-bytes", type=count_type, default=16384,
                       help="KV bytes per block live (default: 16384)")
     return p
 

@@ -15,16 +15,24 @@ FAST_MASTER = ["--node-ttl", f"{NODE_TTL_S}s", "--put-timeout", f"{PUT_TIMEOUT_S
 FAST_NODE = ["--heartbeat-interval", "200ms"]
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    """A real master and 2 real store nodes (64 MiB each), stopped after the test."""
-    c = LocalCluster(nodes=2, segment_size="64MiB", master_args=FAST_MASTER,
-                     node_args=FAST_NODE, log_dir=tmp_path / "logs")
+def run_cluster(tmp_path, *, nodes: int = 2, segment_size: str = "64MiB", master_args=(),
+                node_args=()):
+    """Yield a started LocalCluster with the fast timeouts (plus ``master_args``); on teardown
+    stop it and fail if any process logged a traceback. For fixtures: ``yield from``."""
+    c = LocalCluster(nodes=nodes, segment_size=segment_size,
+                     master_args=[*FAST_MASTER, *master_args], node_args=[*FAST_NODE, *node_args],
+                     log_dir=tmp_path / "logs")
     c.start()
     yield c
     c.stop()
     for log in (tmp_path / "logs").glob("*.log"):
         assert "Traceback" not in log.read_text(), f"traceback in {log.name}"
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """A real master and 2 real store nodes (64 MiB each), stopped after the test."""
+    yield from run_cluster(tmp_path)
 
 
 @pytest.fixture

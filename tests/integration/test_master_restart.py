@@ -12,22 +12,9 @@ import time
 import pytest
 from kvpool.client import KVClient
 from kvpool.common.errors import KVPoolError, MasterUnavailable, ObjectNotFound
-from kvpool.tools.cluster import LocalCluster
 
-from .conftest import FAST_MASTER, FAST_NODE
 
 RECOVERY_LIMIT_S = 60.0    # a bound for the test to give up, not a performance target
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    c = LocalCluster(nodes=2, segment_size="64MiB", master_args=FAST_MASTER,
-                     node_args=FAST_NODE, log_dir=tmp_path / "logs")
-    c.start()
-    yield c
-    c.stop()
-    for log in (tmp_path / "logs").glob("*.log"):
-        assert "Traceback" not in log.read_text(), f"traceback in {log.name}"
 
 
 def read_all_when_back(kv: KVClient, expected: dict[str, bytes]) -> float:

@@ -8,9 +8,8 @@ import pytest
 from kvpool.client import KVClient
 from kvpool.client.blocks import TokenBlocks
 from kvpool.common.hashing import HashSpec
-from kvpool.tools.cluster import LocalCluster
 
-from .conftest import FAST_MASTER, FAST_NODE
+from .conftest import run_cluster
 
 BS = 16                  # tokens per block
 BLOCK_BYTES = 64 << 10   # one block's KV
@@ -21,15 +20,8 @@ SLOTS = 16               # blocks a segment holds
 def small_cluster(tmp_path):
     """One node with one 16-block segment. A high watermark of 1.0 leaves eviction to the puts
     that need room, so what is evicted does not depend on when the master's tick runs."""
-    c = LocalCluster(nodes=1, segment_size=str(SLOTS * BLOCK_BYTES),
-                     master_args=[*FAST_MASTER, "--high-watermark", "1.0",
-                                  "--low-watermark", "0.9"],
-                     node_args=FAST_NODE, log_dir=tmp_path / "logs")
-    c.start()
-    yield c
-    c.stop()
-    for log in (tmp_path / "logs").glob("*.log"):
-        assert "Traceback" not in log.read_text(), f"traceback in {log.name}"
+    yield from run_cluster(tmp_path, nodes=1, segment_size=str(SLOTS * BLOCK_BYTES),
+                           master_args=["--high-watermark", "1.0", "--low-watermark", "0.9"])
 
 
 def kv_of(prompt: int, block: int) -> np.ndarray:

@@ -1,0 +1,49 @@
+"""argparse value types shared by every ``kvpool`` subcommand: clear messages, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvpool.common.config import ConfigError, parse_duration, parse_size
+
+
+def size_type(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def size_or_off_type(text: str) -> int:
+    """A size, or 0 for "off"."""
+    return 0 if text.strip() == "0" else size_type(text)
+
+
+def duration_type(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def fraction_type(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"invalid fraction {text!r}: expected 0 < x <= 1, e.g. 0.9")
+    return value
+
+
+def port_type(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}: expected 0-65535 (0 = any free port)")
+    return int(text)
+
+
+def count_type(text: str, minimum: int = 1) -> int:
+    if not text.isdigit() or int(text) < minimum:
+        raise argparse.ArgumentTypeError(f"invalid count {text!r}: expected a whole number "
+                                         f">= {minimum}")
+    return int(text)
