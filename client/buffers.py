@@ -15,13 +15,14 @@ from kvpool.common.errors import InvalidArgument
 def byte_view(obj: object, *, writable: bool) -> memoryview:
     """A flat, contiguous ``"B"`` memoryview over ``obj``'s own memory (no copy)."""
     if isinstance(obj, np.ndarray):   # first: the common case of a batch of KV-block rows
+        view = memoryview(obj)
+        if view.ndim == 1 and view.format == "B" and view.c_contiguous \
+                and not (writable and view.readonly):
+            return view   # a uint8 row (a KV block), checked without numpy's slower flags
         if not obj.flags.c_contiguous:
             raise InvalidArgument("numpy array must be C-contiguous (use np.ascontiguousarray)")
         if writable and not obj.flags.writeable:
             raise InvalidArgument("numpy array is read-only; get_into needs a writable buffer")
-        view = memoryview(obj)
-        if view.ndim == 1 and view.format == "B":   # a uint8 row (a KV block): no reshaping
-            return view
         return memoryview(obj.reshape(-1).view(np.uint8))
     if isinstance(obj, (bytes, bytearray, memoryview)):
         view = memoryview(obj)

@@ -4,13 +4,18 @@ retry of UNAVAILABLE, and the one place gRPC errors become kvpool exceptions."""
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Callable
 
 import grpc
+from kvpool.client.leader import MasterTargets
+from kvpool.common.addresses import LEADER_METADATA, parse_address
 from kvpool.common.errors import (
     ClientClosed, HashSpecMismatch, InvalidArgument, KVPoolError, MasterUnavailable)
 from kvpool.common.wire import GRPC_OPTIONS
+
+__all__ = ["GrpcClient", "map_rpc_error", "parse_address"]
 
 # Status codes a master service uses to refuse a request; everything else means unreachable.
 _REFUSALS: dict[grpc.StatusCode, type[KVPoolError]] = {
@@ -26,15 +31,9 @@ _RECONNECT_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
-
-
-def parse_address(address: str) -> str:
-    """Validate ``host:port``; return it unchanged."""
-    host, sep, port = str(address).rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidArgument(f"invalid master address {address!r}: expected host:port, "
-                              "e.g. 127.0.0.1:50051")
-    return address
+# Between tries of the masters during a failover (jittered, doubling from 50 ms): a new leader
+# is found within a second of being elected, and a dead one is not hammered.
+_FAILOVER_MAX_DELAY_S = 1.0
 
 
 def map_rpc_error(e: grpc.RpcError, what: str) -> KVPoolError:
@@ -46,17 +45,27 @@ def map_rpc_error(e: grpc.RpcError, what: str) -> KVPoolError:
 
 
 class GrpcClient:
-    """A blocking, thread-safe client of one master service; a context manager."""
+    """A blocking, thread-safe client of one master service; a context manager.
+
+    ``address``: one master (``host:port``), standby masters (``a:1,b:2``) or
+    ``etcd://HOST:PORT[/CLUSTER]`` (client/leader.py). With one address an UNAVAILABLE call is
+    retried ``retries`` times; with standbys it is retried, on whichever master leads, until
+    ``timeout_s`` has passed since the call began (each try under what is left of it)."""
 
     def __init__(self, address: str, stub_factory: Callable[[grpc.Channel], object], *,
                  timeout_s: float = 10.0, retries: int = 3, name: str = "client"):
-        self.address = parse_address(address)
+        self._targets = MasterTargets(address)
         self._timeout_s = timeout_s
         self._retries = retries
         self._name = name
-        self._channel: grpc.Channel | None = grpc.insecure_channel(
-            address, options=GRPC_OPTIONS + _RECONNECT_OPTIONS)
-        self._stub = stub_factory(self._channel)
+        self._stub_factory = stub_factory
+        self._lock = threading.Lock()
+        self._closed = False
+        # One channel per master dialled, kept open: going back to one costs no reconnect.
+        self._channels: dict[str, tuple[grpc.Channel, object]] = {}
+        self._current: tuple[str, object] | None = None   # (address, stub) talked to now
+        if first := self._targets.first():
+            self._use(first)
 
     def __enter__(self):
         return self
@@ -64,17 +73,68 @@ class GrpcClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @property
+    def address(self) -> str:
+        """The master talked to now ("" until etcd names a leader)."""
+        current = self._current
+        return current[0] if current else ""
+
+    @property
+    def _channel(self) -> grpc.Channel | None:
+        """The current channel; None once closed (or before etcd named a leader)."""
+        if self._closed or not self.address:
+            return None
+        return self._channels[self.address][0]
+
     def close(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
+        with self._lock:
+            self._closed = True
+            channels, self._channels = self._channels, {}
+        for channel, _ in channels.values():
+            channel.close()
+
+    def _use(self, address: str | None) -> None:
+        """Talk to ``address`` from now on (None: keep the current one)."""
+        if not address:
+            return
+        with self._lock:
+            if self._closed:
+                return
+            if address not in self._channels:
+                channel = grpc.insecure_channel(address,
+                                                options=GRPC_OPTIONS + _RECONNECT_OPTIONS)
+                self._channels[address] = (channel, self._stub_factory(channel))
+            self._current = (address, self._channels[address][1])
+
+    def _live_stub(self) -> tuple[str, object]:
+        """The current master and its stub, for streams; asks etcd when none is known yet."""
+        if self._closed:
+            raise ClientClosed(f"the {self._name} is closed")
+        if self._current is None:
+            self._use(self._targets.next(None, None, self._timeout_s))
+        if (current := self._current) is None:
+            raise MasterUnavailable(f"no master leads {self._targets.spec} yet")
+        return current
+
+    def _fail_over(self, address: str, error: grpc.RpcError | None) -> None:
+        """After ``address`` answered UNAVAILABLE: move to the master it names as the leader,
+        or to the next one to try (a failed look-up in etcd leaves the current one)."""
+        hint = _leader_hint(error)
+        if not self._targets.fails_over or (not hint and self.address not in ("", address)):
+            return      # another thread has moved on already
+        try:
+            self._use(self._targets.next(address, hint, min(1.0, self._timeout_s)))
+        except KVPoolError:
+            pass
 
     def _call(self, method: str, request, *, retry: bool = True, **kw) -> object:
         """Call ``method`` under the deadline; UNAVAILABLE (nothing reached the server) is
         retried with jittered exponential backoff unless ``retry`` is False (streams)."""
-        if self._channel is None:
+        if self._targets.fails_over:
+            return self._call_leader(method, request, retry, kw)
+        if self._closed:
             raise ClientClosed(f"the {self._name} is closed")
-        fn: Callable = getattr(self._stub, method)
+        fn: Callable = getattr(self._current[1], method)
         delay = 0.05
         for attempt in range(self._retries + 1 if retry else 1):
             try:
@@ -85,7 +145,53 @@ class GrpcClient:
                     time.sleep(delay * (0.5 + random.random()))
                     delay *= 2
                     continue
-                if code == grpc.StatusCode.CANCELLED and self._channel is None:
+                if code == grpc.StatusCode.CANCELLED and self._closed:
                     raise ClientClosed(f"the {self._name} was closed during the call") from None
                 raise map_rpc_error(e, f"master {self.address}: {method}") from None
         raise AssertionError("unreachable")
+
+    def _call_leader(self, method: str, request, retry: bool, kw: dict) -> object:
+        """``_call`` with standby masters: follow the leader until the deadline."""
+        deadline = time.monotonic() + self._timeout_s
+        delay, jumps = 0.05, 0
+        while True:
+            error: grpc.RpcError | None = None
+            try:
+                address, stub = self._live_stub()
+                return getattr(stub, method)(
+                    request, timeout=max(0.001, deadline - time.monotonic()), **kw)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.CANCELLED and self._closed:
+                    raise ClientClosed(f"the {self._name} was closed during the call") from None
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                        # A hung master (it may have acted: not retried); the next call
+                        # goes to whichever master leads by then.
+                        self._fail_over(address, None)
+                    raise map_rpc_error(e, f"master {address}: {method}") from None
+                error, failure = e, map_rpc_error(e, f"master {address}: {method}")
+                self._fail_over(address, e)
+            except MasterUnavailable as e:    # etcd names no leader (yet), or cannot be read
+                address, failure = "", e
+            left = deadline - time.monotonic()
+            if not retry or left <= 0:
+                raise failure
+            if self.address != address and _leader_hint(error) and jumps < 3:
+                jumps += 1
+                continue                        # pointed at the leader: go at once
+            jumps = 0
+            time.sleep(min(left, delay * (0.5 + random.random())))
+            delay = min(2 * delay, _FAILOVER_MAX_DELAY_S)
+            if self.address == address or not self.address:
+                self._fail_over(address, None)
+
+
+def _leader_hint(error: grpc.RpcError | None) -> str | None:
+    """The leader's address a standby master named in its refusal, if any."""
+    if error is None:
+        return None
+    try:
+        metadata = error.trailing_metadata() or ()
+    except Exception:   # an error raised before any call was made carries none
+        return None
+    return next((v for k, v in metadata if k == LEADER_METADATA), None) or None

@@ -18,7 +18,7 @@ from kvpool.client.located import Located
 from kvpool.client.master_client import MasterClient
 from kvpool.client.transport.base import IoOp, Transport
 from kvpool.client.transport.registry import TRANSPORT_PREFERENCE, create_transports
-from kvpool.common.checksum import checksum
+from kvpool.common.checksum import Checksums, checksum
 from kvpool.common.errors import (
     ClientClosed,
     CorruptObject,
@@ -28,14 +28,20 @@ from kvpool.common.errors import (
     NotPending,
     TransportError,
 )
-from kvpool.common.types import ObjectView, Replica, validate_key
+from kvpool.common.types import MAX_KEY_BYTES, ObjectView, Replica, validate_key
 
 # A read that outlived its lease is checked against the master; if the object changed under
 # it, it is read again, at most this many times.
 _MAX_READ_ATTEMPTS = 3
+# A node whose read just failed at the transport level (down, partitioned, timing out) is
+# tried after the other replicas for this long: one call pays its timeout, not every call
+# until the master declares it dead.
+_UNREACHABLE_S = 5.0
 # Writes are not started this close to the put deadline, so a slow writer never races the
 # master's reclaim of the PENDING object.
 _PUT_DEADLINE_MARGIN_S = 0.5
+# Keys of at most this many characters are valid whatever they hold (4 bytes a character).
+_SHORT_KEY_CHARS = MAX_KEY_BYTES // 4
 
 
 class KVClient:
@@ -57,6 +63,7 @@ class KVClient:
         self._transports: list[Transport] = sorted(
             given + made, key=lambda t: TRANSPORT_PREFERENCE.index(t.scheme))
         self._rank = {t: TRANSPORT_PREFERENCE.index(t.scheme) for t in self._transports}
+        self._unreachable: dict[str, float] = {}   # node id -> until when it is tried last
         self._replicas = replicas
         self._closed = False
         self._lock = threading.Lock()
@@ -89,13 +96,26 @@ class KVClient:
 
     # -- single-key API: raises the per-key error --
     def put(self, key: str, value, *, replicas: int | None = None,
-            parent: str | None = None) -> None:
+            parent: str | None = None, pin: bool | float = False) -> None:
         """Store ``value`` under ``key``. Raises AlreadyExists if the key is stored: keys are
         immutable. Values: bytes, bytearray, memoryview, numpy array, contiguous CPU tensor.
         ``parent``: the key of the block this one extends (a KV prefix chain), so eviction
-        takes the chain from its tail; None for none."""
+        takes the chain from its tail; None for none. ``pin``: True for a hard pin, a number
+        of seconds for a soft pin (see :meth:`pin`), once stored."""
         _raise(self.batch_put([key], [value], replicas=replicas,
                               parents=None if parent is None else [parent])[0])
+        if pin is not False:
+            _raise(self.batch_pin([key], ttl_s=None if pin is True else float(pin))[0])
+
+    def pin(self, key: str, ttl_s: float | None = None) -> None:
+        """Pin ``key``: ``ttl_s=None`` is a hard pin (never evicted nor demoted until
+        :meth:`unpin`; all hard pins share a quota: NoSpace past it), ``ttl_s`` seconds a soft
+        pin (evicted only after every unpinned object; pinning again extends it)."""
+        _raise(self.batch_pin([key], ttl_s=ttl_s)[0])
+
+    def unpin(self, key: str) -> None:
+        """Drop ``key``'s hard and soft pins."""
+        _raise(self.batch_unpin([key])[0])
 
     def get(self, key: str, *, verify: bool = False) -> bytes:
         """The value stored under ``key``; ObjectNotFound if there is none. ``verify``: check
@@ -122,6 +142,26 @@ class KVClient:
         for k in keys:
             validate_key(k)
         return self._master.exists(list(keys)) if keys else []
+
+    def batch_pin(self, keys: Sequence[str], ttl_s: float | None = None
+                  ) -> list[KVPoolError | None]:
+        """:meth:`pin` for each key; per key None or the error."""
+        self._check_open()
+        if ttl_s is not None and not ttl_s > 0:
+            raise InvalidArgument(f"ttl_s must be > 0 (None: a hard pin), not {ttl_s!r}")
+        results, valid = _validate_keys(keys)
+        if valid:
+            for i, err in zip(valid, self._master.pin([keys[i] for i in valid], ttl_s)):
+                results[i] = err
+        return results
+
+    def batch_unpin(self, keys: Sequence[str]) -> list[KVPoolError | None]:
+        self._check_open()
+        results, valid = _validate_keys(keys)
+        if valid:
+            for i, err in zip(valid, self._master.unpin([keys[i] for i in valid])):
+                results[i] = err
+        return results
 
     def batch_remove(self, keys: Sequence[str]) -> list[KVPoolError | None]:
         self._check_open()
@@ -158,14 +198,35 @@ class KVClient:
         if not views:
             return results
         idx = list(views)
-        # Taken before the bytes leave, so damage anywhere after this point is caught on read.
-        sums = [checksum(views[i]) for i in idx]
         sent = time.monotonic()
         placed, put_timeout_s = self._master.put_start(
             [keys[i] for i in idx], [views[i].nbytes for i in idx],
             self._replicas if replicas is None else replicas,
             [parents[i] for i in idx] if parents is not None else None)
-        deadline = sent + put_timeout_s - _PUT_DEADLINE_MARGIN_S
+        written, sums = self._write_placed(keys, idx, views, placed, results,
+                                           sent + put_timeout_s - _PUT_DEADLINE_MARGIN_S)
+        failed = [keys[i] for i in written if results[i] is not None]
+        if failed:
+            self._master.put_revoke(failed)
+        # In request order: a parent committed before its children is linked to them.
+        ok = sorted(i for i in written if results[i] is None)
+        if ok:
+            for i, err in zip(ok, self._master.put_end([keys[i] for i in ok],
+                                                        [sums[i] for i in ok])):
+                results[i] = TransportError(f"{keys[i]!r}: put timed out") \
+                    if isinstance(err, NotPending) else err
+        return results
+
+    def _write_placed(self, keys: Sequence[str], idx: list[int], views: dict[int, memoryview],
+                      placed: list, results: list, deadline: float
+                      ) -> tuple[set[int], dict[int, int]]:
+        """Write each placed value (``placed`` parallel to ``idx``) to its replicas, unless
+        ``deadline`` (monotonic) passes first; errors go to ``results``. Returns the positions
+        written to (successfully or not) and the CRC-32C of each value written.
+
+        The checksums are taken from the caller's bytes as they leave, so damage anywhere after
+        is caught on read: by the shm transport while it copies (one pass over memory), else
+        by a helper thread while the transports send."""
         ops: list[tuple[int, Transport | None, IoOp]] = []
         for i, where in zip(idx, placed):
             if isinstance(where, KVPoolError):
@@ -177,26 +238,27 @@ class KVClient:
         if time.monotonic() > deadline:
             for i in written:
                 results[i] = TransportError(f"{keys[i]!r}: put timed out before writing")
+            return written, {}
+        transports = {t for _, t, _ in ops}
+        summing = transports.pop() if len(transports) == 1 else None
+        sums: dict[int, int] = {}
+        if hasattr(summing, "write_summed"):
+            errs, crcs = summing.write_summed([op for _, _, op in ops])
+            done = [(i, err) for (i, _, _), err in zip(ops, errs)]
+            sums.update((i, crc) for (i, _, _), crc in zip(ops, crcs) if crc is not None)
         else:
-            for i, err in self._run(ops, write=True):
-                if results[i] is None:
-                    results[i] = err
-            if time.monotonic() > deadline:
-                for i in written:
-                    results[i] = results[i] or TransportError(
-                        f"{keys[i]!r}: writing took longer than the put timeout")
-        failed = [keys[i] for i in written if results[i] is not None]
-        if failed:
-            self._master.put_revoke(failed)
-        # In request order: a parent committed before its children is linked to them.
-        ok = sorted(i for i in written if results[i] is None)
-        if ok:
-            crc = dict(zip(idx, sums))
-            for i, err in zip(ok, self._master.put_end([keys[i] for i in ok],
-                                                        [crc[i] for i in ok])):
-                results[i] = TransportError(f"{keys[i]!r}: put timed out") \
-                    if isinstance(err, NotPending) else err
-        return results
+            order = sorted(written)
+            with Checksums([views[i] for i in order]) as checksums:
+                done = self._run(ops, write=True)
+                sums.update(zip(order, checksums.result()))
+        for i, err in done:
+            if results[i] is None:
+                results[i] = err
+        if time.monotonic() > deadline:
+            for i in written:
+                results[i] = results[i] or TransportError(
+                    f"{keys[i]!r}: writing took longer than the put timeout")
+        return written, sums
 
     def batch_get(self, keys: Sequence[str], *, verify: bool = False
                   ) -> list[bytes | KVPoolError]:
@@ -218,17 +280,9 @@ class KVClient:
         CorruptObject when ``verify`` finds no intact replica)."""
         if len(keys) != len(buffers):
             raise InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers")
-        views: dict[int, memoryview | InvalidArgument] = {}
-        for i, b in enumerate(buffers):
-            try:
-                views[i] = byte_view(b, writable=True)
-            except InvalidArgument as e:
-                views[i] = e
 
-        def into(i: int, size: int) -> memoryview:
-            v = views[i]
-            if isinstance(v, InvalidArgument):
-                raise v
+        def into(i: int, size: int) -> memoryview:   # asked once per key found
+            v = byte_view(buffers[i], writable=True)
             if size == v.nbytes:
                 return v
             if size > v.nbytes:
@@ -339,7 +393,9 @@ class KVClient:
         done: list[int] = []
         for loc in np.unique(where[where >= 0]).tolist():
             segment = replicas.locations[loc]
-            if not batch_reader.can_reach(segment.node):
+            # Disk and HBM replicas are read by the node (tcp), never mapped (store_node/disk.py,
+            # hbm.py).
+            if segment.tier != "dram" or not batch_reader.can_reach(segment.node):
                 continue
             positions = np.flatnonzero(where == loc)
             views, ready = [], []
@@ -392,7 +448,7 @@ class KVClient:
     # -- internals --
     def _transport_for(self, replica: Replica) -> Transport | None:
         for t in self._transports:   # in preference order
-            if t.can_reach(replica.node):
+            if t.can_reach(replica.node) and (replica.tier == "dram" or t.scheme == "tcp"):
                 return t
         return None
 
@@ -406,9 +462,11 @@ class KVClient:
                 t = self._transport_for(obj.replicas[0])
                 candidates[i] = [] if t is None else [(t, obj.replicas[0])]
             else:
+                now = time.monotonic()
                 candidates[i] = sorted(((t, r) for r in obj.replicas
                                         if (t := self._transport_for(r)) is not None),
-                                       key=lambda tr: self._rank[tr[0]])
+                                       key=lambda tr: (self._unreachable.get(
+                                           tr[1].node.node_id, 0.0) > now, self._rank[tr[0]]))
         bufs = {i: buf for i, _, buf in items}
         results: dict[int, KVPoolError | None] = {}
         last_error: dict[int, KVPoolError] = {}
@@ -425,12 +483,15 @@ class KVClient:
                     results[i] = NodeUnavailable(
                         f"no replica could be read: {last_error.get(i, 'no reachable replica')}")
             pending = []
+            node_of = {i: op.replica.node.node_id for i, _, op in ops}   # one op per key
             for i, err in self._run(ops, write=False):
                 if err is None:
                     results[i] = None
                 else:
                     last_error[i] = err
                     pending.append(i)
+                    if isinstance(err, TransportError):
+                        self._unreachable[node_of[i]] = time.monotonic() + _UNREACHABLE_S
             if verify:
                 pending += self._check_sums(items, ops, results, last_error)
         return results
@@ -476,6 +537,9 @@ class KVClient:
 def _validate_keys(keys: Sequence[str]) -> tuple[list, list[int]]:
     """Per-key results pre-filled with InvalidArgument for bad keys, and the good indexes."""
     results: list = [None] * len(keys)
+    # The common case in one pass: every key a non-empty str short enough not to need encoding.
+    if all(type(k) is str and 0 < len(k) <= _SHORT_KEY_CHARS for k in keys):
+        return results, list(range(len(keys)))
     valid = []
     for i, k in enumerate(keys):
         try:

@@ -54,6 +54,7 @@ class Located:
             template = r.locations[int(r.location[j])]
             reps.append(Replica(template.node,
                                 Extent(template.extent.segment_id, int(r.offsets[j]), size),
-                                template.rdma_addr, template.rdma_rkey, template.rdma_length))
+                                template.rdma_addr, template.rdma_rkey, template.rdma_length,
+                                template.tier))
         return ObjectView(self.keys[i], size, int(self.versions[i]), tuple(reps),
                           checksum.decode(int(self.checksums[i])))

@@ -14,7 +14,7 @@ from kvpool.client.grpc_client import GrpcClient, map_rpc_error
 from kvpool.client.located import Located
 from kvpool.common import checksum, wire
 from kvpool.common.errors import ClientClosed, KVPoolError, NoSpace, UnknownNode, error_for_status
-from kvpool.common.types import NodeEndpoints, ObjectRecord, ObjectView, Replica, SegmentInfo
+from kvpool.common.types import Move, NodeEndpoints, ObjectRecord, ObjectView, Replica, SegmentInfo
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
 from kvpool.protos.kvpool.v1 import master_pb2_grpc
 
@@ -43,30 +43,42 @@ class MasterClient(GrpcClient):
                   ) -> tuple[list[ObjectRecord], list[tuple[str, int]]]:
         """Keep the node alive; returns what the master committed in and dropped from its
         segments since the last heartbeat (empty unless it mounted with keeps_manifest)."""
-        r = self._call("Heartbeat", pb.HeartbeatRequest(node_id=node_id))
+        committed, removed, _ = self.heartbeat_moves(node_id)
+        return committed, removed
+
+    def heartbeat_moves(self, node_id: str, done: Sequence[int] = (),
+                        failed: Sequence[int] = ()
+                        ) -> tuple[list[ObjectRecord], list[tuple[str, int]], list[Move]]:
+        """``heartbeat`` for a node that makes moves between its tiers: reports the moves it
+        finished (``done``) or gave up (``failed``) and returns the new ones as well."""
+        r = self._call("Heartbeat", pb.HeartbeatRequest(node_id=node_id, moves_done=done,
+                                                        moves_failed=failed))
         if r.status == pb.STATUS_UNKNOWN_NODE:
             raise UnknownNode(f"master does not know node {node_id!r}")
         return (wire.records_from_pb(r.committed),
-                list(zip(r.removed_keys, r.removed_versions)))
+                list(zip(r.removed_keys, r.removed_versions)),
+                [wire.move_from_pb(m) for m in r.moves])
 
     def watch_manifest(self, node_id: str, deadline_s: float
                        ) -> Iterator[tuple[list[ObjectRecord], list[tuple[str, int]]]]:
         """The changes to a node's manifest as the master makes them, until ``deadline_s``
         passes (then the iterator ends: watch again) or the master goes away (raises)."""
-        if self._channel is None:
-            raise ClientClosed(f"the {self._name} is closed")
-        stream = self._stub.WatchManifest(pb.WatchManifestRequest(node_id=node_id),
-                                          timeout=deadline_s)
+        address, stub = self._live_stub()
+        stream = stub.WatchManifest(pb.WatchManifestRequest(node_id=node_id), timeout=deadline_s)
         try:
             for msg in stream:
+                if self.address != address:
+                    return    # we follow another master now: this one no longer leads
                 yield (wire.records_from_pb(msg.committed),
                        list(zip(msg.removed_keys, msg.removed_versions)))
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return
-            if e.code() == grpc.StatusCode.CANCELLED and self._channel is None:
+            if e.code() == grpc.StatusCode.CANCELLED and self._closed:
                 raise ClientClosed(f"the {self._name} was closed during the call") from None
-            raise map_rpc_error(e, f"master {self.address}: WatchManifest") from None
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                self._fail_over(address, e)     # a standby or a dead master: find the leader
+            raise map_rpc_error(e, f"master {address}: WatchManifest") from None
         finally:
             stream.cancel()
 
@@ -134,8 +146,20 @@ class MasterClient(GrpcClient):
         many keys: no Python object per key until one is asked for."""
         return _located(keys, self._call("GetReplicas", pb.KeysRequest(keys=keys)))
 
-    def stats(self) -> pb.StatsResponse:
-        return self._call("Stats", pb.StatsRequest())
+    def pin(self, keys: Sequence[str], ttl_s: float | None = None) -> list[KVPoolError | None]:
+        """Hard pins (``ttl_s=None``) or soft pins for ``ttl_s`` seconds; per key None or the
+        error (ObjectNotFound, NoSpace past the hard-pin quota)."""
+        r = self._call("Pin", pb.PinRequest(keys=keys, ttl_s=ttl_s or 0.0))
+        return [error_for_status(s, k) for s, k in zip(r.statuses, keys)]
+
+    def unpin(self, keys: Sequence[str]) -> list[KVPoolError | None]:
+        r = self._call("Pin", pb.PinRequest(keys=keys, unpin=True))
+        return [error_for_status(s, k) for s, k in zip(r.statuses, keys)]
+
+    def stats(self, audit: bool = False) -> pb.StatsResponse:
+        """The cluster's statistics; ``audit``: with each segment's ``indexed_bytes`` (the
+        master sums every indexed object: for checkers, not for polling)."""
+        return self._call("Stats", pb.StatsRequest(audit=audit))
 
     def _statuses(self, method: str, keys: Sequence[str]) -> list[KVPoolError | None]:
         r = self._call(method, pb.KeysRequest(keys=keys))

@@ -78,9 +78,8 @@ class RouterClient(GrpcClient):
                           retry=False).events
 
     def event_stream(self, instance_id: str) -> KVEventStream:
-        if self._channel is None:
-            raise ClientClosed("the router client is closed")
-        return KVEventStream(self._stub, instance_id)
+        _, stub = self._live_stub()
+        return KVEventStream(stub, instance_id)
 
     def route(self, *, token_ids: Sequence[int] | None = None,
               block_hashes: Sequence[bytes] | None = None, prompt_tokens: int = 0,

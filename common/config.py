@@ -88,6 +88,11 @@ class MasterConfig:
     # Eviction order (master/eviction.py): "prefix" (chain tails first, shared parents last,
     # LRU for objects without a parent) or "lru" (plain; ~170 bytes less per indexed object).
     eviction: str = "prefix"
+    # A disk-tier object read again within this long of its previous read is promoted (copied
+    # back up to its node's DRAM tier, when that has room below its high watermark).
+    promote_window_s: float = 60.0
+    # Hard pins (never evicted) may hold at most this fraction of the cluster's capacity.
+    pin_quota_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         if self.eviction not in EVICTION_POLICIES:
@@ -95,9 +100,12 @@ class MasterConfig:
                               f"{', '.join(EVICTION_POLICIES)}")
         if not 0 < self.low_watermark < self.high_watermark <= 1:
             raise ConfigError("watermarks must satisfy 0 < low_watermark < high_watermark <= 1")
+        if not 0 <= self.pin_quota_fraction <= 1:
+            raise ConfigError("pin_quota_fraction must be between 0 and 1")
         if self.default_replicas < 1:
             raise ConfigError("default_replicas must be at least 1")
-        for f in ("put_timeout_s", "lease_ttl_s", "node_ttl_s", "quarantine_s"):
+        for f in ("put_timeout_s", "lease_ttl_s", "node_ttl_s", "quarantine_s",
+                  "promote_window_s"):
             if getattr(self, f) <= 0:
                 raise ConfigError(f"{f} must be greater than zero")
 

@@ -20,6 +20,12 @@ another language can reproduce them with any SHA-256.
 
 The store key of a block is ``"kvpool/b1/" + hash.hex()`` (:func:`block_key`).
 
+vLLM's KV connector stores under a second scheme, ``kvpool-vllm-v1``
+(``client/connectors/vllm_keys.py``): vLLM's own chained SHA-256 block hashes, namespaced by
+model, KV dtype, block size, TP size and hash algorithm, one object per layer and TP rank
+(``kvpool/vllm1/<namespace>/<block hash>/<layer>/<tp rank>``), so loads land straight in the
+engine's paged cache. Matching follows the same rule: a block only as part of its prefix.
+
 Clients register ``(spec name, block size)`` with the master (``Router.RegisterClient``); the
 master refuses a client whose block size or spec differs from the cluster's, because its keys
 could never match anyone else's.

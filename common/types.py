@@ -8,6 +8,10 @@ from enum import Enum
 from kvpool.common.errors import InvalidArgument
 
 MAX_KEY_BYTES = 1024
+# Memory tiers, fastest first: new objects go to a node's fastest tier with room, and a full
+# tier demotes its objects to the next one down (common to master placement and stat output).
+TIERS = ("hbm", "dram", "disk")
+TIER_RANK = {t: i for i, t in enumerate(TIERS)}
 
 
 class ObjectState(Enum):
@@ -63,6 +67,7 @@ class Replica:
     rdma_addr: int = 0
     rdma_rkey: int = 0
     rdma_length: int = 0
+    tier: str = "dram"   # the segment's tier: clients reach "disk" replicas over tcp only
 
 
 def validate_key(key: str) -> str:
@@ -101,3 +106,15 @@ class ObjectRecord:
     size: int
     checksum: int | None      # CRC-32C (common/checksum.py); None = not recorded
     version: int
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """An instruction from the master to a store node: copy an object's bytes from ``src`` to
+    ``dst``, two extents in the node's own segments (a demotion or a promotion)."""
+
+    move_id: int
+    key: str
+    version: int
+    src: Extent
+    dst: Extent

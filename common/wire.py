@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 from kvpool.common import checksum
-from kvpool.common.types import Extent, NodeEndpoints, ObjectRecord, Replica, SegmentInfo
+from kvpool.common.types import Extent, Move, NodeEndpoints, ObjectRecord, Replica, SegmentInfo
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
 
 # Batches of hundreds of blocks with descriptors exceed gRPC's 4 MiB default.
@@ -48,13 +48,15 @@ def segment_from_pb(msg: pb.SegmentInfo) -> SegmentInfo:
 def replica_to_pb(r: Replica) -> pb.Replica:
     return pb.Replica(node=node_to_pb(r.node), segment_id=r.extent.segment_id,
                       offset=r.extent.offset, length=r.extent.length,
-                      rdma_addr=r.rdma_addr, rdma_rkey=r.rdma_rkey, rdma_length=r.rdma_length)
+                      rdma_addr=r.rdma_addr, rdma_rkey=r.rdma_rkey, rdma_length=r.rdma_length,
+                      tier=_TIERS[r.tier])
 
 
 def replica_from_pb(msg: pb.Replica) -> Replica:
     return Replica(node=node_from_pb(msg.node),
                    extent=Extent(segment_id=msg.segment_id, offset=msg.offset, length=msg.length),
-                   rdma_addr=msg.rdma_addr, rdma_rkey=msg.rdma_rkey, rdma_length=msg.rdma_length)
+                   rdma_addr=msg.rdma_addr, rdma_rkey=msg.rdma_rkey, rdma_length=msg.rdma_length,
+                   tier=_TIER_NAMES.get(msg.tier, "dram"))
 
 
 class ReplicaColumnsWriter:
@@ -162,6 +164,18 @@ def replica_arrays(columns: pb.ReplicaColumns) -> ReplicaArrays:
                          counts=counts, first=first,
                          location=np.array(columns.location, dtype=np.int64),
                          offsets=np.array(columns.offsets, dtype=np.uint64))
+
+
+def move_to_pb(m: Move) -> pb.Move:
+    return pb.Move(move_id=m.move_id, key=m.key, version=m.version,
+                   src_segment_id=m.src.segment_id, src_offset=m.src.offset,
+                   dst_segment_id=m.dst.segment_id, dst_offset=m.dst.offset, size=m.src.length)
+
+
+def move_from_pb(msg: pb.Move) -> Move:
+    return Move(msg.move_id, msg.key, msg.version,
+                Extent(msg.src_segment_id, msg.src_offset, msg.size),
+                Extent(msg.dst_segment_id, msg.dst_offset, msg.size))
 
 
 def records_to_pb(records: Sequence[ObjectRecord]) -> pb.ObjectRecords:

@@ -17,6 +17,7 @@ object put without a parent             a leaf from the start: plain LRU with th
 parent named but not stored at PutEnd   not linked: the block counts as a chain head
 announced after a master restart        no parent known (manifests carry none): a head
 pinned / leased / PENDING (the state)   skipped; a pinned tail also holds its parents
+soft-pinned within its TTL (the state)  after every other candidate, in the same order
 ======================================  =====================================================
 """
 
@@ -93,8 +94,7 @@ class LRUPolicy(EvictionPolicy):
             chunk = list(islice(self._order, len(yielded), len(yielded) + chunk_size))
             if not chunk:
                 return
-            for key in chunk:
-                yield key
+            yield from chunk
             yielded.extend(chunk)
             chunk_size *= 2
 
@@ -122,75 +122,122 @@ class PrefixAwarePolicy(EvictionPolicy):
 
     ``on_insert(key, parent)`` names the block the key extends (None for a chain's first block);
     ``on_access`` of a block refreshes only that block, so callers touch a whole matched prefix.
-    Cost: O(log n) per insert, access and victim, with stale heap entries dropped lazily.
+
+    Layout, kept small (a master tracks millions of keys): each key sits in exactly one of three
+    dicts, with the time of its last use. ``_leaves`` holds the leaves in exact LRU order (a
+    touch re-appends), so the common case costs one dict entry per key and a touch is O(1).
+    ``_inner`` holds blocks with children. A block whose last child goes becomes a leaf *in its
+    own LRU turn*, which may be anywhere in ``_leaves``: it waits in ``_revived`` (plus a heap by
+    time, stale entries skipped) and the walk merges both by time. ``_parent`` and
+    ``_children`` hold entries only for keys that have a parent / children.
+
+    Time is counted in epochs of ``_EPOCH_TOUCHES`` touches, one int object per epoch shared by
+    every key touched in it (an int per key would add 32 bytes to each): the merge is exact
+    across epochs, and within one a revived block goes before the leaves.
     """
 
+    _FIRST_CHUNK = 64
+    _EPOCH_TOUCHES = 256
+
     def __init__(self) -> None:
-        self._clock = 0
-        self._stamp: dict[Hashable, int] = {}          # key -> last use (a logical clock)
-        self._parent: dict[Hashable, Hashable | None] = {}
-        self._children: dict[Hashable, int] = {}       # key -> how many tracked keys extend it
-        self._leaves: list[tuple[int, Hashable]] = []  # heap (stamp, key); stale entries skipped
+        self._touches = 0
+        self._epoch = 0
+        self._leaves: dict[Hashable, int] = {}    # leaf -> last use; dict order = use order
+        self._inner: dict[Hashable, int] = {}     # key with children -> last use
+        self._revived: dict[Hashable, int] = {}   # leaf again since its last child went
+        self._revived_heap: list[tuple[int, Hashable]] = []   # (last use, key); may be stale
+        self._parent: dict[Hashable, Hashable] = {}   # key -> the tracked key it extends
+        self._children: dict[Hashable, int] = {}      # key -> how many tracked keys extend it
 
     def on_insert(self, key: Hashable, parent: Hashable | None = None) -> None:
-        if key in self._stamp:
+        if key in self:
             self.on_access(key)
             return
+        self._leaves[key] = self._now()
+        if parent is None or parent not in self:
+            return
         self._parent[key] = parent
-        self._children[key] = 0
-        if parent in self._stamp:
-            self._children[parent] += 1
-        self._touch(key)
+        count = self._children.get(parent, 0)
+        self._children[parent] = count + 1
+        if count == 0:   # its first child: no longer a leaf
+            used = self._leaves.pop(parent, None)
+            self._inner[parent] = self._revived.pop(parent) if used is None else used
 
     def on_access(self, key: Hashable) -> None:
-        if key in self._stamp:
-            self._touch(key)
+        if key in self._leaves:
+            del self._leaves[key]                 # re-appended: the newest leaf
+        elif key in self._inner:
+            self._inner[key] = self._now()
+            return
+        elif self._revived.pop(key, None) is None:
+            return                                # unknown
+        self._leaves[key] = self._now()
 
     def on_remove(self, key: Hashable) -> None:
-        if self._stamp.pop(key, _ABSENT) is _ABSENT:
+        if (self._leaves.pop(key, None) is None and self._inner.pop(key, None) is None
+                and self._revived.pop(key, None) is None):
             return
-        del self._children[key]
-        parent = self._parent.pop(key)
         # A parent removed before its children (remove, node loss) leaves them as chain heads;
-        # if it comes back its count starts at 0, hence the guard.
-        if parent in self._stamp and self._children[parent] > 0:
-            self._children[parent] -= 1
-            if self._children[parent] == 0:    # a leaf again: a victim in its own turn
-                heapq.heappush(self._leaves, (self._stamp[parent], parent))
+        # if it comes back it has no count, hence the guard below.
+        self._children.pop(key, None)
+        parent = self._parent.pop(key, None)
+        if parent is None or parent not in self._children:
+            return
+        count = self._children[parent] - 1
+        if count:
+            self._children[parent] = count
+            return
+        del self._children[parent]                # a leaf again: a victim in its own turn
+        used = self._revived[parent] = self._inner.pop(parent)
+        heapq.heappush(self._revived_heap, (used, parent))
+        if len(self._revived_heap) > 2 * len(self._revived) + 1024:   # drop stale entries
+            self._revived_heap = [(t, k) for k, t in self._revived.items()]
+            heapq.heapify(self._revived_heap)
 
     def candidates(self) -> Iterator[Hashable]:
-        offered: list[tuple[int, Hashable]] = []
+        # Leaves in chunks as LRUPolicy walks its order (the ones yielded and still here are
+        # the front of _leaves), merged by last use with the revived ones.
+        yielded: list[Hashable] = []
+        offered: list[tuple[int, Hashable]] = []   # revived entries popped from the heap
+        chunk_size = self._FIRST_CHUNK
         try:
-            while self._leaves:
-                entry = heapq.heappop(self._leaves)
-                if not self._is_live_leaf(entry):
-                    continue
+            while True:
+                yielded = [k for k in yielded if k in self._leaves]
+                chunk = list(islice(self._leaves.items(), len(yielded),
+                                    len(yielded) + chunk_size))
+                for key, used in chunk:
+                    yield from self._revived_before(used, offered)
+                    yielded.append(key)
+                    if self._leaves.get(key) == used:   # not removed (or made a parent) since
+                        yield key
+                if not chunk:
+                    yield from self._revived_before(None, offered)
+                    return
+                chunk_size *= 2
+        finally:   # revived keys offered but not removed (leased, pinned) stay candidates
+            for entry in offered:
+                if self._revived.get(entry[1]) == entry[0]:
+                    heapq.heappush(self._revived_heap, entry)
+
+    def _revived_before(self, used: int | None, offered: list) -> Iterator[Hashable]:
+        """Pop and yield the revived keys last used before ``used`` or in its epoch (all: None),
+        oldest first."""
+        heap = self._revived_heap
+        while heap and (used is None or heap[0][0] <= used):
+            entry = heapq.heappop(heap)
+            if self._revived.get(entry[1]) == entry[0]:
                 offered.append(entry)
                 yield entry[1]
-        finally:   # keys offered but not removed (leased, pinned) stay candidates
-            for entry in offered:
-                if self._is_live_leaf(entry):
-                    heapq.heappush(self._leaves, entry)
+
+    def _now(self) -> int:
+        """The current epoch, counting this touch."""
+        self._touches += 1
+        if self._touches % self._EPOCH_TOUCHES == 0:
+            self._epoch = self._touches
+        return self._epoch
 
     def __len__(self) -> int:
-        return len(self._stamp)
+        return len(self._leaves) + len(self._inner) + len(self._revived)
 
     def __contains__(self, key: Hashable) -> bool:
-        return key in self._stamp
-
-    def _touch(self, key: Hashable) -> None:
-        self._clock += 1
-        self._stamp[key] = self._clock
-        if self._children[key] == 0:
-            heapq.heappush(self._leaves, (self._clock, key))
-            self._compact()
-
-    def _is_live_leaf(self, entry: tuple[int, Hashable]) -> bool:
-        stamp, key = entry
-        return self._stamp.get(key) == stamp and self._children[key] == 0
-
-    def _compact(self) -> None:
-        # Touches leave stale entries behind; rebuild once they outnumber the live keys.
-        if len(self._leaves) > 2 * len(self._stamp) + 1024:
-            self._leaves = [(s, k) for k, s in self._stamp.items() if self._children[k] == 0]
-            heapq.heapify(self._leaves)
+        return key in self._leaves or key in self._inner or key in self._revived

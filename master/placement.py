@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
-from kvpool.common.types import Extent, SegmentInfo
+from kvpool.common.types import TIER_RANK, Extent, SegmentInfo
 from kvpool.master.allocator import RangeAllocator
 
 
@@ -20,8 +20,10 @@ class Placeable(Protocol):
 def choose_segments(segments: Iterable[Placeable], size: int, replicas: int) -> list[Extent] | None:
     """Allocate ``size`` bytes in ``replicas`` segments on distinct nodes; None if impossible.
 
-    Among the segments that can fit the object, the one with the most free bytes wins, per node
-    and then across nodes, which spreads load and keeps room for large objects. Nothing is
+    Among the segments that can fit the object, the fastest tier wins (hbm, then dram, then
+    disk: a lower tier takes new objects only when the ones above are full), then the one with
+    the most free bytes, per node and then across nodes, which spreads load and keeps room for
+    large objects. Nothing is
     allocated unless every replica fits. Extents have ``length == size``; the allocator rounds.
     """
     best: dict[str, Placeable] = {}   # node_id -> its roomiest segment that fits
@@ -30,12 +32,12 @@ def choose_segments(segments: Iterable[Placeable], size: int, replicas: int) -> 
         if alloc.capacity_bytes == 0 or alloc.largest_free_bytes < alloc.aligned_size(size):
             continue
         cur = best.get(seg.node_id)
-        if cur is None or alloc.free_bytes > cur.allocator.free_bytes:
+        if cur is None or _preference(seg) < _preference(cur):
             best[seg.node_id] = seg
     if len(best) < replicas:
         return None
     # Stable sort: among equally free segments the earlier-mounted wins, so tests are repeatable.
-    chosen = sorted(best.values(), key=lambda s: -s.allocator.free_bytes)[:replicas]
+    chosen = sorted(best.values(), key=_preference)[:replicas]
     extents = []
     for seg in chosen:
         offset = seg.allocator.allocate(size)
@@ -43,3 +45,8 @@ def choose_segments(segments: Iterable[Placeable], size: int, replicas: int) -> 
         assert offset is not None
         extents.append(Extent(seg.info.segment_id, offset, size))
     return extents
+
+
+def _preference(seg: Placeable) -> tuple[int, int]:
+    """Sort key, best first: the fastest tier, then the most free bytes."""
+    return TIER_RANK.get(seg.info.tier, 1), -seg.allocator.free_bytes

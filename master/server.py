@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 from kvpool.common.config import MasterConfig
@@ -20,14 +20,22 @@ from kvpool.protos.kvpool.v1 import master_pb2_grpc, routing_pb2_grpc
 log = get_logger(__name__)
 
 
+def _log_eviction(key: str, version: int) -> None:
+    log.debug("object_evicted", key=key, version=version)
+
+
 
 class MasterServer:
     """A master process's server: ``await start()``, then ``await stop()``."""
 
     def __init__(self, config: MasterConfig, host: str = "127.0.0.1", port: int = 0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()):
+        """``interceptors``: wrap every call (master/ha.py refuses them on a standby)."""
         self.config = config
-        self.state = MasterState(config, clock)
+        self._interceptors = list(interceptors)
+        # Each eviction at debug level: an auditor (kvpool soak) tells evictions from losses.
+        self.state = MasterState(config, clock, on_evict=_log_eviction)
         # The routing index (instances' own caches, from KV events) reads the object index
         # as its "store" tier; both live on this process's one event loop.
         self.routing = RoutingIndex(clock, store_lookup=store_lookup(self.state))
@@ -42,7 +50,8 @@ class MasterServer:
 
     async def start(self) -> str:
         """Bind and serve; return the bound ``host:port``."""
-        self._server = grpc.aio.server(options=GRPC_OPTIONS)
+        self._server = grpc.aio.server(options=GRPC_OPTIONS,
+                                       interceptors=self._interceptors or None)
         master_pb2_grpc.add_MasterServicer_to_server(MasterServicer(self.state), self._server)
         routing_pb2_grpc.add_RouterServicer_to_server(RouterServicer(self.routing), self._server)
         try:

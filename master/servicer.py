@@ -70,17 +70,24 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
     async def Heartbeat(self, request, context):
         try:
+            if request.moves_done or request.moves_failed:
+                self._state.heartbeat(request.node_id, take_manifest=False)
+                self._state.moves_finished(request.node_id, list(request.moves_done),
+                                           list(request.moves_failed))
+                # Moved objects' new records reach the node's manifest stream first.
+                await self._watchers.flush(self._state.nodes_with_changes())
             # A watching node gets its changes on its stream, in order: not here as well.
             delta = self._state.heartbeat(
                 request.node_id, take_manifest=not self._watchers.delivers(request.node_id))
         except UnknownNode:
             return pb.HeartbeatResponse(status=pb.STATUS_UNKNOWN_NODE)
+        moves = [wire.move_to_pb(m) for m in self._state.take_moves(request.node_id)]
         if delta is None:
-            return pb.HeartbeatResponse(status=pb.STATUS_OK)
+            return pb.HeartbeatResponse(status=pb.STATUS_OK, moves=moves)
         return pb.HeartbeatResponse(status=pb.STATUS_OK,
                                     committed=wire.records_to_pb(delta.committed),
                                     removed_keys=[k for k, _ in delta.removed],
-                                    removed_versions=[v for _, v in delta.removed])
+                                    removed_versions=[v for _, v in delta.removed], moves=moves)
 
     async def WatchManifest(self, request, context):
         try:
@@ -164,6 +171,16 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         await self._watchers.flush(self._state.nodes_with_changes())
         return pb.StatusesResponse(statuses=map(_status, results))
 
+    async def Pin(self, request, context):
+        await _check_batch(request.keys, context)
+        if request.unpin:
+            results = self._state.unpin(list(request.keys))
+        elif request.ttl_s < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ttl_s must be >= 0")
+        else:
+            results = self._state.pin(list(request.keys), request.ttl_s or None)
+        return pb.StatusesResponse(statuses=map(_status, results))
+
     async def Exists(self, request, context):
         await _check_batch(request.keys, context)
         found = self._state.exists(list(request.keys))
@@ -193,12 +210,14 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                                       replicas=columns.to_pb(), checksums=sums)
 
     async def Stats(self, request, context):
-        s = self._state.stats()
+        s = self._state.stats(audit=request.audit)
         return pb.StatsResponse(
             segments=[pb.SegmentStats(node_id=g.node_id, segment=wire.segment_to_pb(g.info),
                                       used_bytes=g.used_bytes, quarantined_bytes=g.quarantined_bytes,
                                       objects=g.objects,
-                                      node=wire.node_to_pb(g.node) if g.node else None)
+                                      node=wire.node_to_pb(g.node) if g.node else None,
+                                      indexed_bytes=g.indexed_bytes or 0)
                       for g in s.segments],
             objects=s.objects, pending_objects=s.pending_objects, hits=s.hits, misses=s.misses,
-            evictions=s.evictions, nodes=s.nodes)
+            evictions=s.evictions, nodes=s.nodes, demotions=s.demotions,
+            promotions=s.promotions)

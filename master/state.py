@@ -29,7 +29,9 @@ from kvpool.common.errors import (
     ValueTooLarge,
 )
 from kvpool.common.types import (
+    TIER_RANK,
     Extent,
+    Move,
     NodeEndpoints,
     ObjectRecord,
     ObjectState,
@@ -39,7 +41,7 @@ from kvpool.common.types import (
     validate_key,
 )
 from kvpool.master.allocator import RangeAllocator
-from kvpool.master.eviction import EvictionPolicy, make_eviction_policy
+from kvpool.master.eviction import EvictionPolicy, LRUPolicy, make_eviction_policy
 from kvpool.master.placement import choose_segments
 
 PENDING, COMPLETE = ObjectState.PENDING, ObjectState.COMPLETE
@@ -55,6 +57,9 @@ class SegmentStats:
     quarantined_bytes: int   # aligned bytes awaiting a deferred free (lease or put quarantine)
     objects: int             # indexed objects with a replica here (PENDING and COMPLETE)
     node: NodeEndpoints | None = None   # how clients reach the segment's node
+    # With ``stats(audit=True)``: the aligned bytes of those objects, summed one by one; equal
+    # to ``used_bytes`` unless the allocator leaked (or double-freed) space. None otherwise.
+    indexed_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +71,8 @@ class MasterStats:
     misses: int
     evictions: int
     nodes: int
+    demotions: int = 0       # moves one tier down completed (objects kept, not evicted)
+    promotions: int = 0      # moves one tier up completed
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +102,20 @@ class _Segment:
     keys: set[str] = field(default_factory=set)   # indexed objects with a replica here
     quarantined_bytes: int = 0
     manifest_log: list | None = None   # its node's (shared), to append to without a lookup
+    moving_out_bytes: int = 0   # aligned bytes of in-flight moves out of here (leaving soon)
+    draining: bool = False      # passed the high watermark, not yet down to the low one
+
+
+@dataclass(eq=False, slots=True)
+class _MoveInFlight:
+    """A copy a node was told to make; the index switches to ``dst`` when it reports done."""
+
+    obj: _Object
+    src: Extent
+    dst: Extent
+    src_seg: _Segment
+    dst_seg: _Segment
+    deadline: float
 
 
 @dataclass(eq=False, slots=True)
@@ -135,13 +156,20 @@ class MasterState:
     """Segments, nodes and the object index, with leases, deferred frees and eviction."""
 
     def __init__(self, config: MasterConfig, clock: Callable[[], float] = time.monotonic,
-                 policy: EvictionPolicy | None = None) -> None:
+                 policy: EvictionPolicy | None = None,
+                 on_evict: Callable[[str, int], None] | None = None) -> None:
         """``policy``: the eviction order; by default the one ``config.eviction`` names
         ("prefix": a chain's tail before its parents, shared parents last, plain LRU for
-        objects without a parent)."""
+        objects without a parent). ``on_evict(key, version)``: told of each object evicted
+        (the server logs it, so an auditor can tell evictions from losses)."""
         self._config = config
         self._clock = clock
         self._policy = policy if policy is not None else make_eviction_policy(config.eviction)
+        # Objects on a disk tier are ordered apart, by plain LRU: there they can only be
+        # dropped, and a chain block whose children all went down to disk must become
+        # demotable itself (to the main policy, a child on disk is still a child).
+        self._disk_policy = LRUPolicy()
+        self._on_evict = on_evict
         self._nodes: dict[str, _Node] = {}
         self._segments: dict[str, _Segment] = {}
         self._objects: dict[str, _Object] = {}
@@ -156,8 +184,31 @@ class MasterState:
         # blocks mostly have one size): 28 bytes less per indexed object.
         self._sizes: dict[int, int] = {}
         self._hits = self._misses = self._evictions = 0
+        self._demotions = self._promotions = 0
+        # Tiers (see "-- tiers"): copies handed to nodes and not reported yet, by move id; the
+        # key of each object with one in flight; instructions not yet taken, per node; disk
+        # segment ids (a set lookup on the read path); disk objects read once, and when.
+        self._moves: dict[int, _MoveInFlight] = {}
+        self._moving: dict[str, int] = {}
+        self._outbox: dict[str, list[Move]] = {}
+        self._disk_segments: set[str] = set()
+        self._disk_reads: dict[str, float] = {}
+        # Pins (see ``pin``): soft ones by key with their end (and a heap of ends to expire
+        # them), and the bytes hard pins hold against their quota.
+        self._soft_pins: dict[str, float] = {}
+        self._soft_pin_expiry: list[tuple[float, str]] = []
+        self._hard_pinned_bytes = 0
         # Segments whose node is still announcing what they hold: no new object goes there.
         self._recovering: set[str] = set()
+        # Segments this master dropped because their node went silent (partition, crash). If
+        # the node comes back and announces what they hold, this index stays authoritative for
+        # them: only replicas of objects still indexed are taken back, so an object removed
+        # or evicted meanwhile does not return (a restarted master, knowing none, takes all).
+        self._expired_segments: set[str] = set()
+        # Nodes silent for a third of node_ttl_s (as of the last tick): probably dead, so new
+        # objects go elsewhere while the TTL runs out, instead of failing their writes there.
+        # Their next heartbeat clears them; if every node is silent, none is avoided.
+        self._silent: set[str] = set()
 
     @property
     def config(self) -> MasterConfig:
@@ -199,12 +250,15 @@ class MasterState:
         if n is None:
             n = self._nodes[node.node_id] = _Node(node, now)
         n.endpoints, n.last_seen = node, now
+        self._silent.discard(node.node_id)
         if keeps_manifest and n.manifest_log is None:
             n.manifest_log = []
         if seg is None:
             alloc = RangeAllocator(segment.size_bytes, self._config.alignment_bytes)
             seg = self._segments[segment.segment_id] = _Segment(node.node_id, segment, alloc)
             n.segment_ids.add(segment.segment_id)
+            if segment.tier == "disk":
+                self._disk_segments.add(segment.segment_id)
             if recovering:
                 self._recovering.add(segment.segment_id)
         seg.manifest_log = n.manifest_log
@@ -321,6 +375,7 @@ class MasterState:
         now = self._clock()
         lease_until = now + self._config.lease_ttl_s
         objects, touch = self._objects, self._policy.on_access
+        disk = self._disk_segments
         out: list = []
         for key in keys:
             # The hot path, inlined (a lookup of a prompt is hundreds of keys): an indexed key
@@ -333,6 +388,8 @@ class MasterState:
             if obj.lease_until < lease_until:
                 obj.lease_until = lease_until
             touch(obj.key)   # the indexed str, not the request's equal copy
+            if obj.segment_id in disk:
+                self._note_disk_read(obj, now)
             where = ((obj.segment_id, obj.offset),)
             if obj.more:
                 where += tuple((e.segment_id, e.offset) for e in obj.more)
@@ -353,28 +410,47 @@ class MasterState:
         now = self._clock()
         return [_attempt(self._remove_one, key, now) for key in keys]
 
-    def pin(self, keys: Sequence[str]) -> list[KVPoolError | None]:
-        """Protect complete objects from eviction (not from remove or node loss)."""
-        return [_attempt(self._set_pinned, key, True) for key in keys]
+    def pin(self, keys: Sequence[str], ttl_s: float | None = None
+            ) -> list[KVPoolError | None]:
+        """Pin complete objects (not against remove or node loss).
+
+        ``ttl_s=None``: a hard pin: never evicted nor demoted, until ``unpin``; all hard pins
+        together hold at most ``pin_quota_fraction`` of the cluster's capacity (NoSpace past
+        it). ``ttl_s > 0``: a soft pin for that long: evicted (or demoted) only after every
+        unpinned candidate; pinning again extends it. A hard-pinned object stays hard."""
+        if ttl_s is not None and not ttl_s > 0:
+            raise InvalidArgument(f"a soft pin needs a ttl_s > 0, not {ttl_s!r}")
+        now = self._clock()
+        return [_attempt(self._pin_one, key, ttl_s, now) for key in keys]
 
     def unpin(self, keys: Sequence[str]) -> list[KVPoolError | None]:
-        """Make pinned objects evictable again (pins do not nest)."""
-        return [_attempt(self._set_pinned, key, False) for key in keys]
+        """Drop hard and soft pins (pins do not nest)."""
+        return [_attempt(self._unpin_one, key) for key in keys]
 
-    def stats(self) -> MasterStats:
-        """Exact accounting of segments, objects and counters."""
+    def stats(self, audit: bool = False) -> MasterStats:
+        """Exact accounting of segments, objects and counters. ``audit``: also sum each
+        segment's indexed objects one by one (``indexed_bytes``; O(objects), for checkers)."""
+        def indexed(s: _Segment) -> int | None:
+            if not audit:
+                return None
+            return sum(s.allocator.aligned_size(self._objects[k].size) for k in s.keys)
+
         segs = tuple(
             SegmentStats(s.node_id, s.info, s.allocator.used_bytes - s.quarantined_bytes,
-                         s.quarantined_bytes, len(s.keys), self._nodes[s.node_id].endpoints)
+                         s.quarantined_bytes, len(s.keys), self._nodes[s.node_id].endpoints,
+                         indexed_bytes=indexed(s))
             for s in self._segments.values())
         return MasterStats(segs, len(self._objects) - self._pending, self._pending,
-                           self._hits, self._misses, self._evictions, len(self._nodes))
+                           self._hits, self._misses, self._evictions, len(self._nodes),
+                           self._demotions, self._promotions)
 
     def tick(self) -> None:
         """Expire silent nodes, reclaim timed-out puts, run due frees, evict above watermarks."""
         now = self._clock()
         self._expire_nodes(now)
         self._reclaim_pending(now)
+        self._expire_moves(now)
+        self._expire_soft_pins(now)
         self._release_deferred(now)
         self._evict_above_watermark(now)
 
@@ -397,7 +473,7 @@ class MasterState:
                 raise InvalidArgument(f"{key!r} names itself as its parent")
         if key in self._objects:
             raise AlreadyExists(f"{key!r} already exists")
-        segments = self._open_segments()
+        segments = self._open_segments(n)
         nodes = {s.node_id for s in segments}
         if len(nodes) < n:
             raise NoSpace(f"{key!r}: {n} replicas asked but only {len(nodes)} live nodes "
@@ -439,26 +515,35 @@ class MasterState:
                 f"(largest free range {largest} bytes), the rest held by objects that are "
                 f"pending, pinned or leased ({self._pending} pending)")
 
-    def _open_segments(self):
-        """The segments new objects may go to: all but those still being announced."""
-        if not self._recovering:
+    def _open_segments(self, replicas: int = 1):
+        """The segments new objects may go to: all but those still being announced, and
+        those of nodes gone silent unless ``replicas`` distinct nodes need them."""
+        if not self._recovering and not self._silent:
             return self._segments.values()
-        return [s for sid, s in self._segments.items() if sid not in self._recovering]
+        open_ = [s for sid, s in self._segments.items() if sid not in self._recovering]
+        if self._silent:
+            fresh = [s for s in open_ if s.node_id not in self._silent]
+            if len({s.node_id for s in fresh}) >= replicas:
+                return fresh
+        return open_
 
     def _place(self, size: int, n: int, fits: list[_Segment], now: float) -> list[Extent] | None:
-        extents = choose_segments(self._open_segments(), size, n)
+        extents = choose_segments(self._open_segments(n), size, n)
         if extents is not None:
             return extents
-        # Only objects with a replica in a segment that could hold this one make room for it.
-        fit_ids = {s.info.segment_id for s in fits}
-        for key in self._policy.candidates():
+        # Only objects with a replica in a segment that could hold this one make room for it,
+        # and only a node's last tier drops data (a tier above it demotes instead: tick).
+        fit_ids = {s.info.segment_id for s in fits if self._lower_tier(s) is None}
+        if not fit_ids:
+            return None
+        for key in self._victims(now, fit_ids):
             obj = self._objects.get(key)
             if obj is None or not self._evictable(obj, now):
                 continue
             if not any(e.segment_id in fit_ids for e in obj.replicas):
                 continue
             self._evict(obj)
-            extents = choose_segments(self._open_segments(), size, n)
+            extents = choose_segments(self._open_segments(n), size, n)
             if extents is not None:
                 return extents
         return None
@@ -486,8 +571,11 @@ class MasterState:
         # The indexed strs, not the request's equal copies. A parent evicted or not yet put is
         # not linked: this block is then a chain head to the policy (it can still go first).
         parent = self._objects.get(obj.parent) if obj.parent else None
-        self._policy.on_insert(obj.key, parent.key if parent is not None
-                               and parent.state is COMPLETE else None)
+        if obj.segment_id in self._disk_segments:   # put straight to disk: DRAM was full
+            self._disk_policy.on_insert(obj.key)
+        else:
+            self._policy.on_insert(obj.key, parent.key if parent is not None
+                                   and parent.state is COMPLETE else None)
         obj.parent = None
         for e in obj.replicas:
             log = self._segments[e.segment_id].manifest_log
@@ -505,6 +593,9 @@ class MasterState:
         if obj is not None and (obj.state is not COMPLETE or obj.version != r.version
                                 or obj.size != r.size or obj.checksum != r.checksum):
             raise Conflict(f"{r.key!r}: indexed as another object")
+        if obj is None and r.segment_id in self._expired_segments:
+            raise Conflict(f"{r.key!r}: not indexed since its node was declared dead (removed, "
+                           "evicted, or it had no other replica)")
         if obj is not None and extent in obj.replicas:
             return   # announced again (a node retrying a batch whose answer it lost)
         if obj is not None and any(e.segment_id == r.segment_id for e in obj.replicas):
@@ -524,7 +615,8 @@ class MasterState:
         # Manifests carry no parent, so after a master restart every announced object is a
         # chain head to the policy: plain LRU among them (in announce order) until they go;
         # blocks put after the restart link to announced parents again.
-        self._policy.on_insert(obj.key)
+        (self._disk_policy if r.segment_id in self._disk_segments else self._policy).on_insert(
+            obj.key)
         # Versions stay unique per key across the restart: new ones come after every announced.
         nxt = next(self._versions)
         self._versions = itertools.count(max(nxt, r.version + 1))
@@ -561,17 +653,82 @@ class MasterState:
         else:
             self._free_now(obj.replicas)
 
-    def _set_pinned(self, key: str, pinned: bool) -> None:
-        self._complete(key).pinned = pinned
+    def _pin_one(self, key: str, ttl_s: float | None, now: float) -> None:
+        obj = self._complete(key)
+        if ttl_s is not None:
+            if not obj.pinned:
+                until = max(now + ttl_s, self._soft_pins.get(obj.key, 0.0))
+                self._soft_pins[obj.key] = until
+                heapq.heappush(self._soft_pin_expiry, (until, obj.key))
+            return
+        if obj.pinned:
+            return
+        size = self._pin_size(obj)
+        quota = self._config.pin_quota_fraction * sum(
+            s.allocator.capacity_bytes for s in self._segments.values())
+        if self._hard_pinned_bytes + size > quota:
+            raise NoSpace(f"{key!r}: hard pins would hold {self._hard_pinned_bytes + size} "
+                          f"bytes, over the quota of {int(quota)} (pin_quota_fraction "
+                          f"{self._config.pin_quota_fraction} of the capacity); unpin some, "
+                          "or pin with a ttl_s (a soft pin)")
+        obj.pinned = True
+        self._hard_pinned_bytes += size
+        self._soft_pins.pop(obj.key, None)
+
+    def _unpin_one(self, key: str) -> None:
+        obj = self._complete(key)
+        if obj.pinned:
+            obj.pinned = False
+            self._hard_pinned_bytes -= self._pin_size(obj)
+        self._soft_pins.pop(obj.key, None)
+
+    def _pin_size(self, obj: _Object) -> int:
+        """What a hard pin of ``obj`` counts against the quota: its size (replicas come and
+        go with nodes; the count must not drift)."""
+        return obj.size
+
+    def _victims(self, now: float, segment_ids):
+        """Candidates with a replica in ``segment_ids`` possibly: those on disk (if any of
+        them is a disk segment) by LRU, then the policy's; soft-pinned ones (still within their
+        TTL) after all others: a soft pin is evicted last, not never."""
+        disk = self._disk_segments
+        walks = []
+        if any(sid in disk for sid in segment_ids):
+            walks.append(self._disk_policy.candidates())
+        if any(sid not in disk for sid in segment_ids):
+            walks.append(self._policy.candidates())
+        candidates = itertools.chain.from_iterable(walks)
+        if not self._soft_pins:
+            yield from candidates
+            return
+        deferred = []
+        for key in candidates:
+            if self._soft_pins.get(key, 0.0) > now:
+                deferred.append(key)
+            else:
+                yield key
+        yield from deferred
+
+    def _expire_soft_pins(self, now: float) -> None:
+        heap = self._soft_pin_expiry
+        while heap and heap[0][0] <= now:
+            until, key = heapq.heappop(heap)
+            if self._soft_pins.get(key) == until:   # not extended since
+                del self._soft_pins[key]
 
     # -- tick steps -------------------------------------------------------------------------
 
     def _expire_nodes(self, now: float) -> None:
         ttl = self._config.node_ttl_s
+        silent = {k for k, n in self._nodes.items() if now - n.last_seen > ttl / 3}
+        self._silent = silent if len(silent) < len(self._nodes) else set()
         for node_id in [k for k, n in self._nodes.items() if now - n.last_seen > ttl]:
+            self._silent.discard(node_id)
+            self._expired_segments.update(self._nodes[node_id].segment_ids)
             for seg_id in list(self._nodes[node_id].segment_ids):
                 self._drop_segment(self._segments[seg_id])
             del self._nodes[node_id]
+            self._outbox.pop(node_id, None)
 
     def _reclaim_pending(self, now: float) -> None:
         while self._put_deadlines and self._put_deadlines[0][0] <= now:
@@ -594,26 +751,186 @@ class MasterState:
                     seg.allocator.free(ext.offset, ext.length)
 
     def _evict_above_watermark(self, now: float) -> None:
+        """Bring every segment above its high watermark down to its low one, in policy order:
+        a segment with a lower tier on its node demotes (a move); a node's last tier drops.
+        Objects being moved count as gone from their source already."""
         def fuller_than(seg: _Segment, mark: float) -> bool:
-            return seg.allocator.used_bytes > mark * seg.allocator.capacity_bytes
+            used = seg.allocator.used_bytes - seg.moving_out_bytes
+            return used > mark * seg.allocator.capacity_bytes
 
-        hot = {sid for sid, s in self._segments.items()
-               if fuller_than(s, self._config.high_watermark)}
-        if not hot:
-            return
-        for key in self._policy.candidates():
-            obj = self._objects.get(key)
-            if obj is None or not self._evictable(obj, now):
-                continue
-            touched = [e.segment_id for e in obj.replicas if e.segment_id in hot]
-            if not touched:
-                continue
-            self._evict(obj)
-            for sid in touched:
-                if not fuller_than(self._segments[sid], self._config.low_watermark):
-                    hot.discard(sid)
+        # Hysteresis across ticks: a segment past its high watermark drains down to its low one
+        # even when that takes several ticks (demotions complete asynchronously, and a chain
+        # block becomes a victim only once its children went down).
+        for s in self._segments.values():
+            if fuller_than(s, self._config.high_watermark):
+                s.draining = True
+            elif s.draining and not fuller_than(s, self._config.low_watermark):
+                s.draining = False
+        hot = {sid for sid, s in self._segments.items() if s.draining}
+        for _ in range(2):   # again if a demotion found its lower tier full: that one drops
             if not hot:
                 return
+            full: set[str] = set()
+            for key in self._victims(now, hot):
+                obj = self._objects.get(key)
+                if obj is None or obj.state is not COMPLETE or obj.pinned:
+                    continue
+                touched = [e for e in obj.replicas if e.segment_id in hot]
+                if not touched:
+                    continue
+                segs = [self._segments[e.segment_id] for e in touched]
+                lower = [self._lower_tier(seg) for seg in segs]
+                if None in lower:   # a last tier: the object goes (all of it, as before)
+                    if self._evictable(obj, now):
+                        self._evict(obj)
+                # One move per object at a time: its first hot replica goes first.
+                elif key not in self._moving and not self._start_move(
+                        obj, touched[0], segs[0], lower[0], now):
+                    full.add(lower[0].info.segment_id)
+                for seg in segs:
+                    if not fuller_than(seg, self._config.low_watermark):
+                        hot.discard(seg.info.segment_id)
+                        seg.draining = False
+                if not hot:
+                    break
+            hot |= full
+
+    # -- tiers ------------------------------------------------------------------------------
+    #
+    # A node with segments of several tiers (hbm, dram, disk) keeps its objects in the fastest
+    # one with room; a tier above its high watermark demotes its policy-order victims one tier
+    # down, and a disk object read twice within ``promote_window_s`` is promoted one tier up.
+    # A move is an instruction (``take_moves``, sent with the node's heartbeat answer) to copy
+    # the bytes into an extent allocated here; the index switches to the copy only when the
+    # node reports it done (``moves_finished``), and the source is freed once no lease granted
+    # on it can still be read under: a reader never sees a half-copied replica.
+
+    def take_moves(self, node_id: str) -> list[Move]:
+        """The moves ``node_id`` is to make (each is handed out once)."""
+        return self._outbox.pop(node_id, [])
+
+    def moves_finished(self, node_id: str, done: Sequence[int] = (),
+                       failed: Sequence[int] = ()) -> None:
+        """``node_id`` copied the moves ``done`` (the index switches to their destinations) and
+        gave up on ``failed`` (their destinations are freed). Unknown ids (expired, another
+        node's) are ignored."""
+        now = self._clock()
+        for ok, ids in ((True, done), (False, failed)):
+            for move_id in ids:
+                m = self._moves.get(move_id)
+                if m is not None and m.src_seg.node_id == node_id:
+                    self._finish_move(move_id, ok, now)
+
+    def _note_disk_read(self, obj: _Object, now: float) -> None:
+        self._disk_policy.on_access(obj.key)
+        seen = self._disk_reads.pop(obj.key, None)
+        if seen is None or now - seen > self._config.promote_window_s:
+            if len(self._disk_reads) > 65536:   # bounded: forget reads older than the window
+                cutoff = now - self._config.promote_window_s
+                self._disk_reads = {k: t for k, t in self._disk_reads.items() if t >= cutoff}
+            self._disk_reads[obj.key] = now
+            return
+        if obj.key in self._moving:
+            return
+        src = self._segments[obj.segment_id]
+        upper = self._upper_tier(src)
+        if upper is not None:
+            alloc = upper.allocator
+            # Only into room below the high watermark: a promotion must not cause a demotion.
+            if alloc.used_bytes + alloc.aligned_size(obj.size) <= \
+                    self._config.high_watermark * alloc.capacity_bytes:
+                self._start_move(obj, Extent(obj.segment_id, obj.offset, obj.size), src, upper,
+                                 now)
+
+    def _start_move(self, obj: _Object, src: Extent, src_seg: _Segment, dst_seg: _Segment,
+                    now: float) -> bool:
+        """Allocate the destination and queue the instruction; False if it has no room."""
+        offset = dst_seg.allocator.allocate(obj.size)
+        if offset is None:
+            return False
+        dst = Extent(dst_seg.info.segment_id, offset, obj.size)
+        move_id = next(self._seq)
+        self._moves[move_id] = _MoveInFlight(obj, src, dst, src_seg, dst_seg,
+                                             now + self._config.put_timeout_s)
+        self._moving[obj.key] = move_id
+        src_seg.moving_out_bytes += src_seg.allocator.aligned_size(obj.size)
+        self._outbox.setdefault(src_seg.node_id, []).append(
+            Move(move_id, obj.key, obj.version, src, dst))
+        return True
+
+    def _finish_move(self, move_id: int, ok: bool, now: float) -> None:
+        m = self._moves.pop(move_id)
+        obj = m.obj
+        if self._moving.get(obj.key) == move_id:
+            del self._moving[obj.key]
+        m.src_seg.moving_out_bytes -= m.src_seg.allocator.aligned_size(m.src.length)
+        dst_live = self._segments.get(m.dst.segment_id) is m.dst_seg
+        if ok and dst_live and self._objects.get(obj.key) is obj and m.src in obj.replicas:
+            was_on_disk = obj.segment_id in self._disk_segments
+            obj.replicas = [m.dst if e == m.src else e for e in obj.replicas]
+            if (obj.segment_id in self._disk_segments) != was_on_disk:
+                # Down to disk: its parent may become demotable. Back up: a chain head (the
+                # parent link is not kept for objects on disk).
+                old, new = ((self._disk_policy, self._policy) if was_on_disk
+                            else (self._policy, self._disk_policy))
+                old.on_remove(obj.key)
+                new.on_insert(obj.key)
+            # A new version: a reader whose read outlived its lease checks the version it read
+            # against the index's, and the source may be reused by then.
+            obj.version = next(self._versions)
+            m.src_seg.keys.discard(obj.key)
+            m.dst_seg.keys.add(obj.key)
+            if m.dst_seg.manifest_log is not None:   # supersedes the source's record (by key)
+                m.dst_seg.manifest_log.append(ObjectRecord(
+                    obj.key, m.dst.segment_id, m.dst.offset, obj.size, obj.checksum,
+                    obj.version))
+            # Readers granted the source may still be copying from it: reuse after the lease.
+            self._free_later([m.src], max(now, obj.lease_until))
+            if TIER_RANK[m.dst_seg.info.tier] > TIER_RANK[m.src_seg.info.tier]:
+                self._demotions += 1
+            else:
+                self._promotions += 1
+                self._disk_reads.pop(obj.key, None)
+        elif dst_live:   # the node is done with the destination either way
+            self._free_now([m.dst])
+
+    def _expire_moves(self, now: float) -> None:
+        """Give up on moves not reported within ``put_timeout_s`` (a node that died or
+        restarted): the destination is freed after the quarantine, as a write may linger."""
+        expired = [i for i, m in self._moves.items() if m.deadline <= now]
+        if not expired:
+            return
+        gone = set(expired)
+        for node_id, moves in list(self._outbox.items()):   # never handed out now: too late
+            self._outbox[node_id] = [m for m in moves if m.move_id not in gone]
+        for move_id in expired:
+            m = self._moves.pop(move_id)
+            if self._moving.get(m.obj.key) == move_id:
+                del self._moving[m.obj.key]
+            m.src_seg.moving_out_bytes -= m.src_seg.allocator.aligned_size(m.src.length)
+            if self._segments.get(m.dst.segment_id) is m.dst_seg:
+                self._free_later([m.dst], now + self._config.quarantine_s)
+
+    def _lower_tier(self, seg: _Segment) -> _Segment | None:
+        """The roomiest segment of the next tier down on ``seg``'s node; None: a last tier."""
+        return self._neighbour_tier(seg, +1)
+
+    def _upper_tier(self, seg: _Segment) -> _Segment | None:
+        return self._neighbour_tier(seg, -1)
+
+    def _neighbour_tier(self, seg: _Segment, step: int) -> _Segment | None:
+        rank = TIER_RANK[seg.info.tier]
+        best: _Segment | None = None
+        best_rank = 0
+        for sid in self._nodes[seg.node_id].segment_ids:
+            other = self._segments[sid]
+            r = TIER_RANK[other.info.tier]
+            if (r - rank) * step <= 0 or sid in self._recovering:
+                continue
+            if best is None or (r - best_rank) * step < 0 or (
+                    r == best_rank and other.allocator.free_bytes > best.allocator.free_bytes):
+                best, best_rank = other, r
+        return best
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -622,6 +939,7 @@ class MasterState:
         if n is None:
             raise UnknownNode(f"node {node_id!r} is not known; mount its segments again")
         n.last_seen = self._clock()
+        self._silent.discard(node_id)
         return n
 
     def _complete(self, key: str) -> _Object:
@@ -645,6 +963,8 @@ class MasterState:
         self._unindex(obj)
         self._free_now(obj.replicas)   # not leased, so no reader can be in flight
         self._evictions += 1
+        if self._on_evict is not None:
+            self._on_evict(obj.key, obj.version)
 
     def _replicas(self, obj: _Object) -> tuple[Replica, ...]:
         # Endpoints are looked up now, so a node that re-mounted with new ones is reached there.
@@ -655,7 +975,7 @@ class MasterState:
         info = seg.info   # carries the segment's RDMA region (rkey 0 = none) into the descriptor
         return Replica(self._nodes[seg.node_id].endpoints, e, rdma_addr=info.rdma_addr,
                        rdma_rkey=info.rdma_rkey,
-                       rdma_length=info.size_bytes if info.rdma_rkey else 0)
+                       rdma_length=info.size_bytes if info.rdma_rkey else 0, tier=info.tier)
 
     def _unindex(self, obj: _Object) -> None:
         """Forget ``obj``; its extents stay allocated until the caller frees them."""
@@ -664,6 +984,11 @@ class MasterState:
             self._pending -= 1
         else:
             self._policy.on_remove(obj.key)
+            self._disk_policy.on_remove(obj.key)
+            if obj.pinned:
+                self._hard_pinned_bytes -= self._pin_size(obj)
+            if self._soft_pins:
+                self._soft_pins.pop(obj.key, None)
         for e in obj.replicas:
             seg = self._segments[e.segment_id]
             seg.keys.discard(obj.key)
@@ -685,6 +1010,7 @@ class MasterState:
         sid = seg.info.segment_id
         del self._segments[sid]
         self._recovering.discard(sid)
+        self._disk_segments.discard(sid)
         self._nodes[seg.node_id].segment_ids.discard(sid)
         for key in seg.keys:
             obj = self._objects[key]

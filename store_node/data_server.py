@@ -282,6 +282,8 @@ class DataServer:
                 return self._refuse_malformed(conn, peer, "segment id is not utf-8")
             op = Op(op)
             self._count(op.name)
+            if self._serve_by_segment(conn, op, segment_id, offset, length):
+                continue
             view, status, message = self._resolve(segment_id, offset, length)
             if view is None:
                 log.warning("request_refused", peer=peer, op=op.name, segment=segment_id,
@@ -323,6 +325,34 @@ class DataServer:
         if status == FrameStatus.OK:
             log.debug("queue_pair_connected", peer=peer)
         return True
+
+    def _serve_by_segment(self, conn: socket.socket, op: Op, segment_id: str, offset: int,
+                          length: int) -> bool:
+        """Serve a request with the segment's own I/O where it has some: a disk segment READs
+        with sendfile(2) (the kernel reads ahead and copies page cache -> socket, with no page
+        faults on the node's mapping: several times faster cold) and WRITEs after forgetting
+        the manifest records the write overlaps, an HBM segment through its staging buffer
+        both ways. False: the generic path (a mapping slice) answers, and refuses what is out
+        of bounds."""
+        segment = self._segments.get(segment_id)
+        if segment is None or offset + length > segment.info.size_bytes:
+            return False
+        if op is Op.READ and hasattr(segment, "send_to"):
+            conn.sendall(encode_response(FrameStatus.OK, length))
+            try:
+                segment.send_to(conn, offset, length)
+            except ValueError as e:   # closed while being unmounted: drop the connection
+                raise OSError(str(e)) from None
+            return True
+        if op is Op.WRITE and hasattr(segment, "recv_from"):
+            try:
+                segment.recv_from(lambda v: _recv_exact(conn, v, frame_started=True),
+                                  offset, length)
+            except ValueError as e:   # closed while being unmounted: drop the connection
+                raise OSError(str(e)) from None
+            conn.sendall(encode_response(FrameStatus.OK, 0))
+            return True
+        return False
 
     def _resolve(self, segment_id: str, offset: int, length: int
                  ) -> tuple[memoryview | None, FrameStatus, str]:

@@ -61,6 +61,10 @@ class Manifest:
             for key in [k for k, r in self._by_key.items() if r.segment_id in ids]:
                 self._drop(key)
 
+    def get(self, key: str) -> ObjectRecord | None:
+        """The record of ``key``, or None."""
+        return self._by_key.get(key)
+
     def records(self) -> list[ObjectRecord]:
         """A snapshot, ordered by segment and offset."""
         with self._lock:

@@ -3,7 +3,8 @@
 A segment is one contiguous byte range with a cluster-unique id. DRAM segments are anonymous
 memfds (``memfd_create``): populated (committed) when created, shareable with same-host
 clients by passing the fd over a unix socket (the shm transport), and with no name in /dev/shm,
-so nothing leaks when the node is SIGKILLed. HBM and disk segments will implement the same ABC.
+so nothing leaks when the node is SIGKILLed. Disk segments (:mod:`kvpool.store_node.disk`)
+implement the same ABC over a file; HBM segments over one CUDA allocation.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ def new_segment_id(node_id: str, index: int) -> str:
 class Segment(ABC):
     """One mounted byte range of a store node."""
 
+    #: ``buffer`` works (False for device memory: read_into / write_from copy instead).
+    host_addressable = True
+
     @property
     @abstractmethod
     def info(self) -> SegmentInfo:
@@ -66,26 +70,39 @@ class Segment(ABC):
     def close(self) -> None:
         """Release the memory. Idempotent; views sliced earlier keep their pages alive."""
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+        return False
 
-class DramSegment(Segment):
-    """A DRAM segment backed by a sealed memfd mapped MAP_SHARED."""
+    def read_into(self, offset: int, view: memoryview) -> None:
+        """Copy ``[offset, offset + len(view))`` into ``view`` (demotion and promotion use it;
+        a disk segment does it with one large pread instead of faulting pages in)."""
+        view[:] = self.buffer[offset:offset + len(view)]
 
-    def __init__(self, segment_id: str, size_bytes: int) -> None:
-        if size_bytes <= 0:
-            raise InvalidArgument(f"segment size must be positive, not {size_bytes}")
-        self._info = SegmentInfo(segment_id=segment_id, size_bytes=size_bytes, tier="dram")
+    def write_from(self, offset: int, view: memoryview) -> None:
+        """Copy ``view`` to ``[offset, offset + len(view))``."""
+        self.buffer[offset:offset + len(view)] = view
+
+    def check_range(self, offset: int, length: int) -> None:
+        """ValueError if the segment is closed or ``[offset, offset + length)`` is outside it."""
+        if self.closed:
+            raise ValueError(f"segment {self.info.segment_id} is closed")
+        if offset < 0 or length < 0 or offset + length > self.info.size_bytes:
+            raise ValueError(f"[{offset}, {offset + length}) is outside segment "
+                             f"{self.info.segment_id!r} of {self.info.size_bytes} bytes")
+
+
+class MappedSegment(Segment):
+    """A segment that is one MAP_SHARED mapping of an fd (DRAM: a memfd; disk: a file)."""
+
+    def __init__(self, info: SegmentInfo, fd: int, flags: int = mmap.MAP_SHARED) -> None:
+        """Map ``fd``, which this segment owns from now on (closed here if mapping fails)."""
+        self._info = info
         self._lock = threading.Lock()
-        name = f"kvpool:{segment_id}".encode()[:_MEMFD_NAME_MAX].decode("utf-8", "ignore")
-        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.ftruncate(fd, size_bytes)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-            # Populated up front, as an RDMA registration would pin it: first-touch page faults
-            # (kernel zeroing) otherwise cut put throughput several-fold. Measured on 2 MiB
-            # blocks over shm: ~0.7 GiB/s lazily, ~6 GiB/s populated.
-            self._mmap: mmap.mmap | None = mmap.mmap(
-                fd, size_bytes, mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                mmap.PROT_READ | mmap.PROT_WRITE)
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, info.size_bytes, flags,
+                                                     mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
             raise
@@ -95,12 +112,6 @@ class DramSegment(Segment):
     @property
     def info(self) -> SegmentInfo:
         return self._info
-
-    @property
-    def fd(self) -> int:
-        if self._buffer is None:
-            raise ValueError(f"segment {self._info.segment_id} is closed")
-        return self._fd
 
     @property
     def buffer(self) -> memoryview:
@@ -127,6 +138,33 @@ class DramSegment(Segment):
                 # view is released and the mmap object is collected; dropping it is enough.
                 log.debug("segment_unmap_deferred", segment=self._info.segment_id)
             os.close(self._fd)
+
+
+class DramSegment(MappedSegment):
+    """A DRAM segment backed by a sealed memfd mapped MAP_SHARED."""
+
+    def __init__(self, segment_id: str, size_bytes: int) -> None:
+        if size_bytes <= 0:
+            raise InvalidArgument(f"segment size must be positive, not {size_bytes}")
+        name = f"kvpool:{segment_id}".encode()[:_MEMFD_NAME_MAX].decode("utf-8", "ignore")
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size_bytes)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        except BaseException:
+            os.close(fd)
+            raise
+        # Populated up front, as an RDMA registration would pin it: first-touch page faults
+        # (kernel zeroing) otherwise cut put throughput several-fold. Measured on 2 MiB
+        # blocks over shm: ~0.7 GiB/s lazily, ~6 GiB/s populated.
+        super().__init__(SegmentInfo(segment_id=segment_id, size_bytes=size_bytes, tier="dram"),
+                         fd, mmap.MAP_SHARED | mmap.MAP_POPULATE)
+
+    @property
+    def fd(self) -> int:
+        if self._buffer is None:
+            raise ValueError(f"segment {self._info.segment_id} is closed")
+        return self._fd
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"fd={self._fd}"

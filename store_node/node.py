@@ -4,6 +4,7 @@ again and re-announcing the manifest) -> unmount -> release."""
 
 from __future__ import annotations
 
+import queue
 import socket
 import threading
 import time
@@ -15,8 +16,9 @@ from kvpool.common.config import format_size
 from kvpool.common.errors import Conflict, KVPoolError, MasterUnavailable, NoSpace, UnknownNode
 from kvpool.common.host import local_boot_id
 from kvpool.common.logging import get_logger
-from kvpool.common.types import NodeEndpoints, SegmentInfo
+from kvpool.common.types import Move, NodeEndpoints, SegmentInfo
 from kvpool.store_node.data_server import DataServer
+from kvpool.store_node.disk import DiskTier
 from kvpool.store_node.manifest import Manifest
 from kvpool.store_node.memory import Segment, create_dram_segment
 from kvpool.store_node.scrubber import Scrubber
@@ -39,17 +41,26 @@ class StoreNode:
                  shm: bool = True, advertise_host: str | None = None,
                  rdma_device: str | bool | None = None,
                  scrub_bytes_per_s: int = DEFAULT_SCRUB_BYTES_PER_S,
-                 scrub_interval_s: float = 60.0):
+                 scrub_interval_s: float = 60.0, disk_path: str | None = None,
+                 disk_size: int = 0, hbm_size: int = 0, gpu: int = 0):
         """``host``/``port``: where the tcp data server listens (port 0 = any free port);
         ``advertise_host``: the address clients should dial, if not ``host`` (e.g. 0.0.0.0).
         ``rdma_device``: register the segments with this RDMA device (an error if missing);
         None: with the first device found, if any; False: never offer rdma.
         ``scrub_bytes_per_s``: how fast the scrubber re-checks idle objects' checksums (0 =
-        never); ``scrub_interval_s``: its rest between passes."""
+        never); ``scrub_interval_s``: its rest between passes.
+        ``disk_path``/``disk_size``: a disk tier of that size in that directory (its objects
+        survive a restart of the node; store_node/disk.py); the node then takes the node id
+        the directory was created with, unless ``node_id`` is given (it must match).
+        ``hbm_size``: an HBM tier of that size on GPU ``gpu`` (store_node/hbm.py)."""
         if not segment_sizes:
             raise ValueError("a store node needs at least one segment")
+        # Opened first: a bad directory is an error before any memory is allocated.
+        self._disk = DiskTier(disk_path, disk_size, node_id) if disk_path else None
+        node_id = node_id or (self._disk.node_id if self._disk else None)
         self.node_id = node_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
         self._sizes = list(segment_sizes)
+        self._hbm_size, self._gpu = hbm_size, gpu
         self._host, self._port, self._shm = host, port, shm
         self._advertise = advertise_host
         self._rdma_device = rdma_device
@@ -65,6 +76,14 @@ class StoreNode:
         self.manifest = Manifest()
         self._announcing = False   # mounted as recovering; the announcement is not done yet
         self._watcher: threading.Thread | None = None
+        # Moves between tiers the master asked for: done by one thread, reported with the
+        # next heartbeat (which the mover wakes as soon as it runs out of work).
+        self._moves: queue.Queue[Move] = queue.Queue()
+        self._moves_lock = threading.Lock()
+        self._moves_done: list[int] = []
+        self._moves_failed: list[int] = []
+        self._wake = threading.Event()
+        self._mover: threading.Thread | None = None
         self._scrubber = Scrubber(self.manifest, self.segments, self._report_corrupt,
                                   scrub_bytes_per_s, scrub_interval_s) \
             if scrub_bytes_per_s > 0 else None
@@ -77,13 +96,29 @@ class StoreNode:
                 seg = create_dram_segment(self.node_id, i, size)
                 self.segments[seg.info.segment_id] = seg
                 self._published[seg.info.segment_id] = seg.info
+            if self._hbm_size:
+                from kvpool.store_node.hbm import create_hbm_segment
+                seg = create_hbm_segment(self.node_id, self._gpu, self._hbm_size)
+                self.segments[seg.info.segment_id] = seg
+                self._published[seg.info.segment_id] = seg.info
+            recovering = False
+            if self._disk is not None:
+                seg = self._disk.open(self.node_id)
+                self.segments[seg.info.segment_id] = seg
+                self._published[seg.info.segment_id] = seg.info
+                # Objects kept from this node's previous life: announced before new ones land.
+                self.manifest.apply(self._disk.manifest.records(), ())
+                recovering = len(self.manifest) > 0
             if self._rdma_device is not False:
                 from kvpool.store_node.rdma import open_node_rdma
                 self._rdma = open_node_rdma(self._rdma_device,
                                             required=self._rdma_device is not None)
             if self._rdma is not None:
                 for sid, seg in self.segments.items():
-                    self._published[sid] = self._rdma.register(seg)
+                    # DRAM only: registering the disk tier would pin (read in) the whole
+                    # file; HBM would need a dma-buf region (not done: see hbm.py).
+                    if seg.info.tier == "dram":
+                        self._published[sid] = self._rdma.register(seg)
             self._server = DataServer(self.segments, self._host, self._port, shm=self._shm,
                                       rdma=self._rdma)
             self._server.start()
@@ -97,7 +132,10 @@ class StoreNode:
             deadline = time.monotonic() + mount_timeout_s
             while True:
                 try:
-                    self._mount_all()
+                    if recovering:
+                        self._recover()
+                    else:
+                        self._mount_all()
                     break
                 except MasterUnavailable as e:
                     if time.monotonic() > deadline:
@@ -110,6 +148,8 @@ class StoreNode:
             raise
         self._thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         self._thread.start()
+        self._mover = threading.Thread(target=self._move_loop, name="mover", daemon=True)
+        self._mover.start()
         self._watcher = threading.Thread(target=self._watch_loop, name="manifest", daemon=True)
         self._watcher.start()
         if self._scrubber is not None:
@@ -125,24 +165,93 @@ class StoreNode:
                                        keeps_manifest=True, recovering=recovering)
 
     def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self._interval_s):
+        while True:
+            self._wake.wait(self._interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            with self._moves_lock:
+                done, self._moves_done = self._moves_done, []
+                failed, self._moves_failed = self._moves_failed, []
             try:
                 if self._announcing:
                     self._recover()
-                committed, removed = self._master.heartbeat(self.node_id)
-                self.manifest.apply(committed, removed)
+                committed, removed, moves = self._master.heartbeat_moves(self.node_id, done,
+                                                                         failed)
+                done = failed = []
+                self._apply_manifest(committed, removed)
+                for m in moves:
+                    self._moves.put(m)
             except UnknownNode:
                 # The master declared us dead or restarted: mount again, keeping new objects
                 # out of our segments until it has indexed the ones they already hold.
                 log.warning("master_forgot_node_remounting", node=self.node_id,
                             objects=len(self.manifest))
                 self._announcing = True   # until it is all done, even across failures
+                self._abandon_moves()
                 try:
                     self._recover()
                 except KVPoolError as e:
                     log.warning("remount_failed", error=str(e))
             except KVPoolError as e:
                 log.warning("heartbeat_failed", error=str(e))
+            finally:
+                if done or failed:   # not reported: again with the next heartbeat
+                    with self._moves_lock:
+                        self._moves_done += done
+                        self._moves_failed += failed
+
+    def _move_loop(self) -> None:
+        """Make the moves the master asks for, one at a time, and report each."""
+        while True:
+            m = self._moves.get()
+            try:
+                if m is None:
+                    return
+                ok = self._copy(m)
+                with self._moves_lock:
+                    (self._moves_done if ok else self._moves_failed).append(m.move_id)
+            finally:
+                self._moves.task_done()
+            if self._moves.empty():
+                self._wake.set()   # report now: the master frees the source sooner
+
+    def _abandon_moves(self) -> None:
+        """Drop the moves not started and wait for the one being made: a master that forgot
+        us forgot them too, and may hand their destinations to new objects once we have
+        announced what we hold."""
+        while True:
+            try:
+                self._moves.get_nowait()
+            except queue.Empty:
+                break
+            self._moves.task_done()
+        self._moves.join()
+        with self._moves_lock:
+            self._moves_done, self._moves_failed = [], []
+
+    def _copy(self, m: Move) -> bool:
+        src, dst = self.segments.get(m.src.segment_id), self.segments.get(m.dst.segment_id)
+        if src is None or dst is None:
+            log.warning("move_refused", key=m.key, src=m.src.segment_id, dst=m.dst.segment_id)
+            return False
+        try:
+            # The disk or HBM side does the I/O, in one call: into it a pwrite or a device
+            # copy from the DRAM mapping, out of it a preadv or a device copy into it.
+            if src.host_addressable and dst.info.tier != "dram":
+                dst.write_from(m.dst.offset, src.buffer[m.src.offset:m.src.end])
+            else:
+                src.read_into(m.src.offset, dst.buffer[m.dst.offset:m.dst.end])
+        except (OSError, ValueError) as e:
+            log.warning("move_failed", key=m.key, src=m.src.segment_id, dst=m.dst.segment_id,
+                        error=str(e))
+            return False
+        return True
+
+    def _apply_manifest(self, committed, removed) -> None:
+        self.manifest.apply(committed, removed)
+        if self._disk is not None and self._disk.manifest is not None:
+            self._disk.manifest.apply(committed, removed)
 
     def _watch_loop(self) -> None:
         """Apply the manifest changes the master pushes as it commits (the put path waits for
@@ -152,7 +261,7 @@ class StoreNode:
             try:
                 for committed, removed in self._master.watch_manifest(self.node_id,
                                                                       WATCH_DEADLINE_S):
-                    self.manifest.apply(committed, removed)
+                    self._apply_manifest(committed, removed)
             except KVPoolError as e:
                 if self._stop.wait(self._interval_s):
                     return
@@ -172,8 +281,10 @@ class StoreNode:
         indexed = 0
         for n, batch in enumerate(batches, 1):
             results = self._master.announce_objects(self.node_id, batch, done=n == len(batches))
-            self.manifest.forget(r.key for r, err in zip(batch, results)
-                                 if isinstance(err, Conflict))
+            refused = [r.key for r, err in zip(batch, results) if isinstance(err, Conflict)]
+            self.manifest.forget(refused)
+            if self._disk is not None and self._disk.manifest is not None:
+                self._disk.manifest.forget(refused)
             indexed += sum(err is None for err in results)
         self._announcing = False
         log.info("objects_reannounced", node=self.node_id, indexed=indexed,
@@ -182,11 +293,16 @@ class StoreNode:
     def stop(self, unmount: bool = True) -> None:
         """Unmount (best effort), stop serving, release memory. Idempotent."""
         self._stop.set()
+        self._wake.set()
         if self._scrubber is not None:
             self._scrubber.stop()
         if self._thread:
             self._thread.join()
             self._thread = None
+        if self._mover:
+            self._moves.put(None)
+            self._mover.join()
+            self._mover = None
         if unmount and self.endpoints:
             for sid in list(self.segments):
                 try:
@@ -199,6 +315,8 @@ class StoreNode:
         if self._rdma is not None:   # deregister before the memory goes
             self._rdma.close()
             self._rdma = None
+        if self._disk is not None:   # syncs the data and the manifest, unlocks the directory
+            self._disk.close()
         for seg in self.segments.values():
             seg.close()
         self.segments.clear()

@@ -51,7 +51,12 @@ class Scrubber:
             if r.checksum is None or seg is None:
                 continue
             try:
-                crc = checksum(seg.buffer[r.offset:r.offset + r.size])
+                if seg.host_addressable:
+                    crc = checksum(seg.buffer[r.offset:r.offset + r.size])
+                else:   # device memory: through a host copy
+                    host = bytearray(r.size)
+                    seg.read_into(r.offset, memoryview(host))
+                    crc = checksum(host)
             except ValueError:   # the segment was closed: the node is stopping
                 break
             self.objects_checked += 1

@@ -26,6 +26,11 @@ def duration_type(text: str) -> float:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def duration_or_off_type(text: str) -> float:
+    """A duration, or 0 for "off"."""
+    return 0.0 if text.strip() == "0" else duration_type(text)
+
+
 def fraction_type(text: str) -> float:
     try:
         value = float(text)

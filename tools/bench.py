@@ -70,6 +70,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="keys per master RPC (default: 256, one prompt's blocks)")
     b.add_argument("--no-master-bench", action="store_true", help="skip the master figures")
     b.add_argument("--no-redis", action="store_true", help="skip the Redis baseline")
+    b.add_argument("--disk-tier", action="store_true",
+                   help="instead: the disk tier's demotion and read GB/s beside a plain "
+                        "sequential file read of the same bytes (tools/bench_disk.py)")
+    b.add_argument("--disk-bytes", type=size_type, default=256 << 20, metavar="SIZE",
+                   help="with --disk-tier: bytes put, about half of them demoted (default: "
+                        "256MiB)")
     b.add_argument("--peers", default="", metavar="LIST",
                    help="more systems to compare, where installed (known: mooncake)")
     return b
@@ -77,6 +83,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args``; print the table; 0 on success."""
+    if args.disk_tier:
+        from kvpool.tools.bench_disk import run_disk_bench
+        result = run_disk_bench(args.disk_bytes, (args.block_size or [2 << 20])[0],
+                                args.repeats or 3, json_path=args.json)
+        return 0 if result["bytes_identical"] else 1
     from kvpool.tools.bench_run import BenchConfig, run_bench
     preset = QUICK if args.quick else FULL
     block = (args.block_size or [2 << 20])[0]

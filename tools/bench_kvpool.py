@@ -62,15 +62,21 @@ def memcpy_figure(shape: Shape, latencies: list[list[float]]) -> Figure:
                      shape.objects_per_call, latencies)
 
 
-def raw_tcp_figures(peer, shape: Shape, repeats: int, src: np.ndarray) -> list[Figure]:
+def raw_tcp_latencies(peer, shape: Shape, repeats: int, src: np.ndarray
+                      ) -> dict[str, list[list[float]]]:
+    """Per-op ("put", "get") per-repeat call latencies of the raw tcp baseline."""
     dst = np.empty_like(src)
     src_rows, dst_rows = [memoryview(r) for r in src], [memoryview(r) for r in dst]
     put, get = [], []
     for _ in range(repeats):
         put.append([_timed(peer.put, src_rows)[0] for _ in range(shape.calls)])
         get.append([_timed(peer.get, dst_rows)[0] for _ in range(shape.calls)])
+    return {"put": put, "get": get}
+
+
+def raw_tcp_figures(shape: Shape, latencies: dict[str, list[list[float]]]) -> list[Figure]:
     return [summarize("raw_tcp", "tcp", shape.workload, op, shape.value_bytes,
-                      shape.objects_per_call, lat) for op, lat in (("put", put), ("get", get))]
+                      shape.objects_per_call, lat) for op, lat in latencies.items()]
 
 
 def redis_figures(peer, shape: Shape, repeats: int, src: np.ndarray, prefix: str
@@ -97,8 +103,9 @@ def redis_figures(peer, shape: Shape, repeats: int, src: np.ndarray, prefix: str
 
 
 def kvpool_figures(kv, transport: str, shape: Shape, repeats: int, src: np.ndarray,
-                   prefix: str) -> list[Figure]:
-    """Batched (or single-value) put then get_into of the same bytes, fresh keys per repeat."""
+                   prefix: str, settle_s: float = 0.0) -> list[Figure]:
+    """Batched (or single-value) put then get_into of the same bytes, fresh keys per repeat;
+    ``settle_s``: a pause (untimed) after each repeat's removal, for its space to be freed."""
     dst = np.zeros_like(src)
     src_rows, dst_rows = list(src), list(dst)
     single = shape.objects_per_call == 1
@@ -129,6 +136,7 @@ def kvpool_figures(kv, transport: str, shape: Shape, repeats: int, src: np.ndarr
         if r == 0 and not np.array_equal(src, dst):
             raise BenchError(f"{transport} get returned bytes that differ from those put")
         _check(kv.batch_remove([x for ks in keys for x in ks]), "remove")
+        time.sleep(settle_s)
     return [summarize("kvpool", transport, shape.workload, op, shape.value_bytes,
                       shape.objects_per_call, lat) for op, lat in (("put", put), ("get", get))]
 
@@ -181,8 +189,11 @@ def master_figures(address: str, master_pid: int | None, objects: int, batch: in
             t0 = time.perf_counter()
             for i in range(0, len(sample), batch):
                 keep_alive()
-                found, _ = mc.get_replicas(sample[i:i + batch])
-                _check(found, "master GetReplicas")
+                # In columns, as KVClient's reads ask (get_replicas would time the building
+                # of an ObjectView per key here, in the client, not the master's lookup).
+                located = mc.locate(sample[i:i + batch])
+                if not located.found().all():
+                    raise BenchError("master GetReplicas did not find every indexed key")
             lookup_rates.append(len(sample) / (time.perf_counter() - t0))
         if master_pid is None:   # not our master: leave it as we found it
             for i in range(0, objects, batch):

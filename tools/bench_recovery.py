@@ -28,10 +28,7 @@ def measure(objects: int, value_bytes: int, heartbeat: str, segment_size: str) -
     with LocalCluster(nodes=2, segment_size=segment_size,
                       node_args=["--heartbeat-interval", heartbeat]) as cluster, \
             KVClient(cluster.master) as kv:
-        for b in range(0, objects, _BATCH):
-            failed = [r for r in kv.batch_put(keys[b:b + _BATCH], values[b:b + _BATCH]) if r]
-            if failed:
-                raise SystemExit(f"put failed: {failed[0]} (use a larger --segment-size)")
+        load(kv, keys, values)
         killed = time.monotonic()
         cluster.restart_master()
         serving = time.monotonic()
@@ -40,6 +37,14 @@ def measure(objects: int, value_bytes: int, heartbeat: str, segment_size: str) -
         done = time.monotonic()
     return {"objects": objects, "kill_to_serving_s": serving - killed,
             "kill_to_all_readable_s": done - killed}
+
+
+def load(kv: KVClient, keys: list[str], values: list[bytes]) -> None:
+    """Put every value, in batches; exit with the first failure."""
+    for b in range(0, len(keys), _BATCH):
+        failed = [r for r in kv.batch_put(keys[b:b + _BATCH], values[b:b + _BATCH]) if r]
+        if failed:
+            raise SystemExit(f"put failed: {failed[0]} (use a larger --segment-size)")
 
 
 def _all_back(kv: KVClient, keys: list[str], values: list[bytes]) -> bool:

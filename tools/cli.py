@@ -11,7 +11,7 @@ import threading
 
 from kvpool.common.config import EVICTION_POLICIES, ConfigError, MasterConfig, format_size, load, parse_size
 from kvpool.common.errors import KVPoolError
-from kvpool.tools import bench, kv_events_cmd, replay
+from kvpool.tools import bench, kv_events_cmd, replay, soak
 from kvpool.tools.argtypes import count_type, duration_type, fraction_type, port_type, size_type, size_or_off_type
 
 DEFAULT_MASTER_PORT = 50051
@@ -20,7 +20,9 @@ DEFAULT_MASTER_PORT = 50051
 def _master_arg(p: argparse.ArgumentParser, required: bool = True) -> None:
     env = os.environ.get("KVPOOL_MASTER")
     p.add_argument("--master", default=env, required=required and env is None, metavar="HOST:PORT",
-                   help="the master's address (default: $KVPOOL_MASTER)")
+                   help="the master's address (default: $KVPOOL_MASTER); with standby masters, "
+                        "their list HOST:PORT,HOST:PORT,... or the etcd they elect on, "
+                        "etcd://HOST:PORT[/CLUSTER]: the leader is found and followed")
 
 
 def _log_arg(p: argparse.ArgumentParser) -> None:
@@ -60,15 +62,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="evict down to this (default: 0.85)")
     m.add_argument("--replicas", type=count_type, help="copies per object unless a client asks "
                    "otherwise (default: 1)")
+    m.add_argument("--promote-window", type=duration_type, metavar="DURATION",
+                   help="promote a disk-tier object back to DRAM when it is read again within "
+                        "this long of its previous read (default: 60s)")
+    m.add_argument("--pin-quota", type=fraction_type, metavar="FRACTION",
+                   help="the share of the cluster's capacity that hard pins (never evicted) "
+                        "may hold (default: 0.5)")
     m.add_argument("--eviction", choices=EVICTION_POLICIES,
                    help="what a full segment gives up first: 'prefix' evicts KV prefix chains "
                         "from the tail (blocks name their parent; shared prefixes go last, plain "
                         "LRU for objects without one), 'lru' is plain least-recently-used and "
                         "indexes each object in ~170 fewer bytes (default: prefix)")
+    m.add_argument("--ha", metavar="etcd://HOST:PORT[,HOST:PORT][/CLUSTER]",
+                   help="run as one of several standby masters electing a leader on etcd "
+                        "(CLUSTER names the election, default 'default'); standbys refuse "
+                        "calls, naming the leader; clients use the same URL as --master")
+    m.add_argument("--advertise", metavar="HOST[:PORT]",
+                   help="with --ha: the address clients and nodes dial to reach this master "
+                        "(default: --host and the bound port; required with --host 0.0.0.0)")
+    m.add_argument("--ha-lease-ttl", type=duration_type, default=5.0, metavar="DURATION",
+                   help="with --ha: the leader's etcd lease; a dead leader is replaced within "
+                        "about this long (default: 5s; etcd's minimum is 2s)")
     _log_arg(m)
 
     n = sub.add_parser("store-node", help="run a store node that pools memory segments",
-                       description="Run a store node: allocates DRAM segments, mounts them on the "
+                       description="Run a store node: allocates DRAM segments (and, with "
+                                   "--disk-path / --hbm-size, a disk or HBM tier that full "
+                                   "tiers demote to), mounts them on the "
                                    "master, serves tcp and same-host shm, and registers the "
                                    "segments for one-sided RDMA where a device exists. Prints "
                                    "`store-node: NODE_ID` once mounted.")
@@ -92,6 +112,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "64MiB; 0 = no scrubbing)")
     n.add_argument("--scrub-interval", type=duration_type, default=60.0, metavar="DURATION",
                    help="rest between two scrubbing passes (default: 60s)")
+    n.add_argument("--disk-path", metavar="DIR",
+                   help="add a disk tier: a file in DIR (created if missing) that DRAM demotes "
+                        "its least valuable objects to instead of dropping them; its objects "
+                        "survive a restart of the node (start it with the same DIR and size)")
+    n.add_argument("--disk-size", type=size_type, metavar="SIZE",
+                   help="size of the disk tier, e.g. 100GiB (reserved up front; required with "
+                        "--disk-path)")
+    n.add_argument("--hbm-size", type=size_type, metavar="SIZE",
+                   help="add an HBM tier of this size on --gpu (needs CUDA and torch)")
+    n.add_argument("--gpu", type=int, default=0, metavar="INDEX",
+                   help="the GPU for --hbm-size (default: 0)")
     rd = n.add_mutually_exclusive_group()
     rd.add_argument("--rdma-device", metavar="NAME",
                     help="register the segments with this RDMA device (e.g. mlx5_0, rxe0; "
@@ -135,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(sub)
     replay.add_parser(sub)
     kv_events_cmd.add_parser(sub)
+    soak.add_parser(sub)
     return parser
 
 
@@ -143,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"master": _cmd_master, "store-node": _cmd_store_node, "up": _cmd_up,
                 "stat": _cmd_stat, "demo": _cmd_demo, "bench": bench.run,
-                "replay": replay.run, "kv-events": kv_events_cmd.run}[args.command](args)
+                "replay": replay.run, "kv-events": kv_events_cmd.run,
+                "soak": soak.run}[args.command](args)
     except (KVPoolError, ConfigError, OSError) as e:
         print(f"kvpool {args.command}: error: {e}", file=sys.stderr)
         return 1
@@ -159,9 +192,19 @@ def _cmd_master(args) -> int:
                   lease_ttl_s=args.lease_ttl, node_ttl_s=args.node_ttl,
                   quarantine_s=args.quarantine, high_watermark=args.high_watermark,
                   low_watermark=args.low_watermark, default_replicas=args.replicas,
-                  eviction=args.eviction)
-    asyncio.run(serve(config, args.host, args.port,
-                      on_started=lambda addr: print(f"master: {addr}", flush=True)))
+                  eviction=args.eviction, promote_window_s=args.promote_window,
+                  pin_quota_fraction=args.pin_quota)
+    announce = lambda addr: print(f"master: {addr}", flush=True)  # noqa: E731
+    if args.ha:
+        from kvpool.common.addresses import parse_etcd_url
+        from kvpool.master.ha import serve_ha
+        url = parse_etcd_url(args.ha)
+        asyncio.run(serve_ha(config, args.host, args.port, url, advertise=args.advertise,
+                             lease_ttl_s=max(1, round(args.ha_lease_ttl)), on_started=announce))
+        return 0
+    if args.advertise:
+        raise ConfigError("--advertise is for standby masters: give --ha etcd://HOST:PORT too")
+    asyncio.run(serve(config, args.host, args.port, on_started=announce))
     return 0
 
 
@@ -176,12 +219,19 @@ def _cmd_store_node(args) -> int:
     from kvpool.common.logging import configure
     from kvpool.store_node.node import StoreNode
     configure(args.log_level, component="store-node")
+    if (args.disk_path is None) != (args.disk_size is None):
+        raise ConfigError("--disk-path and --disk-size go together: give both or neither")
+    if args.hbm_size is not None:
+        from kvpool.store_node.hbm import check_hbm
+        check_hbm(args.gpu, args.hbm_size)   # a clear error where there is no GPU
     node = StoreNode(args.master, args.segment_size or [parse_size("4GiB")], host=args.host,
                      port=args.port, node_id=args.node_id,
                      heartbeat_interval_s=args.heartbeat_interval, shm=not args.no_shm,
                      advertise_host=args.advertise_host,
                      rdma_device=False if args.no_rdma else args.rdma_device,
-                     scrub_bytes_per_s=args.scrub_rate, scrub_interval_s=args.scrub_interval)
+                     scrub_bytes_per_s=args.scrub_rate, scrub_interval_s=args.scrub_interval,
+                     disk_path=args.disk_path, disk_size=args.disk_size or 0,
+                     hbm_size=args.hbm_size or 0, gpu=args.gpu)
     node.start()
     rdma = f" rdma={node.endpoints.rdma_device}" if node.endpoints.rdma_device else ""
     print(f"store-node: {node.node_id} tcp={node.endpoints.tcp_endpoint}{rdma}", flush=True)
@@ -222,15 +272,34 @@ def _cmd_stat(args) -> int:
     print(f"master {args.master}: {s.nodes} nodes, {len(s.segments)} segments, "
           f"{format_size(used)} used of {format_size(total)}")
     print(f"objects {s.objects} (+{s.pending_objects} pending), hits {s.hits}, misses {s.misses}"
-          + (f" (hit rate {s.hits / lookups:.1%})" if lookups else "") + f", evictions {s.evictions}")
+          + (f" (hit rate {s.hits / lookups:.1%})" if lookups else "") + f", evictions {s.evictions}"
+          + f", demotions {s.demotions}, promotions {s.promotions}")
     if s.segments:
         print(f"\n{'node':<20} {'segment':<36} {'size':>10} {'used':>10} {'quar.':>10} {'objects':>8}")
         for g in sorted(s.segments, key=lambda g: (g.node_id, g.segment.segment_id)):
             print(f"{g.node_id:<20} {g.segment.segment_id:<36} {format_size(g.segment.size_bytes):>10}"
                   f" {format_size(g.used_bytes):>10} {format_size(g.quarantined_bytes):>10}"
                   f" {g.objects:>8}")
+        _print_tiers(s.segments)
         _print_node_transports(s.segments)
     return 0
+
+
+def _print_tiers(segments) -> None:
+    """Usage per tier per node (a node demotes from a full tier to the next one down)."""
+    from kvpool.common.types import TIERS
+    from kvpool.common.wire import segment_from_pb
+    rows: dict[tuple[str, str], list[int]] = {}
+    for g in segments:
+        row = rows.setdefault((g.node_id, segment_from_pb(g.segment).tier), [0, 0, 0])
+        row[0] += g.segment.size_bytes
+        row[1] += g.used_bytes
+        row[2] += g.objects
+    print(f"\n{'node':<20} {'tier':<6} {'size':>10} {'used':>10} {'use%':>6} {'objects':>8}")
+    for (node_id, tier), (size, used, objects) in sorted(
+            rows.items(), key=lambda kv: (kv[0][0], TIERS.index(kv[0][1]))):
+        print(f"{node_id:<20} {tier:<6} {format_size(size):>10} {format_size(used):>10} "
+              f"{used / size:>6.1%} {objects:>8}")
 
 
 def _print_node_transports(segments) -> None:

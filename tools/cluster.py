@@ -35,11 +35,14 @@ class ClusterError(RuntimeError):
 class Proc:
     """One child process whose stdout announces readiness with a ``name: value`` line."""
 
-    def __init__(self, name: str, argv: Sequence[str], log: IO[bytes] | None):
+    def __init__(self, name: str, argv: Sequence[str], log: IO[bytes] | None,
+                 launcher: Sequence[str] = ()):
+        """``launcher``: a command that runs the kvpool one, e.g. ``ip netns exec NS``."""
         self.name = name
         self.log = log
+        self.ready = ""   # what the readiness line said, once wait_ready returned
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "kvpool", *argv], stdout=subprocess.PIPE,
+            [*launcher, sys.executable, "-m", "kvpool", *argv], stdout=subprocess.PIPE,
             stderr=log if log is not None else None, stdin=subprocess.DEVNULL,
             # Ctrl-C in a terminal reaches only us, and we stop the children in order.
             start_new_session=True, preexec_fn=_die_with_parent)
@@ -53,7 +56,8 @@ class Proc:
             if not line:
                 break
             if line.startswith(prefix + ":"):
-                return line.split(":", 1)[1].strip()
+                self.ready = line.split(":", 1)[1].strip()
+                return self.ready
         self.kill()
         raise ClusterError(f"{self.name} did not start (exit code {self.popen.poll()})"
                            + self._log_tail())
@@ -90,7 +94,14 @@ class LocalCluster:
 
     def __init__(self, nodes: int = 2, segment_size: str = "1GiB", host: str = "127.0.0.1",
                  port: int = 0, master_args: Sequence[str] = (), node_args: Sequence[str] = (),
-                 log_dir: str | os.PathLike | None = None):
+                 log_dir: str | os.PathLike | None = None, masters: int = 1,
+                 ha: str | None = None):
+        """``ha``: an ``etcd://`` URL: run ``masters`` standby masters electing on it (on
+        free ports); ``master`` is then that URL, which the nodes and clients follow."""
+        if masters > 1 and not ha:
+            raise ValueError("several masters need an etcd URL to elect on (ha=)")
+        self.n_masters, self.ha = masters, ha
+        self.standbys: dict[str, Proc] = {}   # with ha: every master process, by address
         self.n_nodes = nodes
         self.segment_size = segment_size
         self.host, self.port = host, port
@@ -112,10 +123,16 @@ class LocalCluster:
     def start(self) -> str:
         """Start the master and every node; return the master's address once all are mounted."""
         try:
-            self.master_proc = Proc("master", ["master", "--host", self.host, "--port",
-                                               str(self.port), *self.master_args],
-                                    self._log("master"))
-            self.master = self.master_proc.wait_ready("master")
+            if self.ha:
+                for _ in range(self.n_masters):
+                    self.add_master()
+                self.master = self.ha
+                self.leader()
+            else:
+                self.master_proc = Proc("master", ["master", "--host", self.host, "--port",
+                                                   str(self.port), *self.master_args],
+                                        self._log("master"))
+                self.master = self.master_proc.wait_ready("master")
             for i in range(self.n_nodes):
                 self.add_node(f"node{i}")
         except BaseException:
@@ -141,6 +158,37 @@ class LocalCluster:
         assert address == self.master, (address, self.master)
         return address
 
+    def add_master(self) -> str:
+        """With ``ha``: start one more master (a standby unless none leads); its address."""
+        name = f"master{len(self.standbys)}"
+        proc = Proc(name, ["master", "--host", self.host, "--port", "0", "--ha", str(self.ha),
+                           *self.master_args], self._log(name))
+        address = proc.wait_ready("master")
+        self.standbys[address] = proc
+        return address
+
+    def leader(self, timeout_s: float = READY_TIMEOUT_S) -> str:
+        """With ``ha``: the address of the master that leads now, once one does."""
+        from kvpool.client.leader import read_leader
+        from kvpool.common.addresses import parse_etcd_url
+        url = parse_etcd_url(str(self.ha))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            address = read_leader(url, 2.0)
+            if address in self.standbys and self.standbys[address].alive():
+                return address
+            time.sleep(0.05)
+        raise ClusterError(f"no master was elected leader within {timeout_s:.0f}s")
+
+    def kill_leader(self) -> str:
+        """With ``ha``: SIGKILL the leading master; returns its address."""
+        address = self.leader()
+        proc = self.standbys[address]
+        proc.kill()
+        if proc.popen.stdout:
+            proc.popen.stdout.close()
+        return address
+
     def add_node(self, name: str, extra_args: Sequence[str] = ()) -> Proc:
         """Start one more store node and wait until its segments are mounted."""
         proc = Proc(name, ["store-node", "--master", self.master, "--host", self.host,
@@ -156,6 +204,8 @@ class LocalCluster:
             proc.terminate()
         if self.master_proc:
             self.master_proc.terminate()
+        for proc in self.standbys.values():
+            proc.terminate()
         for f in self._logs:
             f.close()
         self._logs.clear()

@@ -24,11 +24,13 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from kvpool.client.transport.base import (
     IoOp, Transport, byte_views, group_by, recv_exact)
+from kvpool.common.checksum import checksum
 from kvpool.common.errors import ClientClosed, InvalidArgument, SegmentBoundsError, TransportError
 from kvpool.common.frames import (
     HANDOFF_REQUEST,
@@ -46,6 +48,11 @@ log = get_logger(__name__)
 
 # A node's fd must be sealed against shrinking: otherwise a truncated memfd would SIGBUS us.
 _REQUIRED_SEALS = fcntl.F_SEAL_SHRINK
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)   # Linux 5.14+
+# write_summed: bytes copied per step before they are checksummed (while still in L2), and
+# the batch size from which a helper thread takes half of the copying (read_extents too).
+_SUM_CHUNK_BYTES = 512 << 10
+_SPLIT_MIN_BYTES = 8 << 20
 # Not POLLIN: another thread's hand-off reply may be sitting in the socket. A peer that closes
 # (or dies) sets RDHUP/HUP on a unix stream socket; ERR/NVAL are reported regardless.
 _DEAD = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
@@ -125,9 +132,7 @@ class _NodeLink:
                 raise TransportError("shm hand-off: fd smaller than the segment")
             if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _REQUIRED_SEALS != _REQUIRED_SEALS:
                 raise TransportError("shm hand-off: segment fd is not sealed against shrinking")
-            # Populate the page tables once here rather than fault per 4 KiB page on every copy.
-            mm = mmap.mmap(fd, length, mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                           mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = _map_populated(fd, length)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -141,6 +146,21 @@ class _NodeLink:
             for m in mappings.values():
                 m.close()
             self.sock.close()
+
+
+def _map_populated(fd: int, length: int) -> mmap.mmap:
+    """Map a segment with its page tables filled in now, writable, rather than fault once per
+    4 KiB page on first use: MAP_POPULATE alone leaves each page's first write to fault (about
+    half again the time of a 512 MiB put into a part of the segment not written yet). On a
+    kernel without MADV_POPULATE_WRITE (before 5.14), MAP_POPULATE is the best there is."""
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    mm = mmap.mmap(fd, length, mmap.MAP_SHARED, prot)
+    try:
+        mm.madvise(_MADV_POPULATE_WRITE)
+        return mm
+    except OSError:
+        mm.close()
+    return mmap.mmap(fd, length, mmap.MAP_SHARED | mmap.MAP_POPULATE, prot)
 
 
 def _address(view: memoryview) -> int:
@@ -195,18 +215,63 @@ def _copy_run(link: _NodeLink, run: list[tuple[int, _Mapping]], ops: Sequence[Io
     _copy(link, mapping, start, end, buf, write)
 
 
+def _region(link: _NodeLink, mapping: _Mapping, start: int, end: int) -> memoryview:
+    try:
+        return mapping.view[start:end]
+    except ValueError as exc:   # released: the link was dropped by another thread
+        raise TransportError(f"shm node {link.endpoint} mapping dropped") from exc
+
+
 def _copy(link: _NodeLink, mapping: _Mapping, start: int, end: int, buf: memoryview,
           write: bool) -> None:
     """Move ``buf`` to or from ``[start, end)`` of ``mapping``."""
-    try:
-        region = mapping.view[start:end]
-    except ValueError as exc:   # released: the link was dropped by another thread
-        raise TransportError(f"shm node {link.endpoint} mapping dropped") from exc
-    with region:
+    with _region(link, mapping, start, end) as region:
+        # numpy's copy is a memcpy that releases the GIL, where a memoryview's holds it: the
+        # caller's other threads (and a put's checksum thread) run meanwhile.
+        theirs, ours = np.frombuffer(region, dtype=np.uint8), np.frombuffer(buf, dtype=np.uint8)
         if write:
-            region[:] = buf
+            np.copyto(theirs, ours)
         else:
-            buf[:] = region
+            np.copyto(ours, theirs)
+
+
+def _write_summed(link: _NodeLink, mapping: _Mapping, start: int, end: int,
+                  buf: memoryview) -> int:
+    """Copy ``buf`` to ``[start, end)`` of ``mapping`` a cache-sized chunk at a time, each
+    chunk checksummed right after its copy, from cache: one pass over memory where a copy
+    and a separate checksum would take two. Returns the CRC-32C of ``buf``."""
+    with _region(link, mapping, start, end) as region:
+        theirs, ours = np.frombuffer(region, dtype=np.uint8), np.frombuffer(buf, dtype=np.uint8)
+        crc = 0
+        for at in range(0, len(ours), _SUM_CHUNK_BYTES):
+            chunk = ours[at:at + _SUM_CHUNK_BYTES]
+            np.copyto(theirs[at:at + _SUM_CHUNK_BYTES], chunk)
+            crc = checksum(chunk, crc)
+        return crc
+
+
+def _halve(copies: list[tuple[int, int, memoryview]]
+           ) -> tuple[list[tuple[int, int, memoryview]], list[tuple[int, int, memoryview]]]:
+    """Split ``(start, end, buffer)`` copies into two lists of equal bytes, cutting the copy
+    that straddles the middle in two."""
+    half = sum(end - start for start, end, _ in copies) // 2
+    for k, (start, end, buf) in enumerate(copies):
+        if end - start < half:
+            half -= end - start
+            continue
+        return ([*copies[:k], (start, start + half, buf[:half])],
+                [(start + half, end, buf[half:]), *copies[k + 1:]])
+    return copies, []
+
+
+def _split_by_bytes(items: list, nbytes: Callable[[object], int]) -> int:
+    """The index that splits ``items`` into two halves of about equal bytes."""
+    half, total = sum(map(nbytes, items)) / 2, 0
+    for k, item in enumerate(items):
+        total += nbytes(item)
+        if total >= half:
+            return k + 1
+    return len(items)
 
 
 class SHMTransport(Transport):
@@ -228,6 +293,7 @@ class SHMTransport(Transport):
         self._lock = threading.Lock()
         self._links: dict[str, _NodeLink] = {}
         self._refused_until: dict[str, float] = {}
+        self._executor: ThreadPoolExecutor | None = None   # write_summed's helper, on first use
         self._closed = False
 
     def can_reach(self, node: NodeEndpoints) -> bool:
@@ -238,6 +304,15 @@ class SHMTransport(Transport):
 
     def write(self, ops: Sequence[IoOp]) -> list[TransportError | None]:
         return self._run(ops, byte_views(ops, writable=False), write=True)
+
+    def write_summed(self, ops: Sequence[IoOp]
+                     ) -> tuple[list[TransportError | None], list[int | None]]:
+        """:meth:`write`, also returning each op's CRC-32C (None where it failed), computed
+        while copying (see :func:`_write_summed`). A batch of at least ``_SPLIT_MIN_BYTES`` is
+        split by bytes between the caller's thread and a helper thread (numpy copies and
+        crc32c release the GIL): on two free cores a put then costs about one memcpy."""
+        sums: list[int | None] = [None] * len(ops)
+        return self._run(ops, byte_views(ops, writable=False), write=True, sums=sums), sums
 
     def read_extents(self, segment: Replica, offsets: np.ndarray, lengths: np.ndarray,
                      views: Sequence[memoryview]) -> None:
@@ -268,27 +343,44 @@ class SHMTransport(Transport):
         # A new run wherever the next extent or the next buffer does not follow on.
         follows = (offsets[1:] == ends[:-1]) & (addresses[1:] == addresses[:-1] + lengths[:-1])
         starts = np.flatnonzero(~follows) + 1
+        copies = []
         for first, stop in zip([0, *starts.tolist()], [*starts.tolist(), len(views)]):
             start, end = int(offsets[first]), int(ends[stop - 1])
-            buf = views[first] if stop - first == 1 else memoryview(
-                (ctypes.c_char * (end - start)).from_address(int(addresses[first]))).cast("B")
-            try:
+            copies.append((start, end, views[first] if stop - first == 1 else memoryview(
+                (ctypes.c_char * (end - start)).from_address(int(addresses[first]))).cast("B")))
+
+        def read(part: list[tuple[int, int, memoryview]]) -> None:
+            for start, end, buf in part:
                 _copy(link, mapping, start, end, buf, write=False)
-            except TransportError as exc:
-                self._drop(link, str(exc))
-                raise
+
+        try:
+            if int(ends.max() - offsets.min()) < _SPLIT_MIN_BYTES:   # cheap upper bound
+                read(copies)
+            else:   # half the bytes by the helper thread, as write_summed does
+                first_half, second_half = _halve(copies)
+                second = self._helper().submit(read, second_half)
+                try:
+                    read(first_half)
+                finally:
+                    second.result()
+        except TransportError as exc:
+            self._drop(link, str(exc))
+            raise
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             links, self._links = self._links, {}
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
         for link in links.values():
             link.close()
 
     # ----------------------------------------------------------------
 
-    def _run(self, ops: Sequence[IoOp], views: list[memoryview], *, write: bool
-             ) -> list[TransportError | None]:
+    def _run(self, ops: Sequence[IoOp], views: list[memoryview], *, write: bool,
+             sums: list[int | None] | None = None) -> list[TransportError | None]:
         if self._closed:
             raise ClientClosed("transport is closed")
         results: list[TransportError | None] = [None] * len(ops)
@@ -315,19 +407,55 @@ class SHMTransport(Transport):
                 except TransportError as exc:
                     failure, failed = exc, list(indexes[pos:])
                     break
-            runs = _adjacent_runs(ready, ops, views)
-            for k, run in enumerate(runs):
-                try:
-                    _copy_run(link, run, ops, views, write)
-                except TransportError as exc:
-                    failure = exc
-                    failed = [i for later in runs[k:] for i, _ in later] + failed
-                    break
+            if sums is not None:
+                exc, undone = self._write_all_summed(link, ready, ops, views, sums)
+                if exc is not None:
+                    failure, failed = exc, undone + failed
+            else:
+                runs = _adjacent_runs(ready, ops, views)
+                for k, run in enumerate(runs):
+                    try:
+                        _copy_run(link, run, ops, views, write)
+                    except TransportError as exc:
+                        failure = exc
+                        failed = [i for later in runs[k:] for i, _ in later] + failed
+                        break
             if failure is not None:
                 self._drop(link, str(failure))
                 for j in failed:
                     results[j] = TransportError(str(failure))
         return results
+
+    def _write_all_summed(self, link: _NodeLink, ready: list[tuple[int, _Mapping]],
+                          ops: Sequence[IoOp], views: list[memoryview], sums: list
+                          ) -> tuple[TransportError | None, list[int]]:
+        """Write every ready op with :func:`_write_summed`, its CRC into ``sums``; a large
+        batch in two halves, the second by the helper thread. Returns the first failure and
+        the ops it left unwritten."""
+        def write(items: list[tuple[int, _Mapping]]) -> tuple[TransportError | None, list[int]]:
+            for pos, (i, mapping) in enumerate(items):
+                extent = ops[i].replica.extent
+                try:
+                    sums[i] = _write_summed(link, mapping, extent.offset, extent.end, views[i])
+                except TransportError as exc:
+                    return exc, [j for j, _ in items[pos:]]
+            return None, []
+
+        if len(ready) < 2 or sum(views[i].nbytes for i, _ in ready) < _SPLIT_MIN_BYTES:
+            return write(ready)
+        half = _split_by_bytes(ready, lambda item: views[item[0]].nbytes)
+        second = self._helper().submit(write, ready[half:])
+        first_exc, first_undone = write(ready[:half])
+        second_exc, second_undone = second.result()
+        return first_exc or second_exc, first_undone + second_undone
+
+    def _helper(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._closed:
+                raise ClientClosed("transport is closed")
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvpool-shm-write")
+            return self._executor
 
     def _mapping(self, link: _NodeLink, op: IoOp) -> _Mapping:
         """The mapping of ``op``'s segment, with ``op``'s extent checked against it."""

@@ -16,12 +16,13 @@ FAST_NODE = ["--heartbeat-interval", "200ms"]
 
 
 def run_cluster(tmp_path, *, nodes: int = 2, segment_size: str = "64MiB", master_args=(),
-                node_args=()):
+                node_args=(), **cluster_kw):
     """Yield a started LocalCluster with the fast timeouts (plus ``master_args``); on teardown
-    stop it and fail if any process logged a traceback. For fixtures: ``yield from``."""
+    stop it and fail if any process logged a traceback. For fixtures: ``yield from``.
+    ``cluster_kw``: more LocalCluster options (``masters=3, ha=etcd_url``)."""
     c = LocalCluster(nodes=nodes, segment_size=segment_size,
                      master_args=[*FAST_MASTER, *master_args], node_args=[*FAST_NODE, *node_args],
-                     log_dir=tmp_path / "logs")
+                     log_dir=tmp_path / "logs", **cluster_kw)
     c.start()
     yield c
     c.stop()

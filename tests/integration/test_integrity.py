@@ -41,6 +41,20 @@ def test_checksum_is_recorded_at_put(cluster):
         assert kv.get("k", verify=True) == value
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_large_batch_records_each_values_own_checksum(cluster, transport):
+    # 12 MiB in all, so two threads share the work: over shm the copy and the checksum are one
+    # pass, each thread taking half the values; over tcp a helper checksums while sending.
+    values = [os.urandom((2 << 20) + 4096 * i) for i in range(6)]
+    keys = [f"big-{transport}-{i}" for i in range(len(values))]
+    with KVClient(cluster.master, transports=[transport]) as kv:
+        assert kv.batch_put(keys, values) == [None] * len(values)
+        with MasterClient(cluster.master) as mc:
+            views, _ = mc.get_replicas(keys)
+        assert [v.checksum for v in views] == [checksum(v) for v in values]
+        assert kv.batch_get(keys, verify=True) == values
+
+
 def test_damaged_replica_is_dropped_and_read_served_from_another(cluster):
     value = os.urandom(1 << 20)
     with KVClient(cluster.master, transports=["tcp"]) as kv:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from kvpool.client.transport.base import IoOp
 from kvpool.client.transport.shm import SHMTransport
+from kvpool.common.checksum import checksum
 from kvpool.common.errors import SegmentBoundsError
 
 BLOCK = 4096
@@ -54,20 +55,21 @@ def test_a_refused_op_inside_a_run_fails_alone(node):
         transport.close()
 
 
-def test_read_extents_moves_the_same_bytes_as_read(node):
+@pytest.mark.parametrize("block", [BLOCK, 1 << 20])   # 1 MiB: the whole segment, two threads
+def test_read_extents_moves_the_same_bytes_as_read(node, block):
     transport = SHMTransport()
     try:
         rng = np.random.default_rng(11)
-        src = rng.integers(0, 256, size=(6, BLOCK), dtype=np.uint8)
-        offsets = [0, BLOCK, 2 * BLOCK, 9 * BLOCK, 5 * BLOCK, 6 * BLOCK]   # runs: 0-2, 3, 4-5
-        replicas = [node.replica(0, off, BLOCK) for off in offsets]
+        src = rng.integers(0, 256, size=(6, block), dtype=np.uint8)
+        offsets = [0, block, 2 * block, 7 * block, 5 * block, 6 * block]   # runs: 0-2, 3, 4-5
+        replicas = [node.replica(0, off, block) for off in offsets]
         assert transport.write([IoOp(r, memoryview(row)) for r, row in zip(replicas, src)]) \
             == [None] * 6
         dst = np.zeros_like(src)
-        apart = bytearray(BLOCK)    # one buffer elsewhere: splits the first run
+        apart = bytearray(block)    # one buffer elsewhere: splits the first run
         views = [memoryview(dst[0]), memoryview(apart), *map(memoryview, dst[2:])]
         transport.read_extents(node.replica(0, 0, 0), np.array(offsets, dtype=np.uint64),
-                               np.full(6, BLOCK, dtype=np.uint64), views)
+                               np.full(6, block, dtype=np.uint64), views)
         assert bytes(apart) == src[1].tobytes()
         assert np.array_equal(dst[[0, 2, 3, 4, 5]], src[[0, 2, 3, 4, 5]])
     finally:
@@ -82,5 +84,29 @@ def test_read_extents_refuses_an_extent_outside_the_segment(node):
             transport.read_extents(node.replica(0, 0, 0), np.array([0, size], dtype=np.uint64),
                                    np.full(2, BLOCK, dtype=np.uint64),
                                    [memoryview(bytearray(BLOCK)) for _ in range(2)])
+    finally:
+        transport.close()
+
+
+@pytest.mark.parametrize("blocks, block", [(3, BLOCK), (12, 1 << 20)])   # 12 MiB: two threads
+def test_write_summed_lands_the_bytes_and_returns_each_ops_crc(node, blocks, block):
+    transport = SHMTransport()
+    try:
+        rng = np.random.default_rng(5)
+        src = rng.integers(0, 256, size=(blocks, block), dtype=np.uint8)
+        odd = bytes(rng.integers(0, 256, size=block // 3 + 1, dtype=np.uint8))   # not a chunk
+        # Alternating between the node's two segments; the odd-sized value after them.
+        replicas = [node.replica(k % 2, k // 2 * block, block) for k in range(blocks)]
+        bad = node.replica(0, node.segments[0].size_bytes, len(odd))
+        tail = node.replica(0, (blocks // 2 + 1) * block, len(odd))
+        ops = [IoOp(r, memoryview(row)) for r, row in zip(replicas, src)]
+        errors, sums = transport.write_summed([*ops, IoOp(bad, odd), IoOp(tail, odd)])
+        assert errors[:blocks] == [None] * blocks and errors[-1] is None
+        assert isinstance(errors[blocks], SegmentBoundsError) and sums[blocks] is None
+        assert sums[:blocks] + sums[-1:] == [checksum(row) for row in src] + [checksum(odd)]
+        dst = np.zeros_like(src)
+        assert transport.read([IoOp(r, memoryview(row)) for r, row in zip(replicas, dst)]) \
+            == [None] * blocks
+        assert np.array_equal(dst, src)
     finally:
         transport.close()

@@ -68,5 +68,46 @@ def test_many_touches_do_not_grow_without_bound():
     chain(p, ["a", "b"])
     for _ in range(10_000):
         p.on_access("b")
-    assert len(p._leaves) <= 2 * len(p) + 1025
     assert evict(p, 2) == ["b", "a"]
+    chain(p, ["a", "b"])
+    for i in range(10_000):   # a's only child comes and goes; a is touched in between
+        p.on_insert(f"c{i}", "b")
+        p.on_remove(f"c{i}")
+        p.on_access("b")
+    assert len(p._revived_heap) <= 2 * len(p) + 1025
+    assert evict(p, 2) == ["b", "a"]
+
+
+def test_a_block_whose_children_went_is_offered_in_its_own_lru_turn():
+    p = PrefixAwarePolicy()
+    p.on_insert("parent")
+    p.on_insert("x")                  # used after parent
+    p.on_insert("child", "parent")
+    p.on_remove("child")              # parent is a leaf again, older than x
+    assert list(p.candidates()) == ["parent", "x"]
+    p.on_access("parent")             # now the newest
+    assert list(p.candidates()) == ["x", "parent"]
+    p.on_insert("y")
+    p.on_insert("child", "x")
+    walk = p.candidates()
+    assert [next(walk) for _ in range(3)] == ["parent", "y", "child"]   # x has a child
+    p.on_remove("child")              # the caller evicts it: x is a leaf again, the oldest
+    assert list(walk) == ["x"]
+    assert list(p.candidates()) == ["x", "parent", "y"]
+    assert len(p) == 3 and "child" not in p
+
+
+def test_a_revived_block_keeps_its_turn_across_epochs_of_touches():
+    p = PrefixAwarePolicy()
+    old = [f"old{i}" for i in range(600)]    # more touches than an epoch holds
+    for key in old:
+        p.on_insert(key)
+    p.on_insert("parent")
+    p.on_insert("new")
+    p.on_insert("child", "parent")
+    p.on_remove("child")
+    order = list(p.candidates())
+    # After every block used an epoch or more before it; only its own epoch is approximate.
+    assert order.index("parent") >= 600 - PrefixAwarePolicy._EPOCH_TOUCHES
+    assert order.index("parent") < order.index("new")
+    assert sorted(order) == sorted([*old, "parent", "new"])

@@ -7,8 +7,9 @@ import pytest
 from kvpool.common.errors import Conflict, NoSpace, ObjectNotFound
 from kvpool.common.types import ObjectRecord, SegmentInfo
 from kvpool.master.allocator import RangeAllocator
+from kvpool.master.state import MasterState
 
-from .test_state import endpoints, make_state
+from .test_state import NODE_TTL_S, endpoints, make_state
 
 
 def mount(state, node_id, segment_id, size=4096, **kw):
@@ -141,3 +142,75 @@ def test_no_space_says_what_was_asked_and_what_the_cluster_has(clock):
     assert isinstance(err, NoSpace)
     msg = str(err)
     assert "3000 bytes" in msg and "1024 of 4096 bytes free" in msg, msg
+
+
+# -- a node declared dead that comes back (partition healed) ---------------------------------
+
+def test_node_back_from_the_dead_gets_only_still_indexed_replicas_back(clock):
+    state = make_state(clock)
+    mount(state, "n1", "s1", keeps_manifest=True)
+    put(state, "only_n1", 100, replicas=1, crc=3)   # n1 is the only node yet
+    mount(state, "n2", "s2", keeps_manifest=True)
+    put(state, "kept", 100, replicas=2, crc=1)
+    put(state, "removed", 100, replicas=2, crc=2)
+    manifest = state.heartbeat("n1").committed
+    assert {r.key for r in manifest} == {"only_n1", "kept", "removed"}
+    # n1 is cut off: only n2 heartbeats, so n1 is declared dead; meanwhile a removal.
+    clock.advance(NODE_TTL_S / 2 + 0.1)
+    state.heartbeat("n2")
+    clock.advance(NODE_TTL_S / 2 + 0.1)
+    state.heartbeat("n2")
+    state.tick()
+    assert state.stats().nodes == 1
+    assert state.remove(["removed"]) == [None]
+    # The partition heals: n1 re-mounts and re-announces what it holds.
+    mount(state, "n1", "s1", keeps_manifest=True, recovering=True)
+    results = dict(zip([r.key for r in manifest],
+                       state.announce_objects("n1", manifest, done=True)))
+    assert results["kept"] is None
+    assert isinstance(results["removed"], Conflict)    # a removal never comes back
+    assert isinstance(results["only_n1"], Conflict)   # dropped with n1: the index moved on
+    [kept] = state.get_replicas(["kept"])
+    assert sorted(r.extent.segment_id for r in kept.replicas) == ["s1", "s2"]
+    assert state.exists(["removed", "only_n1"]) == [False, False]
+    for s in state.stats(audit=True).segments:   # refused objects hold no space
+        assert s.used_bytes == s.indexed_bytes
+
+
+def test_audit_stats_and_eviction_hook(clock):
+    evicted = []
+    state = MasterState(make_state(clock).config, clock,
+                        on_evict=lambda key, version: evicted.append(key))
+    mount(state, "n1", "s1", size=4096)
+    put(state, "a", 2048)
+    put(state, "b", 1024)
+    [s] = state.stats().segments
+    assert s.indexed_bytes is None
+    [s] = state.stats(audit=True).segments
+    assert s.indexed_bytes == s.used_bytes == 3072
+    clock.advance(10)
+    put(state, "c", 2048)   # room only by evicting "a", the least recently used
+    assert evicted == ["a"]
+    [s] = state.stats(audit=True).segments
+    assert s.indexed_bytes == s.used_bytes == 3072
+
+
+def test_new_objects_avoid_a_node_gone_silent_until_it_heartbeats(clock):
+    state = make_state(clock)
+    mount(state, "n1", "s1")
+    mount(state, "n2", "s2")
+    clock.advance(NODE_TTL_S / 3 + 0.1)
+    state.heartbeat("n2")
+    state.tick()
+    # n1 has said nothing for a third of the TTL: probably dead, so puts go to n2 (though s1
+    # has as much room) rather than fail their writes there...
+    for i in range(3):
+        assert [r.extent.segment_id for r in put(state, f"k{i}")] == ["s2"]
+    # ...unless they need it: two replicas need both nodes (not a NoSpace for a slow node).
+    assert sorted(r.extent.segment_id for r in put(state, "two", replicas=2)) == ["s1", "s2"]
+    state.heartbeat("n1")   # alive after all: used again at once
+    assert [r.extent.segment_id for r in put(state, "b")] == ["s1"]
+    # Every node silent (a master that stalled, not nodes that died): none is avoided.
+    clock.advance(NODE_TTL_S / 3 + 0.1)
+    state.tick()
+    assert len(put(state, "c", replicas=2)) == 2

@@ -70,7 +70,7 @@ class SegmentInfo(_message.Message):
     def __init__(self, segment_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., rdma_addr: _Optional[int] = ..., rdma_rkey: _Optional[int] = ...) -> None: ...
 
 class Replica(_message.Message):
-    __slots__ = ("node", "segment_id", "offset", "length", "rdma_addr", "rdma_rkey", "rdma_length")
+    __slots__ = ("node", "segment_id", "offset", "length", "rdma_addr", "rdma_rkey", "rdma_length", "tier")
     NODE_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class Replica(_message.Message):
     RDMA_ADDR_FIELD_NUMBER: _ClassVar[int]
     RDMA_RKEY_FIELD_NUMBER: _ClassVar[int]
     RDMA_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     node: NodeEndpoints
     segment_id: str
     offset: int
@@ -85,7 +86,8 @@ class Replica(_message.Message):
     rdma_addr: int
     rdma_rkey: int
     rdma_length: int
-    def __init__(self, node: _Optional[_Union[NodeEndpoints, _Mapping]] = ..., segment_id: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., rdma_addr: _Optional[int] = ..., rdma_rkey: _Optional[int] = ..., rdma_length: _Optional[int] = ...) -> None: ...
+    tier: Tier
+    def __init__(self, node: _Optional[_Union[NodeEndpoints, _Mapping]] = ..., segment_id: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., rdma_addr: _Optional[int] = ..., rdma_rkey: _Optional[int] = ..., rdma_length: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class MountSegmentRequest(_message.Message):
     __slots__ = ("node", "segment", "keeps_manifest", "recovering")
@@ -118,22 +120,48 @@ class UnmountSegmentResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[Status, str]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id",)
+    __slots__ = ("node_id", "moves_done", "moves_failed")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    MOVES_DONE_FIELD_NUMBER: _ClassVar[int]
+    MOVES_FAILED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
-    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+    moves_done: _containers.RepeatedScalarFieldContainer[int]
+    moves_failed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, node_id: _Optional[str] = ..., moves_done: _Optional[_Iterable[int]] = ..., moves_failed: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Move(_message.Message):
+    __slots__ = ("move_id", "key", "version", "src_segment_id", "src_offset", "dst_segment_id", "dst_offset", "size")
+    MOVE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SRC_SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SRC_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DST_SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    DST_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    move_id: int
+    key: str
+    version: int
+    src_segment_id: str
+    src_offset: int
+    dst_segment_id: str
+    dst_offset: int
+    size: int
+    def __init__(self, move_id: _Optional[int] = ..., key: _Optional[str] = ..., version: _Optional[int] = ..., src_segment_id: _Optional[str] = ..., src_offset: _Optional[int] = ..., dst_segment_id: _Optional[str] = ..., dst_offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("status", "committed", "removed_keys", "removed_versions")
+    __slots__ = ("status", "committed", "removed_keys", "removed_versions", "moves")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_KEYS_FIELD_NUMBER: _ClassVar[int]
     REMOVED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    MOVES_FIELD_NUMBER: _ClassVar[int]
     status: Status
     committed: ObjectRecords
     removed_keys: _containers.RepeatedScalarFieldContainer[str]
     removed_versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., committed: _Optional[_Union[ObjectRecords, _Mapping]] = ..., removed_keys: _Optional[_Iterable[str]] = ..., removed_versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    moves: _containers.RepeatedCompositeFieldContainer[Move]
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., committed: _Optional[_Union[ObjectRecords, _Mapping]] = ..., removed_keys: _Optional[_Iterable[str]] = ..., removed_versions: _Optional[_Iterable[int]] = ..., moves: _Optional[_Iterable[_Union[Move, _Mapping]]] = ...) -> None: ...
 
 class ObjectRecords(_message.Message):
     __slots__ = ("keys", "segment_ids", "offsets", "sizes", "checksums", "versions")
@@ -265,28 +293,42 @@ class GetReplicasResponse(_message.Message):
     checksums: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, lease_ttl_s: _Optional[float] = ..., statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., sizes: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Union[ReplicaColumns, _Mapping]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class PinRequest(_message.Message):
+    __slots__ = ("keys", "ttl_s", "unpin")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    UNPIN_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    ttl_s: float
+    unpin: bool
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., ttl_s: _Optional[float] = ..., unpin: _Optional[bool] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("audit",)
+    AUDIT_FIELD_NUMBER: _ClassVar[int]
+    audit: bool
+    def __init__(self, audit: _Optional[bool] = ...) -> None: ...
 
 class SegmentStats(_message.Message):
-    __slots__ = ("node_id", "segment", "used_bytes", "quarantined_bytes", "objects", "node")
+    __slots__ = ("node_id", "segment", "used_bytes", "quarantined_bytes", "objects", "node", "indexed_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_BYTES_FIELD_NUMBER: _ClassVar[int]
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
+    INDEXED_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     segment: SegmentInfo
     used_bytes: int
     quarantined_bytes: int
     objects: int
     node: NodeEndpoints
-    def __init__(self, node_id: _Optional[str] = ..., segment: _Optional[_Union[SegmentInfo, _Mapping]] = ..., used_bytes: _Optional[int] = ..., quarantined_bytes: _Optional[int] = ..., objects: _Optional[int] = ..., node: _Optional[_Union[NodeEndpoints, _Mapping]] = ...) -> None: ...
+    indexed_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., segment: _Optional[_Union[SegmentInfo, _Mapping]] = ..., used_bytes: _Optional[int] = ..., quarantined_bytes: _Optional[int] = ..., objects: _Optional[int] = ..., node: _Optional[_Union[NodeEndpoints, _Mapping]] = ..., indexed_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("segments", "objects", "pending_objects", "hits", "misses", "evictions", "nodes")
+    __slots__ = ("segments", "objects", "pending_objects", "hits", "misses", "evictions", "nodes", "demotions", "promotions")
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     PENDING_OBJECTS_FIELD_NUMBER: _ClassVar[int]
@@ -294,6 +336,8 @@ class StatsResponse(_message.Message):
     MISSES_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
     segments: _containers.RepeatedCompositeFieldContainer[SegmentStats]
     objects: int
     pending_objects: int
@@ -301,4 +345,6 @@ class StatsResponse(_message.Message):
     misses: int
     evictions: int
     nodes: int
-    def __init__(self, segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., objects: _Optional[int] = ..., pending_objects: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., nodes: _Optional[int] = ...) -> None: ...
+    demotions: int
+    promotions: int
+    def __init__(self, segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., objects: _Optional[int] = ..., pending_objects: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., nodes: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ...) -> None: ...

@@ -99,6 +99,11 @@ class MasterStub:
                 request_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Pin = channel.unary_unary(
+                '/kvpool.v1.Master/Pin',
+                request_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.PinRequest.SerializeToString,
+                response_deserializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.StatusesResponse.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -185,6 +190,12 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pin(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -252,6 +263,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.StatsRequest.FromString,
                     response_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.StatsResponse.SerializeToString,
+            ),
+            'Pin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pin,
+                    request_deserializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.PinRequest.FromString,
+                    response_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.StatusesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -605,6 +621,33 @@ class Master:
             '/kvpool.v1.Master/Stats',
             kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.StatsRequest.SerializeToString,
             kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/Pin',
+            kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.PinRequest.SerializeToString,
+            kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.StatusesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,457 @@
+"""KVPoolConnector: vLLM's KV cache shared across engine processes through kvpool.
+
+Load it out of tree (needs ``pip install 'kvpool[vllm]'``)::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVPoolConnector",
+        "kv_connector_module_path": "kvpool.client.connectors.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"master": "10.0.0.1:50051"}}'
+
+``kv_connector_extra_config`` options: ``master`` (``host:port``, standbys ``a:1,b:2`` or
+``etcd://...``; default ``$KVPOOL_MASTER``), ``transports`` (list or comma-separated schemes,
+e.g. ``"shm,tcp"`` to leave RDMA out; default every transport available), ``verify`` (check each
+loaded block against the checksum taken when it was stored; default true), ``replicas`` (copies
+per block, 0 = the master's default), ``timeout_s`` (per master call, default 5), ``retry_s``
+(after the store was unreachable, how long the connector leaves it alone before trying again;
+default 10), ``model_id`` (the key namespace's model name; default the served model name: set
+it when engines load the same weights from different paths).
+
+Scheduler side: for a new request, the longest prefix of its blocks (``request.block_hashes``,
+beyond what the engine's own cache holds) whose every layer is in kvpool, found with one
+``batch_exists``; never the prompt's last token. Worker side: ``register_kv_caches`` keeps the
+paged KV tensors (and registers them with the client's transports); a load is one
+``batch_get_into`` straight into the paged blocks before the forward pass; the blocks each step
+completes are stored with one ``batch_put`` on a background thread, and a finished request's
+blocks are held until that put is done. A block that fails to load (missing, node down, checksum
+mismatch) is reported through ``get_block_ids_with_load_errors`` and vLLM recomputes it (with
+``kv_load_failure_policy: recompute``; vLLM's default ``fail`` fails the request instead). If the
+master cannot be reached, requests run as if the store were empty. Logs go to ``vllm.kvpool``.
+Key scheme: ``kvpool.client.connectors.vllm_keys``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvpool.client.connectors.vllm_keys import VLLMKeyScheme, loadable_blocks, present_prefix
+from kvpool.common.errors import AlreadyExists, KVPoolError
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+# Under vLLM's own logger tree, so vLLM's handler and level apply.
+log = logging.getLogger("vllm.kvpool")
+
+
+@dataclass
+class BlockMove:
+    """One request's blocks to move in this step: parallel hashes and paged block ids;
+    ``parent`` is the hash of the block before the first (None for a prompt's first block)."""
+
+    req_id: str
+    hashes: list[bytes]
+    block_ids: list[int]
+    parent: bytes | None = None
+
+
+@dataclass
+class KVPoolConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once per step."""
+
+    loads: list[BlockMove] = field(default_factory=list)
+    saves: list[BlockMove] = field(default_factory=list)
+    preempted: bool = False
+
+
+@dataclass
+class _RequestState:
+    """The scheduler's view of one request."""
+
+    request: Request
+    block_ids: list[int] = field(default_factory=list)
+    present_upto: int = 0       # leading blocks known to be stored (found, or loaded)
+    saved_upto: int = 0         # leading blocks stored or handed to a save
+    load: tuple[int, int] | None = None   # (first block, count) planned by the last lookup
+    has_saves: bool = False
+
+
+@dataclass(frozen=True)
+class _Options:
+    master: str
+    transports: list[str] | None
+    verify: bool
+    replicas: int
+    timeout_s: float
+    retry_s: float
+    model_id: str | None
+
+    @classmethod
+    def read(cls, kv_transfer_config) -> _Options:
+        get = kv_transfer_config.get_from_extra_config
+        master = get("master", None) or os.environ.get("KVPOOL_MASTER")
+        if not master:
+            raise ValueError("KVPoolConnector needs the kvpool master's address: set "
+                             "kv_connector_extra_config.master (host:port) or $KVPOOL_MASTER")
+        transports = get("transports", None)
+        if isinstance(transports, str):
+            transports = [t.strip() for t in transports.split(",") if t.strip()]
+        return cls(master=str(master), transports=transports,
+                   verify=_as_bool(get("verify", True)), replicas=int(get("replicas", 0)),
+                   timeout_s=float(get("timeout_s", 5.0)), retry_s=float(get("retry_s", 10.0)),
+                   model_id=get("model_id", None))
+
+
+def _as_bool(v: Any) -> bool:
+    if isinstance(v, str):
+        return v.strip().lower() not in ("0", "false", "no", "off", "")
+    return bool(v)
+
+
+class _Store:
+    """A KVClient made on first use, and left alone for ``retry_s`` after the cluster could
+    not be reached, so an engine whose store is down pays one timeout per ``retry_s``, not
+    one per request."""
+
+    def __init__(self, options: _Options):
+        self._options = options
+        self._client = None
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+
+    def client(self):
+        """The KVClient, or None while the store counts as unreachable."""
+        if time.monotonic() < self._down_until:
+            return None
+        with self._lock:
+            if self._client is None:
+                from kvpool.client.kv_client import KVClient
+                try:
+                    self._client = KVClient(self._options.master, replicas=self._options.replicas,
+                                            transports=self._options.transports,
+                                            timeout_s=self._options.timeout_s)
+                except KVPoolError as e:
+                    self.failed(e)
+                    return None
+            return self._client
+
+    def failed(self, error: BaseException) -> None:
+        """Note that a call failed for want of the cluster; log once per outage."""
+        if time.monotonic() >= self._down_until:
+            log.warning("kvpool_unavailable master=%s retry_in_s=%.0f error=%r",
+                        self._options.master, self._options.retry_s, str(error))
+        self._down_until = time.monotonic() + self._options.retry_s
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+
+
+class KVPoolConnector(KVConnectorBase_V1):
+    """A vLLM V1 KV connector backed by a kvpool cluster (see the module docstring)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._options = _Options.read(self._kv_transfer_config)
+        self._store = _Store(self._options)
+        self._block_size = vllm_config.cache_config.block_size
+        self._scheme = _key_scheme(vllm_config, kv_cache_config, self._options.model_id)
+        # scheduler side
+        self._requests: dict[str, _RequestState] = {}
+        # worker side
+        self._layers: list[torch.Tensor] = []
+        self._tp_rank = 0
+        self._load_errors: set[int] = set()
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvpool-save") \
+            if role == KVConnectorRole.WORKER else None
+        self._saves: dict[str, list[Future]] = {}      # req_id -> its puts in flight
+        self._finished_waiting: set[str] = set()      # finished, saves still in flight
+        if role == KVConnectorRole.SCHEDULER and \
+                getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail") != "recompute":
+            log.warning("kvpool_failure_policy_fail: a block kvpool cannot load fails its "
+                        "request; set kv_load_failure_policy=recompute in --kv-transfer-config "
+                        "to recompute it instead")
+        log.info("kvpool_connector_started role=%s master=%s verify=%s namespace=%s layers=%d",
+                 role.name.lower(), self._options.master, self._options.verify,
+                 self._scheme.namespace, len(self._scheme.layer_names))
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A cache, not a hand-off: a save lost to preemption is just a later miss.
+        return False
+
+    # ---------------------------------------------------------------- scheduler side
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int, bool]:
+        bs = self._block_size
+        st = self._requests.get(request.request_id)
+        if st is None:
+            st = self._requests[request.request_id] = _RequestState(request)
+        first = num_computed_tokens // bs
+        st.present_upto = max(st.present_upto, first)
+        st.load = None
+        last = loadable_blocks(request.num_tokens, len(request.block_hashes), bs)
+        if last <= first:
+            return 0, False
+        kv = self._store.client()
+        if kv is None:
+            return 0, False
+        try:
+            found = kv.batch_exists(self._scheme.prefix_keys(request.block_hashes[first:last]))
+        except KVPoolError as e:
+            self._store.failed(e)
+            return 0, False
+        hit = present_prefix(found, self._scheme.objects_per_block)
+        st.present_upto = max(st.present_upto, first + hit)
+        if hit == 0:
+            return 0, False
+        st.load = (first, hit)
+        log.info("kvpool_prefix_hit req=%s blocks=%d tokens=%d local_blocks=%d",
+                 request.request_id, hit, hit * bs, first)
+        return hit * bs, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        st = self._requests.get(request.request_id)
+        if st is None:
+            return
+        if num_external_tokens <= 0 or st.load is None:
+            st.load = None
+            return
+        # vLLM may take fewer tokens than offered; what it takes is a whole-block prefix.
+        first, _ = st.load
+        st.load = (first, num_external_tokens // self._block_size)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPoolConnectorMetadata:
+        meta = KVPoolConnectorMetadata(preempted=bool(scheduler_output.preempted_req_ids))
+        computed: dict[str, int] = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            if (st := self._requests.get(new.req_id)) is not None:
+                st.block_ids = list(new.block_ids[0])
+                computed[new.req_id] = new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if (st := self._requests.get(req_id)) is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                st.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                st.block_ids.extend(new_ids[0])
+            computed[req_id] = cached.num_computed_tokens[i]
+        for req_id, done_before in computed.items():
+            st = self._requests[req_id]
+            hashes = st.request.block_hashes
+            if st.load is not None:
+                first, n = st.load
+                st.load = None
+                meta.loads.append(BlockMove(req_id, list(hashes[first:first + n]),
+                                            st.block_ids[first:first + n]))
+            # Blocks full once this step has run, that the store does not hold yet.
+            done = done_before + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            full = min(done // self._block_size, len(hashes), len(st.block_ids))
+            start = max(st.saved_upto, st.present_upto)
+            if full > start:
+                meta.saves.append(BlockMove(req_id, list(hashes[start:full]),
+                                            st.block_ids[start:full],
+                                            parent=hashes[start - 1] if start else None))
+                st.saved_upto = full
+                st.has_saves = True
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        st = self._requests.pop(request.request_id, None)
+        # Keep the blocks until the worker's put of them is done (it reports the request in
+        # get_finished), so a freed block is never overwritten while it is being read.
+        return (st is not None and st.has_saves), None
+
+    # ---------------------------------------------------------------- worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        missing = [n for n in self._scheme.layer_names if n not in kv_caches]
+        if missing:
+            raise ValueError(f"KVPoolConnector: no KV cache for layers {missing}")
+        layers = [kv_caches[n] for n in self._scheme.layer_names]
+        for name, t in zip(self._scheme.layer_names, layers):
+            if t.device.type != "cpu":
+                raise ValueError(f"KVPoolConnector moves KV between the store and CPU memory; "
+                                 f"layer {name} is on {t.device} (GPU caches are not supported "
+                                 "yet)")
+            if not t.is_contiguous() or not t[0].is_contiguous():
+                raise ValueError(f"KVPoolConnector needs each block of layer {name} to be "
+                                 f"contiguous (block-major layout); got shape {tuple(t.shape)} "
+                                 f"strides {t.stride()}")
+        self._layers = layers
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            self._tp_rank = get_tensor_model_parallel_rank()
+        except (AssertionError, ImportError):   # no parallel group: a single process
+            self._tp_rank = 0
+        kv = self._store.client()
+        if kv is not None:
+            for t in layers:
+                try:
+                    kv.register_buffer(t)
+                except KVPoolError as e:   # staged copies instead of in-place transfers
+                    log.warning("kvpool_register_failed error=%r", str(e))
+        log.info("kvpool_kv_caches_registered layers=%d block_bytes=%d tp_rank=%d",
+                 len(layers), sum(t[0].numel() * t.element_size() for t in layers), self._tp_rank)
+
+    def _views(self, move: BlockMove) -> tuple[list[str], list, list[int]]:
+        """Keys, paged-block views and the block id of each, for every layer of every block."""
+        keys, views, owners = [], [], []
+        for h, b in zip(move.hashes, move.block_ids):
+            keys += self._scheme.block_keys(h, self._tp_rank)
+            views += [t[b] for t in self._layers]
+            owners += [b] * len(self._layers)
+        return keys, views, owners
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, KVPoolConnectorMetadata) or not meta.loads:
+            return
+        t0 = time.perf_counter()
+        keys, views, owners = [], [], []
+        for move in meta.loads:
+            k, v, o = self._views(move)
+            keys += k
+            views += v
+            owners += o
+        kv = self._store.client()
+        if kv is None:
+            results: list = [KVPoolError("kvpool unreachable")] * len(keys)
+        else:
+            try:
+                results = kv.batch_get_into(keys, views, verify=self._options.verify)
+            except KVPoolError as e:
+                self._store.failed(e)
+                results = [e] * len(keys)
+        failed = {b for b, r in zip(owners, results) if isinstance(r, KVPoolError)}
+        self._load_errors |= failed
+        moved = sum(r for r in results if isinstance(r, int))
+        if failed:
+            reasons = sorted({type(r).__name__ for r in results if isinstance(r, KVPoolError)})
+            log.warning("kvpool_load_failed blocks=%d of=%d reasons=%s", len(failed),
+                        len(set(owners)), ",".join(reasons))
+        log.info("kvpool_kv_loaded requests=%d blocks=%d failed_blocks=%d bytes=%d seconds=%.4f",
+                 len(meta.loads), len(set(owners)) - len(failed), len(failed), moved,
+                 time.perf_counter() - t0)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv loads every layer before the forward pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata,
+                      **kwargs: Any) -> None:
+        return  # all layers at once, after the forward pass (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, KVPoolConnectorMetadata) or not meta.saves or not self._layers:
+            return
+        for move in meta.saves:
+            # The blocks are complete and vLLM will not free them before get_finished says
+            # the put is done, so the background thread reads stable memory.
+            self._saves.setdefault(move.req_id, []).append(self._saver.submit(self._save, move))
+
+    def _save(self, move: BlockMove) -> None:
+        kv = self._store.client()
+        if kv is None:
+            return
+        keys, views, _ = self._views(move)
+        n = len(self._layers)
+        prev = [None] * n if move.parent is None else \
+            self._scheme.block_keys(move.parent, self._tp_rank)
+        parents = prev + keys[:-n]   # each layer's block extends the same layer's previous block
+        t0 = time.perf_counter()
+        try:
+            results = kv.batch_put(keys, views, parents=parents)
+        except KVPoolError as e:
+            self._store.failed(e)
+            return
+        except Exception:   # a save must never take the engine down
+            log.exception("kvpool_save_crashed req=%s", move.req_id)
+            return
+        errors = [r for r in results if r is not None and not isinstance(r, AlreadyExists)]
+        stored = sum(v.numel() * v.element_size()
+                     for v, r in zip(views, results) if r is None)
+        if errors:
+            log.warning("kvpool_save_failed req=%s objects=%d of=%d reasons=%s", move.req_id,
+                        len(errors), len(keys), ",".join(sorted({type(e).__name__
+                                                                 for e in errors})))
+            return
+        log.info("kvpool_kv_saved req=%s blocks=%d bytes=%d seconds=%.4f", move.req_id,
+                 len(move.hashes), stored, time.perf_counter() - t0)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # A preempted request's blocks are freed now and may be overwritten next: finish
+        # reading them first.
+        if isinstance(kv_connector_metadata, KVPoolConnectorMetadata) \
+                and kv_connector_metadata.preempted:
+            self._wait_saves()
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        self._finished_waiting |= {r for r in finished_req_ids if r in self._saves}
+        done = {r for r in self._finished_waiting if all(f.done() for f in self._saves[r])}
+        for r in done:
+            self._finished_waiting.discard(r)
+            del self._saves[r]
+        # A request still running keeps its list; drop the futures already done.
+        for r, futures in self._saves.items():
+            futures[:] = [f for f in futures if not f.done()]
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._load_errors = self._load_errors, set()
+        return failed
+
+    def _wait_saves(self, timeout_s: float | None = None) -> None:
+        futures = [f for fs in self._saves.values() for f in fs]
+        for f in futures:
+            with contextlib.suppress(Exception):   # _save logs its own failures
+                f.result(timeout=timeout_s)
+
+    def shutdown(self) -> None:
+        if self._saver is not None:
+            self._wait_saves(timeout_s=30.0)
+            self._saver.shutdown(wait=True)
+        self._store.close()
+
+
+def _key_scheme(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
+                model_id: str | None) -> VLLMKeyScheme:
+    """The key namespace and layer order, the same in the scheduler and in every worker."""
+    if kv_cache_config is None:
+        raise ValueError("KVPoolConnector needs vLLM's kv_cache_config (vLLM >= 0.11)")
+    groups = kv_cache_config.kv_cache_groups
+    layer_names = tuple(sorted(n for g in groups for n in g.layer_names))
+    dtype = str(groups[0].kv_cache_spec.dtype).removeprefix("torch.") if groups else "none"
+    model_config = vllm_config.model_config
+    model = model_id or getattr(model_config, "served_model_name", None) or model_config.model
+    if isinstance(model, (list, tuple)):
+        model = model[0]
+    return VLLMKeyScheme(model=str(model), kv_dtype=dtype,
+                         block_size=vllm_config.cache_config.block_size,
+                         tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                         hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
+                         layer_names=layer_names)

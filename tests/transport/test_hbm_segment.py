@@ -1,0 +1,101 @@
+"""The HBM tier's segment: one torch allocation served through pinned staging over tcp, and
+copied to and from DRAM by the node. The ``gpu`` tests run on a CUDA device and skip where
+there is none; the others run the same code on torch's CPU device (the staging path and the
+copies are the same calls; only the device differs)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from kvpool.client.transport.base import IoOp
+from kvpool.client.transport.tcp import TCPTransport
+from kvpool.common.errors import InvalidArgument
+from kvpool.common.host import local_boot_id
+from kvpool.common.types import Extent, NodeEndpoints, Replica
+from kvpool.store_node.data_server import DataServer
+from kvpool.store_node.hbm import STAGING_BYTES, HbmSegment, check_hbm, hbm_unavailable_reason
+from kvpool.store_node.memory import create_dram_segment
+
+torch = pytest.importorskip("torch")
+NO_GPU = hbm_unavailable_reason(0)
+SIZE = 32 << 20
+
+
+def _devices():
+    return ["cpu", pytest.param("cuda:0", marks=[
+        pytest.mark.gpu, pytest.mark.skipif(bool(NO_GPU), reason=f"gpu: {NO_GPU}")])]
+
+
+@pytest.fixture(params=_devices())
+def hbm(request):
+    seg = HbmSegment("n1/2000-test", SIZE, request.param)
+    yield seg
+    seg.close()
+
+
+def test_an_hbm_segment_is_written_and_read_over_tcp(hbm):
+    server = DataServer({hbm.info.segment_id: hbm}, shm=False)
+    server.start()
+    transport = TCPTransport(timeout_s=10)
+    try:
+        node = NodeEndpoints("n1", local_boot_id(), server.tcp_endpoint)
+        payload = os.urandom(STAGING_BYTES + 12345)   # more than one staging piece
+        replica = Replica(node, Extent(hbm.info.segment_id, 4096, len(payload)), tier="hbm")
+        assert transport.write([IoOp(replica, memoryview(payload))]) == [None]
+        out = bytearray(len(payload))
+        assert transport.read([IoOp(replica, memoryview(out))]) == [None]
+        assert out == payload
+        assert hbm.fd == -1 and not hbm.host_addressable
+    finally:
+        transport.close()
+        server.stop()
+
+
+def test_demotion_and_promotion_copies_with_dram(hbm):
+    dram = create_dram_segment("n1", 0, 1 << 20)
+    try:
+        data = os.urandom(500_000)
+        hbm.write_from(1024, memoryview(data))
+        hbm.read_into(1024, dram.buffer[64:64 + len(data)])          # HBM -> DRAM
+        assert bytes(dram.buffer[64:64 + len(data)]) == data
+        hbm.write_from(0, dram.buffer[64:64 + len(data)])           # DRAM -> HBM
+        back = bytearray(len(data))
+        hbm.read_into(0, memoryview(back))
+        assert back == data
+        with pytest.raises(ValueError):
+            hbm.write_from(SIZE - 1, memoryview(b"xy"))
+    finally:
+        dram.close()
+
+
+def test_no_gpu_is_a_clear_error_not_a_crash():
+    if not NO_GPU:
+        pytest.skip("this host has a GPU")
+    with pytest.raises(InvalidArgument, match="--hbm-size: "):
+        check_hbm(0, 1 << 30)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(bool(NO_GPU), reason=f"gpu: {NO_GPU}")
+def test_hbm_to_remote_read_throughput():
+    """Prints the HBM -> tcp client read GB/s (staging path) on a GPU machine."""
+    seg = HbmSegment("n1/2000-bench", 1 << 30, "cuda:0")
+    server = DataServer({seg.info.segment_id: seg}, shm=False)
+    server.start()
+    transport = TCPTransport(timeout_s=30)
+    try:
+        node = NodeEndpoints("n1", local_boot_id(), server.tcp_endpoint)
+        block = 2 << 20
+        ops = [IoOp(Replica(node, Extent(seg.info.segment_id, i * block, block), tier="hbm"),
+                    memoryview(bytearray(block))) for i in range(256)]
+        transport.read(ops)
+        start = time.perf_counter()
+        assert transport.read(ops) == [None] * len(ops)
+        gbps = 256 * block / (time.perf_counter() - start) / 1e9
+        print(f"\nHBM -> tcp client read: {gbps:.2f} GB/s (256 x 2 MiB, staging path)")
+    finally:
+        transport.close()
+        server.stop()
+        seg.close()

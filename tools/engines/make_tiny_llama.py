@@ -1,0 +1,50 @@
+"""Build a tiny random Llama (default: 2 layers, hidden 128, 2 heads of 64, vocab 1000) with an
+offline WordLevel tokenizer (tokens ``w3`` .. ``w999``) into a folder: a real model for vLLM with
+no hub access. Deterministic (seed 0). Run with the engine venv's Python (needs transformers,
+tokenizers, torch):
+
+    python tools/engines/make_tiny_llama.py OUT_DIR [--layers 8 --hidden 1024 --heads 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+VOCAB = 1000
+
+
+def build(out: str, layers: int = 2, hidden: int = 128, heads: int = 2) -> str:
+    """Write the model and tokenizer to ``out``; return ``out``."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"w{i}": i for i in range(3, VOCAB)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")   # joins tokens with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=heads,
+                      max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+                      tie_word_embeddings=False, torch_dtype="float32")
+    LlamaForCausalLM(cfg).save_pretrained(out, safe_serialization=True)
+    fast.save_pretrained(out)
+    return out
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", nargs="?", default="tiny-llama", help="folder to write")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=2, help="attention (and KV) heads")
+    a = ap.parse_args()
+    build(a.out, a.layers, a.hidden, a.heads)
+    print("tiny-llama:", os.path.abspath(a.out))

@@ -1,0 +1,99 @@
+"""A throwaway single-member etcd (Debian's ``etcd-server``) for tests, benchmarks and local HA
+clusters: free ports, data in a temporary folder, stopped (and the folder removed) on exit."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from kvpool.tools.cluster import ClusterError, _die_with_parent
+
+READY_TIMEOUT_S = 20.0
+
+
+def etcd_binary() -> str | None:
+    """The etcd executable on PATH, or None (install Debian's ``etcd-server``)."""
+    return shutil.which("etcd")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EtcdServer:
+    """``with EtcdServer() as etcd: etcd.url`` -> ``etcd://127.0.0.1:PORT``."""
+
+    def __init__(self, data_dir: str | Path | None = None):
+        binary = etcd_binary()
+        if binary is None:
+            raise ClusterError("etcd is not installed (apt-get install etcd-server)")
+        self._binary = binary
+        self._own_dir = data_dir is None
+        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="kvpool-etcd-"))
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"etcd://{self.endpoint}"
+
+    def start(self) -> str:
+        """Start etcd and wait until it answers; return its ``etcd://`` URL."""
+        self.port, peer = _free_port(), _free_port()
+        client_url, peer_url = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{peer}"
+        log = open(self.data_dir / "etcd.log", "ab")
+        self.proc = subprocess.Popen(
+            [self._binary, "--name", "kvpool-test", "--data-dir", str(self.data_dir / "data"),
+             "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+             "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+             "--initial-cluster", f"kvpool-test={peer_url}", "--log-level", "warn"],
+            stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
+            preexec_fn=_die_with_parent)
+        log.close()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                from urllib.request import urlopen
+                with urlopen(f"{client_url}/health", timeout=1.0) as r:
+                    if b'"true"' in r.read():
+                        return self.url
+            except OSError:
+                pass
+            time.sleep(0.1)
+        tail = (self.data_dir / "etcd.log").read_text(errors="replace").splitlines()[-10:]
+        self.stop()
+        raise ClusterError("etcd did not start\n--- log tail ---\n" + "\n".join(tail))
+
+    def stop(self) -> None:
+        """Stop etcd and remove its data (when the folder is ours). Idempotent."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+            self.proc = None
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> EtcdServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
