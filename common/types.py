@@ -106,6 +106,10 @@ class ObjectRecord:
     size: int
     checksum: int | None      # CRC-32C (common/checksum.py); None = not recorded
     version: int
+    # The key of the block this one extends (None: none or unknown), so a restarted master
+    # re-links prefix chains and evicts them from their tails again.
+    parent: str | None = None
+    pinned: bool = False      # hard-pinned (soft pins, being short-lived, are not recorded)
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
@@ -184,10 +185,18 @@ def records_to_pb(records: Sequence[ObjectRecord]) -> pb.ObjectRecords:
                             segment_ids=[r.segment_id for r in records],
                             offsets=[r.offset for r in records], sizes=[r.size for r in records],
                             checksums=[checksum.encode(r.checksum) for r in records],
-                            versions=[r.version for r in records])
+                            versions=[r.version for r in records],
+                            # Left out when no record has one (objects put without parents).
+                            parents=[r.parent or "" for r in records]
+                            if any(r.parent for r in records) else [],
+                            pinned=[r.pinned for r in records]
+                            if any(r.pinned for r in records) else [])
 
 
 def records_from_pb(msg: pb.ObjectRecords) -> list[ObjectRecord]:
-    return [ObjectRecord(k, sid, off, size, checksum.decode(c), v)
-            for k, sid, off, size, c, v in zip(msg.keys, msg.segment_ids, msg.offsets,
-                                               msg.sizes, msg.checksums, msg.versions)]
+    parents = msg.parents if len(msg.parents) == len(msg.keys) else itertools.repeat("")
+    pinned = msg.pinned if len(msg.pinned) == len(msg.keys) else itertools.repeat(False)
+    return [ObjectRecord(k, sid, off, size, checksum.decode(c), v, p or None, pin)
+            for k, sid, off, size, c, v, p, pin in zip(msg.keys, msg.segment_ids, msg.offsets,
+                                                       msg.sizes, msg.checksums, msg.versions,
+                                                       parents, pinned)]

@@ -15,8 +15,11 @@ block whose children are all gone       becomes a leaf: offered in LRU turn by i
 block shared by k chains                only after all k chains below it are gone: last
 object put without a parent             a leaf from the start: plain LRU with the tails
 parent named but not stored at PutEnd   not linked: the block counts as a chain head
-announced after a master restart        no parent known (manifests carry none): a head
+announced after a master restart        linked again (manifests carry the parent), even
+                                        when a child is announced before its parent
 pinned / leased / PENDING (the state)   skipped; a pinned tail also holds its parents
+on a disk tier (the state)              ordered apart, by a second policy of the same kind:
+                                        linked when the parent comes down too
 soft-pinned within its TTL (the state)  after every other candidate, in the same order
 ======================================  =====================================================
 """
@@ -59,6 +62,21 @@ class EvictionPolicy(ABC):
     def __len__(self) -> int:
         """How many keys the policy tracks."""
 
+    def __contains__(self, key: str) -> bool:
+        """Whether the policy tracks ``key``."""
+        return any(k == key for k in self.candidates())   # subclasses answer in O(1)
+
+    def link(self, key: str, parent: str) -> bool:
+        """Make tracked ``key`` (inserted without a parent) extend tracked ``parent``, as if
+        it had been inserted with it: for a parent that arrives after its children (objects
+        announced to a restarted master, blocks moved between tiers). False where nothing was
+        linked (policies that ignore chains, an untracked key, a key with a parent, a cycle)."""
+        return False
+
+    def parent_of(self, key: str) -> str | None:
+        """The tracked key ``key`` is linked to, or None (policies that ignore chains)."""
+        return None
+
 
 class LRUPolicy(EvictionPolicy):
     """Exact least-recently-used order (the design asks for approximate LRU; exact is allowed)."""
@@ -100,6 +118,9 @@ class LRUPolicy(EvictionPolicy):
 
     def __len__(self) -> int:
         return len(self._order)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._order
 
 
 def make_eviction_policy(name: str) -> EvictionPolicy:
@@ -154,14 +175,30 @@ class PrefixAwarePolicy(EvictionPolicy):
             self.on_access(key)
             return
         self._leaves[key] = self._now()
-        if parent is None or parent not in self:
-            return
+        if parent is not None:
+            self.link(key, parent)
+
+    def link(self, key: Hashable, parent: Hashable) -> bool:
+        if key == parent or key not in self or parent not in self or key in self._parent:
+            return False
+        if key in self._children:   # only a key with children can close a cycle, which
+            up = parent             # would keep every block on it inner: never evicted
+            for _ in range(len(self._parent)):   # bounded: entries of removed parents linger
+                if (up := self._parent.get(up)) is None:
+                    break
+                if up == key:
+                    return False
         self._parent[key] = parent
         count = self._children.get(parent, 0)
         self._children[parent] = count + 1
         if count == 0:   # its first child: no longer a leaf
             used = self._leaves.pop(parent, None)
             self._inner[parent] = self._revived.pop(parent) if used is None else used
+        return True
+
+    def parent_of(self, key: Hashable) -> Hashable | None:
+        parent = self._parent.get(key)
+        return parent if parent is not None and parent in self else None
 
     def on_access(self, key: Hashable) -> None:
         if key in self._leaves:

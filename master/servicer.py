@@ -179,6 +179,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ttl_s must be >= 0")
         else:
             results = self._state.pin(list(request.keys), request.ttl_s or None)
+        # Hard pins are in the nodes' manifests (restored after a restart) once acknowledged.
+        await self._watchers.flush(self._state.nodes_with_changes())
         return pb.StatusesResponse(statuses=map(_status, results))
 
     async def Exists(self, request, context):

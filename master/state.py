@@ -41,7 +41,7 @@ from kvpool.common.types import (
     validate_key,
 )
 from kvpool.master.allocator import RangeAllocator
-from kvpool.master.eviction import EvictionPolicy, LRUPolicy, make_eviction_policy
+from kvpool.master.eviction import EvictionPolicy, make_eviction_policy
 from kvpool.master.placement import choose_segments
 
 PENDING, COMPLETE = ObjectState.PENDING, ObjectState.COMPLETE
@@ -165,10 +165,16 @@ class MasterState:
         self._config = config
         self._clock = clock
         self._policy = policy if policy is not None else make_eviction_policy(config.eviction)
-        # Objects on a disk tier are ordered apart, by plain LRU: there they can only be
-        # dropped, and a chain block whose children all went down to disk must become
-        # demotable itself (to the main policy, a child on disk is still a child).
-        self._disk_policy = LRUPolicy()
+        # Objects on a disk tier are ordered apart, by a policy of the same kind: there they
+        # can only be dropped, and a chain block whose children all went down to disk must
+        # become demotable itself (to the main policy, a child on disk is still a child).
+        self._disk_policy = make_eviction_policy(config.eviction)
+        # Chain links waiting for their parent to enter the child's policy (a child announced
+        # before its parent after a restart, a block on another tier than its parent): parent
+        # key -> children, and child -> parent. Linked when the parent arrives there; dropped
+        # with the parent (or the child) leaving the index, and once recovery ends.
+        self._waiting: dict[str, list[str]] = {}
+        self._waiting_for: dict[str, str] = {}
         self._on_evict = on_evict
         self._nodes: dict[str, _Node] = {}
         self._segments: dict[str, _Segment] = {}
@@ -304,6 +310,11 @@ class MasterState:
         out = [_attempt(self._announce_one, node_id, r) for r in records]
         if done:
             self._recovering.difference_update(n.segment_ids)
+            if not self._recovering:   # every node announced: parents not indexed never come
+                for parent in [p for p in self._waiting if p not in self._objects]:
+                    for child in self._waiting.pop(parent):
+                        if self._waiting_for.get(child) == parent:
+                            del self._waiting_for[child]
         return out
 
     def report_corrupt(self, keys: Sequence[str], versions: Sequence[int],
@@ -388,7 +399,7 @@ class MasterState:
             if obj.lease_until < lease_until:
                 obj.lease_until = lease_until
             touch(obj.key)   # the indexed str, not the request's equal copy
-            if obj.segment_id in disk:
+            if disk and (obj.segment_id in disk or obj.more):
                 self._note_disk_read(obj, now)
             where = ((obj.segment_id, obj.offset),)
             if obj.more:
@@ -571,17 +582,17 @@ class MasterState:
         # The indexed strs, not the request's equal copies. A parent evicted or not yet put is
         # not linked: this block is then a chain head to the policy (it can still go first).
         parent = self._objects.get(obj.parent) if obj.parent else None
-        if obj.segment_id in self._disk_segments:   # put straight to disk: DRAM was full
-            self._disk_policy.on_insert(obj.key)
-        else:
-            self._policy.on_insert(obj.key, parent.key if parent is not None
-                                   and parent.state is COMPLETE else None)
-        obj.parent = None
+        # Put straight to disk (DRAM was full), the block waits there for its parent.
+        self._track(obj.key, parent.key if parent is not None and parent.state is COMPLETE
+                    else None, obj.segment_id in self._disk_segments)
+        # The manifest records keep the parent named (linked again after a master restart);
+        # the index does not: the records go to the nodes with the next heartbeat.
+        named, obj.parent = obj.parent, None
         for e in obj.replicas:
             log = self._segments[e.segment_id].manifest_log
             if log is not None:
                 log.append(ObjectRecord(obj.key, e.segment_id, e.offset, obj.size, checksum,
-                                        obj.version))
+                                        obj.version, named))
 
     def _announce_one(self, node_id: str, r: ObjectRecord) -> None:
         validate_key(r.key)
@@ -606,20 +617,31 @@ class MasterState:
         seg.keys.add(r.key)
         if obj is not None:   # another node's replica of it was announced first
             obj.replicas = [*obj.replicas, extent]
+            self._announce_pin(obj, r)
             return
         size = self._sizes.setdefault(r.size, r.size) if len(self._sizes) < _MAX_SHARED_SIZES \
             else r.size
         obj = _Object(r.key, size, r.version, r.segment_id, r.offset, state=COMPLETE,
                       checksum=r.checksum)
         self._objects[r.key] = obj
-        # Manifests carry no parent, so after a master restart every announced object is a
-        # chain head to the policy: plain LRU among them (in announce order) until they go;
-        # blocks put after the restart link to announced parents again.
-        (self._disk_policy if r.segment_id in self._disk_segments else self._policy).on_insert(
-            obj.key)
+        # Linked to its parent as before the restart; a parent not announced yet (on another
+        # node, later in the batch) links its children when it comes.
+        parent = self._objects.get(r.parent) if r.parent else None
+        self._track(obj.key, parent.key if parent is not None else r.parent,
+                    r.segment_id in self._disk_segments)
         # Versions stay unique per key across the restart: new ones come after every announced.
         nxt = next(self._versions)
         self._versions = itertools.count(max(nxt, r.version + 1))
+        self._announce_pin(obj, r)
+
+    def _announce_pin(self, obj: _Object, r: ObjectRecord) -> None:
+        """Hard-pin an announced object recorded as pinned, as far as the quota allows now
+        (segments still to be mounted count towards it once they are)."""
+        if r.pinned and not obj.pinned:
+            try:
+                self._pin_one(obj.key, None, self._clock())
+            except NoSpace:
+                pass   # over the quota as mounted so far: kept, unpinned
 
     def _drop_corrupt_one(self, key: str, version: int, segment_id: str, now: float) -> None:
         validate_key(key)
@@ -674,13 +696,25 @@ class MasterState:
         obj.pinned = True
         self._hard_pinned_bytes += size
         self._soft_pins.pop(obj.key, None)
+        self._log_records(obj)
 
     def _unpin_one(self, key: str) -> None:
         obj = self._complete(key)
         if obj.pinned:
             obj.pinned = False
             self._hard_pinned_bytes -= self._pin_size(obj)
+            self._log_records(obj)
         self._soft_pins.pop(obj.key, None)
+
+    def _log_records(self, obj: _Object) -> None:
+        """Tell the nodes holding ``obj`` its record again (a hard pin came or went): it
+        supersedes the one their manifests hold, by key."""
+        parent = self._parent_of(obj.key, obj.segment_id in self._disk_segments)
+        for e in obj.replicas:
+            log = self._segments[e.segment_id].manifest_log
+            if log is not None:
+                log.append(ObjectRecord(obj.key, e.segment_id, e.offset, obj.size,
+                                        obj.checksum, obj.version, parent, obj.pinned))
 
     def _pin_size(self, obj: _Object) -> int:
         """What a hard pin of ``obj`` counts against the quota: its size (replicas come and
@@ -822,6 +856,11 @@ class MasterState:
                     self._finish_move(move_id, ok, now)
 
     def _note_disk_read(self, obj: _Object, now: float) -> None:
+        """``obj`` was read and may have replicas on disk: the second read within the window
+        promotes one of them (the first whose node has room above it)."""
+        on_disk = [e for e in obj.replicas if e.segment_id in self._disk_segments]
+        if not on_disk:
+            return
         self._disk_policy.on_access(obj.key)
         seen = self._disk_reads.pop(obj.key, None)
         if seen is None or now - seen > self._config.promote_window_s:
@@ -832,15 +871,17 @@ class MasterState:
             return
         if obj.key in self._moving:
             return
-        src = self._segments[obj.segment_id]
-        upper = self._upper_tier(src)
-        if upper is not None:
+        for src in on_disk:
+            src_seg = self._segments[src.segment_id]
+            upper = self._upper_tier(src_seg)
+            if upper is None:
+                continue
             alloc = upper.allocator
             # Only into room below the high watermark: a promotion must not cause a demotion.
             if alloc.used_bytes + alloc.aligned_size(obj.size) <= \
-                    self._config.high_watermark * alloc.capacity_bytes:
-                self._start_move(obj, Extent(obj.segment_id, obj.offset, obj.size), src, upper,
-                                 now)
+                    self._config.high_watermark * alloc.capacity_bytes and \
+                    self._start_move(obj, src, src_seg, upper, now):
+                return
 
     def _start_move(self, obj: _Object, src: Extent, src_seg: _Segment, dst_seg: _Segment,
                     now: float) -> bool:
@@ -869,12 +910,13 @@ class MasterState:
             was_on_disk = obj.segment_id in self._disk_segments
             obj.replicas = [m.dst if e == m.src else e for e in obj.replicas]
             if (obj.segment_id in self._disk_segments) != was_on_disk:
-                # Down to disk: its parent may become demotable. Back up: a chain head (the
-                # parent link is not kept for objects on disk).
-                old, new = ((self._disk_policy, self._policy) if was_on_disk
-                            else (self._policy, self._disk_policy))
-                old.on_remove(obj.key)
-                new.on_insert(obj.key)
+                # Down to disk: its parent may become demotable; there it links to its parent
+                # once that comes down too (a chain is dropped from disk tail first). Back up:
+                # linked again to its parent in DRAM.
+                parent = self._parent_of(obj.key, was_on_disk)
+                (self._disk_policy if was_on_disk else self._policy).on_remove(obj.key)
+                self._waiting_for.pop(obj.key, None)
+                self._track(obj.key, parent, not was_on_disk)
             # A new version: a reader whose read outlived its lease checks the version it read
             # against the index's, and the source may be reused by then.
             obj.version = next(self._versions)
@@ -883,7 +925,8 @@ class MasterState:
             if m.dst_seg.manifest_log is not None:   # supersedes the source's record (by key)
                 m.dst_seg.manifest_log.append(ObjectRecord(
                     obj.key, m.dst.segment_id, m.dst.offset, obj.size, obj.checksum,
-                    obj.version))
+                    obj.version, self._parent_of(obj.key, obj.segment_id in self._disk_segments),
+                    obj.pinned))
             # Readers granted the source may still be copying from it: reuse after the lease.
             self._free_later([m.src], max(now, obj.lease_until))
             if TIER_RANK[m.dst_seg.info.tier] > TIER_RANK[m.src_seg.info.tier]:
@@ -910,6 +953,39 @@ class MasterState:
             m.src_seg.moving_out_bytes -= m.src_seg.allocator.aligned_size(m.src.length)
             if self._segments.get(m.dst.segment_id) is m.dst_seg:
                 self._free_later([m.dst], now + self._config.quarantine_s)
+
+    def _track(self, key: str, parent: str | None, disk: bool) -> None:
+        """Hand a complete object to its tier's policy, linked to ``parent`` if that one is
+        there, else waiting for it; children waiting for ``key`` there are linked now."""
+        policy = self._disk_policy if disk else self._policy
+        if parent is not None and parent in policy:
+            policy.on_insert(key, parent)
+        else:
+            policy.on_insert(key)
+            if parent is not None:
+                kids = self._waiting.setdefault(parent, [])
+                if key not in kids:
+                    kids.append(key)
+                self._waiting_for[key] = parent
+        kids = self._waiting.pop(key, None) if self._waiting else None
+        if kids:
+            left = []
+            for child in kids:
+                if self._waiting_for.get(child) != key:
+                    continue   # gone, or linked since
+                if policy.link(child, key) or child in policy:
+                    del self._waiting_for[child]
+                else:   # on the other tier: waits for this block to come there
+                    left.append(child)
+            if left:
+                self._waiting[key] = left
+
+    def _parent_of(self, key: str, disk: bool) -> str | None:
+        """The parent ``key`` is linked to or waits for, in its tier's policy."""
+        linked = (self._disk_policy if disk else self._policy).parent_of(key)
+        if linked is not None:
+            return linked
+        return self._waiting_for.get(key) if self._waiting_for else None
 
     def _lower_tier(self, seg: _Segment) -> _Segment | None:
         """The roomiest segment of the next tier down on ``seg``'s node; None: a last tier."""
@@ -985,6 +1061,12 @@ class MasterState:
         else:
             self._policy.on_remove(obj.key)
             self._disk_policy.on_remove(obj.key)
+            if self._waiting_for:
+                self._waiting_for.pop(obj.key, None)   # its entry in _waiting: dropped lazily
+            if self._waiting:
+                for child in self._waiting.pop(obj.key, ()):
+                    if self._waiting_for.get(child) == obj.key:
+                        del self._waiting_for[child]
             if obj.pinned:
                 self._hard_pinned_bytes -= self._pin_size(obj)
             if self._soft_pins:

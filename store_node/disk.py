@@ -230,9 +230,8 @@ class DiskManifest:
             for line in f:
                 try:
                     entry = json.loads(line)
-                    if "c" in entry:
-                        k, sid, off, size, crc, ver = entry["c"]
-                        self._state.apply([ObjectRecord(k, sid, off, size, crc, ver)], ())
+                    if "c" in entry:   # 6 to 8 fields (parent and pin when there are)
+                        self._state.apply([ObjectRecord(*entry["c"][:8])], ())
                     else:
                         k, ver = entry["r"]
                         self._state.apply((), [(k, ver)])
@@ -243,7 +242,12 @@ class DiskManifest:
 
 
 def _commit_line(r: ObjectRecord) -> str:
-    return json.dumps({"c": [r.key, r.segment_id, r.offset, r.size, r.checksum, r.version]}) + "\n"
+    fields = [r.key, r.segment_id, r.offset, r.size, r.checksum, r.version]
+    if r.parent is not None or r.pinned:
+        fields.append(r.parent)
+    if r.pinned:
+        fields.append(True)
+    return json.dumps({"c": fields}) + "\n"
 
 
 def _remove_line(key: str, version: int) -> str:

@@ -141,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DRAM segment per node (default: 1GiB)")
     u.add_argument("--host", default="127.0.0.1", help="listen address (default: 127.0.0.1)")
     u.add_argument("--port", type=port_type, default=0, help="master port (default: 0 = any free port)")
+    u.add_argument("--disk-size", type=size_type, metavar="SIZE",
+                   help="give every node a disk tier of this size, e.g. 10GiB (reserved up "
+                        "front), that full DRAM demotes to instead of dropping (default: none)")
+    u.add_argument("--disk-path", metavar="DIR",
+                   help="with --disk-size: keep each node's disk tier in DIR/NODE, so a "
+                        "cluster started again on DIR finds its objects (default: a temporary "
+                        "directory, removed on exit)")
 
     s = sub.add_parser("stat", help="show segments, usage, objects, hits and misses",
                        description="Print the cluster's state as the master sees it.")
@@ -243,13 +250,23 @@ def _cmd_store_node(args) -> int:
 
 
 def _cmd_up(args) -> int:
-    from kvpool.tools.cluster import LocalCluster
+    from kvpool.tools.cluster import ClusterError, LocalCluster
+    if args.disk_path is not None and args.disk_size is None:
+        raise ConfigError("--disk-path needs --disk-size (the size of each node's disk tier)")
     cluster = LocalCluster(nodes=args.nodes, segment_size=str(args.segment_size), host=args.host,
-                           port=args.port)
-    cluster.start()
+                           port=args.port,
+                           disk_size=str(args.disk_size) if args.disk_size else None,
+                           disk_path=args.disk_path)
+    try:
+        cluster.start()
+    except (ClusterError, OSError) as e:   # the message carries the process's log tail
+        print(f"kvpool up: error: {e}", file=sys.stderr)
+        return 1
     try:
         print(f"master: {cluster.master}", flush=True)
-        print(f"{args.nodes} store nodes, {format_size(args.segment_size)} each. "
+        disk = (f" + a {format_size(args.disk_size)} disk tier in "
+                f"{cluster.disk_dir}" if args.disk_size else "")
+        print(f"{args.nodes} store nodes, {format_size(args.segment_size)} DRAM each{disk}. "
               f"Try: kvpool stat --master {cluster.master}   (Ctrl-C stops the cluster)",
               flush=True)
         _wait_for_signal()

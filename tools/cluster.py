@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -95,9 +97,13 @@ class LocalCluster:
     def __init__(self, nodes: int = 2, segment_size: str = "1GiB", host: str = "127.0.0.1",
                  port: int = 0, master_args: Sequence[str] = (), node_args: Sequence[str] = (),
                  log_dir: str | os.PathLike | None = None, masters: int = 1,
-                 ha: str | None = None):
+                 ha: str | None = None, disk_size: str | None = None,
+                 disk_path: str | os.PathLike | None = None):
         """``ha``: an ``etcd://`` URL: run ``masters`` standby masters electing on it (on
-        free ports); ``master`` is then that URL, which the nodes and clients follow."""
+        free ports); ``master`` is then that URL, which the nodes and clients follow.
+        ``disk_size``: give every node a disk tier of that size, in ``disk_path``/NODE (kept:
+        a cluster started again on it finds its nodes' objects) or, without ``disk_path``, in
+        a temporary directory removed by ``stop``."""
         if masters > 1 and not ha:
             raise ValueError("several masters need an etcd URL to elect on (ha=)")
         self.n_masters, self.ha = masters, ha
@@ -111,6 +117,22 @@ class LocalCluster:
         self.master_proc: Proc | None = None
         self.nodes: list[Proc] = []
         self._logs: list[IO[bytes]] = []
+        if disk_path is not None and disk_size is None:
+            raise ValueError("a disk path needs a disk size")
+        self.disk_size = disk_size
+        self.disk_path = Path(disk_path) if disk_path is not None else None
+        self._disk_tmp: str | None = None   # created here, removed by stop
+
+    @property
+    def disk_dir(self) -> Path | None:
+        """Where the nodes' disk tiers are (one directory per node), None without them."""
+        if self.disk_size is None:
+            return None
+        if self.disk_path is None and self._disk_tmp is None:
+            self._disk_tmp = tempfile.mkdtemp(prefix="kvpool-disk-")
+        if self.disk_path is not None:
+            self.disk_path.mkdir(parents=True, exist_ok=True)
+        return self.disk_path or Path(self._disk_tmp)
 
     def _log(self, name: str) -> IO[bytes] | None:
         if self.log_dir is None:
@@ -191,8 +213,11 @@ class LocalCluster:
 
     def add_node(self, name: str, extra_args: Sequence[str] = ()) -> Proc:
         """Start one more store node and wait until its segments are mounted."""
+        disk: list[str] = []
+        if self.disk_dir is not None:
+            disk = ["--disk-path", str(self.disk_dir / name), "--disk-size", str(self.disk_size)]
         proc = Proc(name, ["store-node", "--master", self.master, "--host", self.host,
-                           "--segment-size", self.segment_size, "--node-id", name,
+                           "--segment-size", self.segment_size, "--node-id", name, *disk,
                            *self.node_args, *extra_args], self._log(name))
         self.nodes.append(proc)
         proc.wait_ready("store-node")
@@ -209,6 +234,9 @@ class LocalCluster:
         for f in self._logs:
             f.close()
         self._logs.clear()
+        if self._disk_tmp is not None:
+            shutil.rmtree(self._disk_tmp, ignore_errors=True)
+            self._disk_tmp = None
 
     def __enter__(self) -> LocalCluster:
         self.start()

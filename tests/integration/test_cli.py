@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -79,6 +80,39 @@ def test_up_stat_and_clean_ctrl_c(tmp_path):
     # Nothing is left running: the master's port no longer answers.
     r = kvpool("stat", "--master", master, timeout=30)
     assert r.returncode == 1
+
+
+def test_up_with_a_disk_tier_per_node(tmp_path):
+    """``kvpool up --disk-size``: each node gets a disk tier (DIR/NODE with --disk-path, kept
+    after exit; a temporary directory otherwise, removed on exit)."""
+    assert "--disk-path needs --disk-size" in kvpool("up", "--disk-path", str(tmp_path)).stderr
+    (tmp_path / "file").write_text("")
+    bad = kvpool("up", "--disk-size", "16MiB", "--disk-path", str(tmp_path / "file"))
+    assert bad.returncode == 1 and "kvpool up: error:" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr
+    for keep in (True, False):
+        extra = ["--disk-path", str(tmp_path / "disks")] if keep else []
+        up = subprocess.Popen([*KVPOOL, "up", "--nodes", "1", "--segment-size", "8MiB",
+                               "--disk-size", "16MiB", *extra], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+        try:
+            master = up.stdout.readline().split()[1]
+            banner = up.stdout.readline()
+            assert "MiB disk tier in " in banner, banner
+            where = banner.split("disk tier in ")[1].split(". Try:")[0]
+            stat = kvpool("stat", "--master", master)
+            assert stat.returncode == 0, stat.stderr
+            rows = [line.split() for line in stat.stdout.splitlines()
+                    if line.startswith("node0 ")]
+            assert {r[1] for r in rows} >= {"dram", "disk"}, stat.stdout
+            assert (where == str(tmp_path / "disks")) == keep
+            assert os.path.isdir(os.path.join(where, "node0"))
+            up.send_signal(signal.SIGINT)
+            assert up.wait(30) == 0
+        finally:
+            up.kill()
+            up.wait()
+        assert os.path.isdir(where) == keep, where
 
 
 @pytest.mark.slow

@@ -126,6 +126,33 @@ def test_node_restart_keeps_its_disk_tier(disk_cluster, tmp_path):
         assert kv.stats().objects == len(on_disk)
 
 
+def test_a_restarted_node_drops_its_disk_chains_tail_first(disk_cluster, tmp_path):
+    """A chain's blocks keep their parent in the disk tier's manifest log: after the node
+    restarts, the disk still drops the chain from its tail, even a tail read last."""
+    args = ["--disk-path", str(tmp_path / "disk-c"), "--disk-size", str(8 * BLOCK)]
+    node = disk_cluster.add_node("c", args)
+    chain = [f"c{i}" for i in range(14)]
+    with KVClient(disk_cluster.master) as kv:
+        for i, k in enumerate(chain):   # 14/16 > 0.75: down to 8 in DRAM, the tail first
+            kv.put(k, value(i), parent=chain[i - 1] if i else None)
+        wait_for(lambda: tiers(kv).get("disk", (0, 0))[0] == 6)
+        time.sleep(0.5)   # the last demotions' records reach the node's manifest
+        assert node.terminate() == 0
+        disk_cluster.nodes.remove(node)
+        disk_cluster.add_node("c", args)   # DRAM's blocks are gone; the disk's come back
+        on_disk = wait_for(lambda: [k for k, e in zip(chain, kv.batch_exists(chain)) if e]
+                           if tiers(kv).get("disk", (0, 0))[0] == 6 else None)
+        assert on_disk == chain[8:]
+        assert kv.get(chain[-1]) == value(13)   # the tail is the newest read on disk now
+        time.sleep(1.5)   # its lease (1 s) runs out: it may be dropped
+        for i in range(16):   # DRAM fills and demotes: the disk (6/8) must drop blocks
+            kv.put(f"x{i}", value(100 + i))
+        wait_for(lambda: not all(kv.batch_exists(on_disk)))
+        kept = [k for k, e in zip(on_disk, kv.batch_exists(on_disk)) if e]
+        assert len(kept) < len(on_disk) and kept == on_disk[:len(kept)], kept   # no holes
+        assert kv.batch_get(kept, verify=True) == [value(int(k[1:])) for k in kept]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--disk-path", "{tmp}/nope/deeper", "--disk-size", "1MiB"], "parent directory"),
     (["--disk-path", "{tmp}/file", "--disk-size", "1MiB"], "not a directory"),

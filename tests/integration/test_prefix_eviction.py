@@ -3,6 +3,8 @@ keep their heads (a shared system prompt longest), so their cached prefix stays 
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from kvpool.client import KVClient
@@ -52,3 +54,49 @@ def test_pressure_evicts_tails_and_keeps_the_shared_prefix(small_cluster):
         # Re-computing a's tail pushes out b's: the shared prefix, with a child again, stays.
         assert blocks.put(a, [kv_of(1, i) for i in range(8)]) == [None] * 8
         assert [blocks.cached_prefix(p) for p in (a, b, *others)] == [8, 4, 4, 4]
+
+
+def test_after_a_master_restart_chains_are_still_evicted_from_their_tails(small_cluster):
+    """The nodes' manifests carry each block's parent: a master restarted with an empty index
+    links the announced chains again, so pressure still takes tails and keeps the shared
+    prefix (announced as heads, plain LRU in announce order would take the system prompt)."""
+    system = list(range(4 * BS))
+    a, b = system + [1] * (4 * BS), system + [2] * (4 * BS)
+    other = [103] * (4 * BS)
+    with KVClient(small_cluster.master) as kv:
+        blocks = TokenBlocks(kv, HashSpec.of(BS, model="m"))
+        assert blocks.put(a, [kv_of(1, i) for i in range(8)]) == [None] * 8
+        assert blocks.put(b, [kv_of(2, i) for i in range(8)]) == [None] * 8
+        assert blocks.put(other, [kv_of(3, i) for i in range(4)]) == [None] * 4
+        small_cluster.restart_master()
+        deadline = time.monotonic() + 60
+        while [blocks.cached_prefix(p) for p in (a, b, other)] != [8, 8, 4]:
+            assert time.monotonic() < deadline, "the announced blocks did not come back"
+            time.sleep(0.1)
+        time.sleep(1.5)   # the reads above lease the blocks (1 s): let the leases run out
+
+        more = [104] * (4 * BS)
+        assert blocks.put(more, [kv_of(4, i) for i in range(4)]) == [None] * 4
+        assert [blocks.cached_prefix(p) for p in (a, b, other, more)] == [4, 8, 4, 4]
+        out = [np.zeros(BLOCK_BYTES, np.uint8) for _ in range(8)]
+        assert blocks.get_prefix(b, out) == 8   # the shared blocks are the ones a put
+        assert all((o == kv_of(1 if i < 4 else 2, i)).all() for i, o in enumerate(out))
+
+
+def test_a_hard_pin_survives_a_master_restart(small_cluster):
+    """Hard pins are in the nodes' manifests too: after a restart the pinned block is still
+    never evicted, though it is the least recently used."""
+    keys = [f"plain-{i}" for i in range(SLOTS)]
+    with KVClient(small_cluster.master) as kv:
+        for i, k in enumerate(keys):   # one by one: announced (LRU) in this order
+            assert kv.put(k, kv_of(9, i)) is None
+        assert kv.pin(keys[0]) is None
+        small_cluster.restart_master()
+        deadline = time.monotonic() + 60
+        while not all(kv.exists(k) for k in keys):
+            assert time.monotonic() < deadline, "the announced objects did not come back"
+            time.sleep(0.1)
+        assert kv.put("new-0", kv_of(10, 0)) is None
+        assert kv.put("new-1", kv_of(10, 1)) is None
+        assert [kv.exists(k) for k in keys[:4]] == [True, False, False, True]
+        assert (np.frombuffer(kv.get(keys[0]), np.uint8) == kv_of(9, 0)).all()

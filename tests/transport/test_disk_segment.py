@@ -87,6 +87,25 @@ def test_the_manifest_log_survives_a_restart_and_is_compacted(tmp_path):
     again.close()
 
 
+def test_the_manifest_log_keeps_parents_and_pins_and_reads_logs_written_without_them(tmp_path):
+    t = DiskTier(tmp_path / "d", SIZE, None)
+    t.open("node-a")
+    sid = t.segment.info.segment_id
+    t.manifest.apply([ObjectRecord("p", sid, 0, 100, 7, 1),
+                      ObjectRecord("c", sid, 128, 100, 8, 2, "p"),
+                      ObjectRecord("h", sid, 512, 100, 8, 4, None, True)], [])
+    t.close()
+    with open(tmp_path / "d" / MANIFEST, "a") as f:   # a line as logged before parents
+        f.write(json.dumps({"c": ["old", sid, 256, 100, None, 3]}) + "\n")
+    again = DiskTier(tmp_path / "d", SIZE, None)
+    again.open(again.node_id)
+    assert again.manifest.records() == [ObjectRecord("p", sid, 0, 100, 7, 1),
+                                        ObjectRecord("c", sid, 128, 100, 8, 2, "p"),
+                                        ObjectRecord("old", sid, 256, 100, None, 3),
+                                        ObjectRecord("h", sid, 512, 100, 8, 4, None, True)]
+    again.close()
+
+
 def test_disk_tier_refusals(tmp_path):
     t = DiskTier(tmp_path / "d", SIZE, "a")
     t.open("a")

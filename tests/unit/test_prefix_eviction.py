@@ -111,3 +111,25 @@ def test_a_revived_block_keeps_its_turn_across_epochs_of_touches():
     assert order.index("parent") >= 600 - PrefixAwarePolicy._EPOCH_TOUCHES
     assert order.index("parent") < order.index("new")
     assert sorted(order) == sorted([*old, "parent", "new"])
+
+
+def test_a_parent_linked_after_its_children_goes_after_them():
+    policy = PrefixAwarePolicy()
+    chain(policy, ["c1", "c2"])              # c1 <- c2, inserted before their parent
+    policy.on_insert("p")
+    assert policy.link("c1", "p") and policy.parent_of("c1") == "p"
+    assert evict(policy, 3) == ["c2", "c1", "p"]
+
+
+def test_link_refuses_cycles_unknown_keys_and_second_parents():
+    policy = PrefixAwarePolicy()
+    chain(policy, ["a", "b", "c"])
+    assert not policy.link("a", "c")         # c descends from a: a cycle would never go
+    assert not policy.link("b", "a")         # b has a parent already
+    assert not policy.link("a", "zz") and not policy.link("zz", "a")
+    assert not policy.link("a", "a")
+    assert evict(policy, 3) == ["c", "b", "a"]
+    lru = LRUPolicy()
+    lru.on_insert("x")
+    lru.on_insert("y")
+    assert not lru.link("y", "x") and lru.parent_of("y") is None and "x" in lru

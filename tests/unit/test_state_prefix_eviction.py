@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from kvpool.common.config import ConfigError, MasterConfig
 from kvpool.common.errors import InvalidArgument
-from kvpool.common.types import SegmentInfo
+from kvpool.common.types import ObjectRecord, SegmentInfo
 
 from .test_state import LEASE_S, endpoints, make_state
 
@@ -94,28 +94,72 @@ def test_bad_parents_are_refused_per_key_or_for_the_batch(clock):
         state.put_start(["a", "b"], [BLOCK, BLOCK], parents=["a"])
 
 
-def test_after_a_master_restart_announced_blocks_are_plain_lru_until_relinked(clock):
-    """Manifests carry no parent: a restarted master sees every announced block as a chain
-    head, evicted in plain LRU order (announce order); blocks put later link to them again."""
+def restarted_with_chain(clock, order):
+    """A master that indexed the chain p0 <- p1 <- p2 restarts; the node announces the records
+    in ``order`` (indexes into the manifest), then p3 is put onto p2 and ages with the rest."""
     old = make_state(clock)
     old.mount_segment(endpoints("n1"), SegmentInfo("s", 4 * BLOCK), keeps_manifest=True)
     for key, parent in [("p0", None), ("p1", "p0"), ("p2", "p1")]:
         old.put_start([key], [BLOCK], parents=[parent])
         old.put_end([key])
     manifest = old.heartbeat("n1").committed
+    assert [r.parent for r in manifest] == [None, "p0", "p1"]   # the records name the parent
 
     new = make_state(clock)
     new.mount_segment(endpoints("n1"), SegmentInfo("s", 4 * BLOCK), keeps_manifest=True,
                       recovering=True)
-    assert new.announce_objects("n1", manifest, done=True) == [None] * 3
+    records = [manifest[i] for i in order]
+    assert new.announce_objects("n1", records[:2]) == [None] * 2
+    assert new.announce_objects("n1", records[2:], done=True) == [None]
     new.put_start(["p3"], [BLOCK], parents=["p2"])   # extends an announced block
     new.put_end(["p3"])
+    return new
+
+
+def eviction_order(state, clock, keys) -> list[str]:
     clock.advance(LEASE_S + 1)
     order = []
-    for i in range(4):
-        new.put_start([f"x{i}"], [BLOCK])
-        new.put_end([f"x{i}"])
-        order += [k for k in ("p0", "p1", "p2", "p3") if k not in order
-                  and not new.exists([k])[0]]
-    # p0, p1 lost their links (LRU among heads); p2 is p3's parent again, so p3 goes first.
-    assert order == ["p0", "p1", "p3", "p2"]
+    for i in range(len(keys)):
+        state.put_start([f"x{i}"], [BLOCK])
+        state.put_end([f"x{i}"])
+        order += [k for k in keys if k not in order and not state.exists([k])[0]]
+    return order
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 1, 0), (1, 2, 0)],
+                         ids=["parents-first", "children-first", "mixed"])
+def test_after_a_master_restart_announced_chains_are_linked_again(clock, order):
+    """Manifest records carry the parent: a restarted master links announced blocks into their
+    chains again, whatever order they are announced in, and evicts from the tail."""
+    new = restarted_with_chain(clock, order)
+    assert eviction_order(new, clock, ["p0", "p1", "p2", "p3"]) == ["p3", "p2", "p1", "p0"]
+
+
+def test_announced_parent_on_another_node_links_its_children(clock):
+    """A chain split over two nodes: the child's node announces (and finishes) first, its
+    parent comes with the other node; the link waits for it."""
+    new = make_state(clock)
+    for n in ("n1", "n2"):
+        new.mount_segment(endpoints(n), SegmentInfo(f"s-{n}", 2 * BLOCK), keeps_manifest=True,
+                          recovering=True)
+    assert new.announce_objects("n1", [ObjectRecord("p1", "s-n1", 0, BLOCK, None, 2, "p0"),
+                                       ObjectRecord("q", "s-n1", BLOCK, BLOCK, None, 3)],
+                                done=True) == [None, None]
+    assert new.announce_objects("n2", [ObjectRecord("p0", "s-n2", 0, BLOCK, None, 1),
+                                       ObjectRecord("r", "s-n2", BLOCK, BLOCK, None, 4)],
+                                done=True) == [None, None]
+    new.get_replicas(["p1"])   # the child is the newest block: unlinked it would go last
+    assert eviction_order(new, clock, ["p0", "p1", "q", "r"]) == ["q", "r", "p1", "p0"]
+
+
+def test_a_parent_never_announced_leaves_its_child_a_plain_head(clock):
+    """A record naming a parent that no node announces: once all are done, the child is a
+    chain head (plain LRU) and nothing waits for the parent any more."""
+    new = make_state(clock)
+    new.mount_segment(endpoints("n1"), SegmentInfo("s", 2 * BLOCK), keeps_manifest=True,
+                      recovering=True)
+    recs = [ObjectRecord("c", "s", 0, BLOCK, None, 5, "lost"), ObjectRecord("d", "s", BLOCK,
+                                                                            BLOCK, None, 6)]
+    assert new.announce_objects("n1", recs, done=True) == [None, None]
+    assert not new._waiting and not new._waiting_for
+    assert eviction_order(new, clock, ["c", "d"]) == ["c", "d"]

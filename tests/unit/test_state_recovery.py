@@ -214,3 +214,30 @@ def test_new_objects_avoid_a_node_gone_silent_until_it_heartbeats(clock):
     clock.advance(NODE_TTL_S / 3 + 0.1)
     state.tick()
     assert len(put(state, "c", replicas=2)) == 2
+
+
+def test_hard_pins_travel_in_the_manifest_and_come_back_after_a_restart(clock):
+    old = make_state(clock)
+    mount(old, "n1", "s", size=4 * 64, keeps_manifest=True)
+    for k in ("a", "b"):
+        put(old, k)
+    old.heartbeat("n1")
+    assert old.pin(["a"]) == [None]
+    assert old.pin(["b"], ttl_s=60) == [None]          # soft: not recorded
+    [rec] = old.heartbeat("n1").committed               # the pin supersedes a's record
+    assert (rec.key, rec.pinned) == ("a", True)
+    assert old.unpin(["a"]) == [None]
+    assert [r.pinned for r in old.heartbeat("n1").committed] == [False]
+    assert old.pin(["a"]) == [None]
+    [rec] = old.heartbeat("n1").committed
+
+    new = make_state(clock)
+    mount(new, "n1", "s", size=4 * 64, keeps_manifest=True, recovering=True)
+    b = ObjectRecord("b", "s", 64, 64, None, 2)
+    assert new.announce_objects("n1", [rec, b], done=True) == [None, None]
+    for k in ("c", "d"):
+        put(new, k)
+    clock.advance(60)
+    put(new, "e")                  # the segment is full: b goes, never the pinned a
+    assert new.exists(["a", "b"]) == [True, False]
+    assert [r.pinned for r in new.heartbeat("n1").committed if r.key == "a"] == [True]

@@ -366,3 +366,56 @@ def test_demotion_follows_the_prefix_order_tails_first_shared_prefix_last(clock)
     assert [m.key for m in run_moves(state)] == ["a0", "b0"]
     state.tick()   # 1/5 is under the low watermark: the shared block stays
     assert run_moves(state) == []
+
+
+def test_chains_keep_their_links_down_on_disk_and_back_up(clock):
+    """A chain demoted to disk is dropped from disk tail first (the parent comes down after
+    its children and links them there), and a block promoted back links to its parent again;
+    the manifest records of the moves name the parent."""
+    state = make_state(clock, high_watermark=0.75, low_watermark=0.25, promote_window_s=10.0)
+    state.mount_segment(endpoints("n"), SegmentInfo("m", 3 * B, "dram"), keeps_manifest=True)
+    state.mount_segment(endpoints("n"), SegmentInfo("d", 4 * B, "disk"), keeps_manifest=True)
+    for key, parent in [("c0", None), ("c1", "c0"), ("c2", "c1")]:
+        state.put_start([key], [B], parents=[parent])
+        state.put_end([key])
+        clock.advance(1)
+    clock.advance(LEASE_S + 1)
+    for _ in range(3):   # 3/3 > 0.75: all go down, one tier step per tick, tail first
+        state.tick()
+        assert len(run_moves(state)) == 1
+    assert [where(state, k)[0][1] for k in ("c0", "c1", "c2")] == ["disk"] * 3   # c2: newest
+    committed = state.take_manifest("n").committed
+    assert {r.key: r.parent for r in committed if r.segment_id == "d"} == \
+        {"c0": None, "c1": "c0", "c2": "c1"}
+    clock.advance(11)   # the reads above are out of the promotion window
+    for i in range(4):  # DRAM to its watermark (2), the disk's free slot, then one must go
+        put(state, f"z{i}")
+    assert state.exists(["c0", "c1", "c2"]) == [True, True, False]   # LRU would drop c0
+    # c1 read twice: promoted, and linked to c0 again (waiting for it in DRAM's policy).
+    clock.advance(LEASE_S + 1)
+    state.remove(["z0"])   # room in DRAM below its high watermark for the promotion
+    state.remove(["z1"])
+    state.get_replicas(["c1"])
+    state.get_replicas(["c1"])
+    [move] = run_moves(state)
+    assert move.key == "c1" and where(state, "c1")[0][1] == "dram"
+    assert state._parent_of("c1", disk=False) == "c0"
+    [rec] = [r for r in state.take_manifest("n").committed if r.key == "c1"]
+    assert rec.segment_id == "m" and rec.parent == "c0"
+
+
+def test_promotion_considers_every_disk_replica(clock):
+    """An object whose first replica is in DRAM on one node and whose second is on another
+    node's disk: read twice, the disk replica is promoted."""
+    state = make_state(clock, promote_window_s=10.0)
+    state.mount_segment(endpoints("a"), SegmentInfo("a-m", 4 * B, "dram"))
+    state.mount_segment(endpoints("b"), SegmentInfo("b-d", 4 * B, "disk"))
+    state.put_start(["k"], [B], replicas=2)
+    state.put_end(["k"])
+    state.mount_segment(endpoints("b"), SegmentInfo("b-m", 4 * B, "dram"))   # room above it
+    assert where(state, "k") == [("a-m", "dram"), ("b-d", "disk")]
+    state.get_replicas(["k"])
+    [move] = state.take_moves("b")
+    assert (move.src.segment_id, move.dst.segment_id) == ("b-d", "b-m")
+    state.moves_finished("b", [move.move_id])
+    assert where(state, "k") == [("a-m", "dram"), ("b-m", "dram")]

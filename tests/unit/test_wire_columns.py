@@ -43,3 +43,19 @@ def test_add_places_describes_each_segment_once():
     got = wire.replicas_from_columns(writer.to_pb(), [64, 32])
     assert got == [(Replica(A, Extent("sa", 0, 64)),),
                    (Replica(A, Extent("sa", 64, 32)), Replica(A, Extent("sb", 0, 32)))]
+
+
+def test_object_records_carry_parents_and_read_old_messages_without_them():
+    from kvpool.common.types import ObjectRecord
+    recs = [ObjectRecord("c", "s", 64, 10, 7, 2, "p"),
+            ObjectRecord("p", "s", 0, 10, None, 1, pinned=True)]
+    msg = pb.ObjectRecords.FromString(wire.records_to_pb(recs).SerializeToString())
+    assert list(msg.parents) == ["p", ""] and list(msg.pinned) == [False, True]
+    assert wire.records_from_pb(msg) == recs
+    plain = [ObjectRecord("p", "s", 0, 10, None, 1)]
+    assert list(wire.records_to_pb(plain).parents) == []   # nothing sent for no parents
+    assert list(wire.records_to_pb(plain).pinned) == []
+    old = wire.records_to_pb(recs)
+    del old.parents[:]                                     # as a sender without the fields
+    del old.pinned[:]
+    assert [(r.parent, r.pinned) for r in wire.records_from_pb(old)] == [(None, False)] * 2

@@ -164,20 +164,24 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[Status, str]] = ..., committed: _Optional[_Union[ObjectRecords, _Mapping]] = ..., removed_keys: _Optional[_Iterable[str]] = ..., removed_versions: _Optional[_Iterable[int]] = ..., moves: _Optional[_Iterable[_Union[Move, _Mapping]]] = ...) -> None: ...
 
 class ObjectRecords(_message.Message):
-    __slots__ = ("keys", "segment_ids", "offsets", "sizes", "checksums", "versions")
+    __slots__ = ("keys", "segment_ids", "offsets", "sizes", "checksums", "versions", "parents", "pinned")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_IDS_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[str]
     segment_ids: _containers.RepeatedScalarFieldContainer[str]
     offsets: _containers.RepeatedScalarFieldContainer[int]
     sizes: _containers.RepeatedScalarFieldContainer[int]
     checksums: _containers.RepeatedScalarFieldContainer[int]
     versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, keys: _Optional[_Iterable[str]] = ..., segment_ids: _Optional[_Iterable[str]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    parents: _containers.RepeatedScalarFieldContainer[str]
+    pinned: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., segment_ids: _Optional[_Iterable[str]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[str]] = ..., pinned: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class WatchManifestRequest(_message.Message):
     __slots__ = ("node_id",)
