@@ -78,36 +78,39 @@ class ReplicaColumnsWriter:
             i = self._index.get(r.extent.segment_id)
             if i is None:
                 i = self._index[r.extent.segment_id] = len(self._locations)
-                template = replica_to_pb(r)
-                template.ClearField("offset")
-                template.ClearField("length")
-                self._locations.append(template)
+                self._locations.append(_template(r))
             self.location.append(i)
             self.offsets.append(r.extent.offset)
-
-    def add_places(self, places: Sequence[tuple[str, int]],
-                   replica_in: Callable[[str], Replica]) -> None:
-        """The next object's replicas as ``(segment_id, offset)`` pairs; ``replica_in(id)``
-        describes a segment the first time it appears (any offset and length: both are reset)."""
-        self.counts.append(len(places))
-        for segment_id, offset in places:
-            i = self._index.get(segment_id)
-            if i is None:
-                i = self._index[segment_id] = len(self._locations)
-                template = replica_to_pb(replica_in(segment_id))
-                template.ClearField("offset")
-                template.ClearField("length")
-                self._locations.append(template)
-            self.location.append(i)
-            self.offsets.append(offset)
 
     def skip(self) -> None:
         """The next object has no replicas (its status is an error)."""
         self.counts.append(0)
 
+    def add_columns(self, counts: list[int], segment_ids: list[str], offsets: list[int],
+                    replica_in: Callable[[str], Replica]) -> None:
+        """Many objects at once: ``counts[i]`` replicas each (0: an error), then per replica
+        its ``(segment_ids[j], offsets[j])``; ``replica_in(id)`` describes a segment the first
+        time it appears (any offset and length: both are reset)."""
+        index = self._index
+        for segment_id in dict.fromkeys(segment_ids):
+            if segment_id not in index:
+                index[segment_id] = len(self._locations)
+                self._locations.append(_template(replica_in(segment_id)))
+        self.counts += counts
+        self.location += map(index.__getitem__, segment_ids)
+        self.offsets += offsets
+
     def to_pb(self) -> pb.ReplicaColumns:
         return pb.ReplicaColumns(locations=self._locations, counts=self.counts,
                                  location=self.location, offsets=self.offsets)
+
+
+def _template(r: Replica) -> pb.Replica:
+    """A location's descriptor: ``r`` without the extent's offset and length."""
+    template = replica_to_pb(r)
+    template.ClearField("offset")
+    template.ClearField("length")
+    return template
 
 
 def replicas_from_columns(columns: pb.ReplicaColumns, lengths: Sequence[int]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import heapq
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from itertools import islice
 
 _ABSENT = object()
@@ -45,6 +45,11 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def on_access(self, key: str) -> None:
         """``key`` was read; unknown keys are ignored."""
+
+    def on_access_many(self, keys: Iterable[str]) -> None:
+        """``on_access`` of each key in turn (subclasses do it without a call per key)."""
+        for key in keys:
+            self.on_access(key)
 
     @abstractmethod
     def on_remove(self, key: str) -> None:
@@ -96,6 +101,13 @@ class LRUPolicy(EvictionPolicy):
     def on_access(self, key: str) -> None:
         if self._order.pop(key, _ABSENT) is not _ABSENT:
             self._order[key] = None
+
+    def on_access_many(self, keys: Iterable[str]) -> None:
+        order = self._order
+        pop = order.pop
+        for key in keys:
+            if pop(key, _ABSENT) is not _ABSENT:
+                order[key] = None
 
     def on_remove(self, key: str) -> None:
         self._order.pop(key, None)
@@ -209,6 +221,27 @@ class PrefixAwarePolicy(EvictionPolicy):
         elif self._revived.pop(key, None) is None:
             return                                # unknown
         self._leaves[key] = self._now()
+
+    def on_access_many(self, keys: Iterable[Hashable]) -> None:
+        # ``on_access`` inlined (a read of a prompt touches hundreds of blocks), ``_now`` too:
+        # the same epochs as one call per key.
+        leaves, inner, revived = self._leaves, self._inner, self._revived
+        touches, epoch, every = self._touches, self._epoch, self._EPOCH_TOUCHES
+        for key in keys:
+            if key in leaves:
+                del leaves[key]
+                into = leaves
+            elif key in inner:
+                into = inner
+            elif revived.pop(key, None) is not None:
+                into = leaves
+            else:
+                continue                          # unknown
+            touches += 1
+            if touches % every == 0:
+                epoch = touches
+            into[key] = epoch
+        self._touches, self._epoch = touches, epoch
 
     def on_remove(self, key: Hashable) -> None:
         if (self._leaves.pop(key, None) is None and self._inner.pop(key, None) is None

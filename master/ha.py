@@ -323,7 +323,9 @@ async def serve_ha(config: MasterConfig, host: str, port: int, url: EtcdURL, *,
         for t in (task, stopping):
             t.cancel()
         await election.resign()
-        await server.stop(0 if lost else 1.0)
+        # A short grace even when the lease is lost: calls are refused already (fencing), and
+        # the manifest streams, ended first, complete instead of being cancelled.
+        await server.stop(0.2 if lost else 1.0)
         await election.close()
     if lost:
         raise MasterUnavailable("lost the leadership (the etcd lease ended); exiting so that "

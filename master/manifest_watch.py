@@ -22,7 +22,7 @@ from kvpool.master.state import ManifestDelta, MasterState
 PUSH_INTERVAL_S = 0.5
 # A put is never held longer than this by a node that is slow to take its changes: the
 # changes stay queued for the node, the put answers, and only that window is at risk.
-MAX_WAIT_S = 1.0
+MAX_WAIT_S = 3.0
 
 
 class _Watch:
@@ -38,6 +38,14 @@ class ManifestWatchers:
         self._state = state
         self._watches: dict[str, _Watch] = {}
         self._watched: set[str] = set()
+        self._closed = False
+
+    def close(self) -> None:
+        """End every stream (the master is stopping): each handler returns and its node's
+        stream completes, instead of being cancelled by the server's stop mid-wait."""
+        self._closed = True
+        for watch in self._watches.values():
+            watch.wake.set()
 
     def delivers(self, node_id: str) -> bool:
         """Whether this node's changes go by stream (it has watched once): then never by
@@ -51,7 +59,10 @@ class ManifestWatchers:
         self._watched.add(node_id)
         watch.wake.set()
         try:
-            while True:
+            # First, an empty message: the node learns that its stream is open, i.e. that from
+            # now on every put acknowledged on its segments waits for the node to be sent it.
+            yield ManifestDelta([], [])
+            while not self._closed:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(watch.wake.wait(), PUSH_INTERVAL_S)
                 watch.wake.clear()

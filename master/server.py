@@ -52,7 +52,8 @@ class MasterServer:
         """Bind and serve; return the bound ``host:port``."""
         self._server = grpc.aio.server(options=GRPC_OPTIONS,
                                        interceptors=self._interceptors or None)
-        master_pb2_grpc.add_MasterServicer_to_server(MasterServicer(self.state), self._server)
+        self._servicer = MasterServicer(self.state)
+        master_pb2_grpc.add_MasterServicer_to_server(self._servicer, self._server)
         routing_pb2_grpc.add_RouterServicer_to_server(RouterServicer(self.routing), self._server)
         try:
             self.port = self._server.add_insecure_port(f"{self._host}:{self._port}")
@@ -80,6 +81,7 @@ class MasterServer:
         if self._ticker:
             self._ticker.cancel()
         if self._server:
+            self._servicer.close_streams()
             await self._server.stop(grace_s)
         log.info("master_stopped", address=self.address)
 

@@ -89,6 +89,10 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                                     removed_keys=[k for k, _ in delta.removed],
                                     removed_versions=[v for _, v in delta.removed], moves=moves)
 
+    def close_streams(self) -> None:
+        """End the open WatchManifest streams (before the server stops)."""
+        self._watchers.close()
+
     async def WatchManifest(self, request, context):
         try:
             self._state.heartbeat(request.node_id, take_manifest=False)
@@ -191,25 +195,17 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
     async def GetReplicas(self, request, context):
         await _check_batch(request.keys, context)
-        statuses, sizes, versions, sums = [], [], [], []
+        located = self._state.locate_columns(list(request.keys))
+        statuses = [pb.STATUS_OK] * len(located.sizes)
+        for i, error in located.errors.items():
+            statuses[i] = status_for_error(error)
         columns = wire.ReplicaColumnsWriter()
-        encode = checksum.encode
-        for r in self._state.locate(list(request.keys)):
-            if isinstance(r, KVPoolError):
-                statuses.append(status_for_error(r))
-                sizes.append(0)
-                versions.append(0)
-                sums.append(0)
-                columns.skip()
-            else:
-                statuses.append(pb.STATUS_OK)
-                sizes.append(r[0])
-                versions.append(r[1])
-                sums.append(encode(r[3]))
-                columns.add_places(r[2], self._state.replica_in)
+        columns.add_columns(located.counts, located.segment_ids, located.offsets,
+                            self._state.replica_in)
         return pb.GetReplicasResponse(lease_ttl_s=self._state.config.lease_ttl_s,
-                                      statuses=statuses, sizes=sizes, versions=versions,
-                                      replicas=columns.to_pb(), checksums=sums)
+                                      statuses=statuses, sizes=located.sizes,
+                                      versions=located.versions, replicas=columns.to_pb(),
+                                      checksums=located.checksums)
 
     async def Stats(self, request, context):
         s = self._state.stats(audit=request.audit)

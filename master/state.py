@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from kvpool.common import checksum
 from kvpool.common.config import MasterConfig
 from kvpool.common.errors import (
     AlreadyExists,
@@ -73,6 +74,21 @@ class MasterStats:
     nodes: int
     demotions: int = 0       # moves one tier down completed (objects kept, not evicted)
     promotions: int = 0      # moves one tier up completed
+
+
+@dataclass(frozen=True, slots=True)
+class LocatedColumns:
+    """:meth:`MasterState.locate_columns`' answer: per key (in request order) its size,
+    version, encoded checksum (common/checksum.py) and replica count, all 0 for a key in
+    ``errors``; then per replica, key by key, its segment id and offset."""
+
+    errors: dict[int, KVPoolError]   # position in the request -> why that key was not found
+    sizes: list[int]
+    versions: list[int]
+    checksums: list[int]
+    counts: list[int]
+    segment_ids: list[str]
+    offsets: list[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -379,33 +395,69 @@ class MasterState:
 
     def locate(self, keys: Sequence[str]
                ) -> list[tuple[int, int, tuple[tuple[str, int], ...], int | None] | KVPoolError]:
-        """``get_replicas`` in raw form, for the servicer's hot path: per key ``(size, version,
-        ((segment_id, offset), ...), checksum)`` or the error; the same leases, LRU touch and
-        counting.
+        """``get_replicas`` in raw form: per key ``(size, version, ((segment_id, offset), ...),
+        checksum)`` or the error (:meth:`locate_columns` key by key).
         :meth:`replica_in` describes each segment."""
+        c = self.locate_columns(keys)
+        out: list = []
+        decode, places = checksum.decode, zip(c.segment_ids, c.offsets)
+        for i, count in enumerate(c.counts):
+            error = c.errors.get(i)
+            out.append(error if error is not None else
+                       (c.sizes[i], c.versions[i], tuple(itertools.islice(places, count)),
+                        decode(c.checksums[i])))
+        return out
+
+    def locate_columns(self, keys: Sequence[str]) -> LocatedColumns:
+        """Where each complete object lives, in columns (GetReplicas' form): each one found is
+        leased for ``lease_ttl_s``, touched in the eviction order and counted as a hit; a miss
+        is counted and explained in ``errors``. The per-key work is done by comprehensions
+        over the objects found, not a tuple per key: a lookup of a prompt is hundreds."""
         now = self._clock()
         lease_until = now + self._config.lease_ttl_s
-        objects, touch = self._objects, self._policy.on_access
+        get, touch = self._objects.get, self._policy.on_access
         disk = self._disk_segments
-        out: list = []
-        for key in keys:
-            # The hot path, inlined (a lookup of a prompt is hundreds of keys): an indexed key
-            # is a valid one, so only a miss goes through the checks that say why.
-            obj = objects.get(key) if type(key) is str else None
-            if obj is None or obj.state is not COMPLETE:
-                out.append(_attempt(self._get_one, key, now))
+        objs: list[_Object | None] = []   # None: a miss, explained in ``errors``
+        errors: dict[int, KVPoolError] = {}
+        for i, key in enumerate(keys):
+            obj = get(key) if isinstance(key, str) else None
+            if obj is None or obj.state is not COMPLETE:   # only the misses learn why
+                errors[i] = _attempt(self._get_one, key, now)
+                objs.append(None)
                 continue
-            self._hits += 1
+            objs.append(obj)
             if obj.lease_until < lease_until:
                 obj.lease_until = lease_until
-            touch(obj.key)   # the indexed str, not the request's equal copy
-            if disk and (obj.segment_id in disk or obj.more):
-                self._note_disk_read(obj, now)
-            where = ((obj.segment_id, obj.offset),)
-            if obj.more:
-                where += tuple((e.segment_id, e.offset) for e in obj.more)
-            out.append((obj.size, obj.version, where, obj.checksum))
-        return out
+            if disk:   # a read may promote: touch in order, as locate does
+                touch(obj.key)
+                if obj.segment_id in disk or obj.more:
+                    self._note_disk_read(obj, now)
+        found = [o for o in objs if o is not None] if errors else objs
+        if not disk:   # the indexed strs, not the request's equal copies
+            self._policy.on_access_many([o.key for o in found])
+        self._hits += len(found)
+        encode = checksum.encode
+        if errors:   # a miss holds zeros (and no replica) in its slot
+            sizes = [0 if o is None else o.size for o in objs]
+            versions = [0 if o is None else o.version for o in objs]
+            sums = [0 if o is None else encode(o.checksum) for o in objs]
+        else:
+            sizes = [o.size for o in found]
+            versions = [o.version for o in found]
+            sums = [encode(o.checksum) for o in found]
+        if any(o.more for o in found):   # extra replicas (rare): built key by key
+            counts = [0 if o is None else 1 + len(o.more) for o in objs]
+            segment_ids, offsets = [], []
+            for o in found:
+                segment_ids.append(o.segment_id)
+                offsets.append(o.offset)
+                segment_ids += [e.segment_id for e in o.more]
+                offsets += [e.offset for e in o.more]
+        else:
+            counts = [0 if o is None else 1 for o in objs] if errors else [1] * len(found)
+            segment_ids = [o.segment_id for o in found]
+            offsets = [o.offset for o in found]
+        return LocatedColumns(errors, sizes, versions, sums, counts, segment_ids, offsets)
 
     def replica_in(self, segment_id: str, offset: int = 0, length: int = 0) -> Replica:
         """The descriptor of ``[offset, offset + length)`` in a mounted segment."""

@@ -71,6 +71,7 @@ class StoreNode:
         self.segments: dict[str, Segment] = {}
         self._server: DataServer | None = None
         self._stop = threading.Event()
+        self._stream_open = threading.Event()   # the manifest stream to the master is open
         self._thread: threading.Thread | None = None
         self.endpoints: NodeEndpoints | None = None
         self.manifest = Manifest()
@@ -152,6 +153,7 @@ class StoreNode:
         self._mover.start()
         self._watcher = threading.Thread(target=self._watch_loop, name="manifest", daemon=True)
         self._watcher.start()
+        self._wait_stream_open()
         if self._scrubber is not None:
             self._scrubber.start()
         log.info("store_node_started", node=self.node_id, tcp=self.endpoints.tcp_endpoint,
@@ -262,10 +264,21 @@ class StoreNode:
                 for committed, removed in self._master.watch_manifest(self.node_id,
                                                                       WATCH_DEADLINE_S):
                     self._apply_manifest(committed, removed)
+                    self._stream_open.set()
             except KVPoolError as e:
+                self._stream_open.clear()
                 if self._stop.wait(self._interval_s):
                     return
                 log.debug("manifest_watch_retrying", error=str(e))
+            self._stream_open.clear()
+
+    def _wait_stream_open(self) -> None:
+        """Wait (a few heartbeats at most) for the manifest stream: until it is open, the
+        master does not hold puts on this node's segments for it, and a master killed then
+        would lose those commits from the manifest."""
+        if not self._stream_open.wait(3 * self._interval_s):
+            log.warning("manifest_stream_not_open", node=self.node_id,
+                        waited_s=3 * self._interval_s)
 
     def _report_corrupt(self, records) -> None:
         self._master.report_corrupt([r.key for r in records], [r.version for r in records],
@@ -276,6 +289,8 @@ class StoreNode:
         last one marked done; objects the master refuses (Conflict) are forgotten. Retried
         from the start if a call fails: mounting and announcing again are harmless."""
         self._mount_all(recovering=True)
+        # New objects come here once the announcement is done: by then the stream must be open.
+        self._wait_stream_open()
         started = time.monotonic()
         batches = self.manifest.batches(ANNOUNCE_BATCH) or [[]]
         indexed = 0

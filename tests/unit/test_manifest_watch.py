@@ -1,5 +1,5 @@
-"""ManifestWatchers: a flush returns once the node's stream has yielded the queued changes;
-nobody waits for a node that does not watch."""
+"""ManifestWatchers: a stream opens with an empty message; a flush returns once the node's
+stream has yielded the queued changes; nobody waits for a node that does not watch."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def test_flush_waits_for_the_stream_to_take_the_changes(clock):
         await asyncio.sleep(0)                # the stream registers
         put(state, "a", crc=1)
         await watchers.flush(state.nodes_with_changes())
-        assert sent == [["a"]]                # sent before flush returned
+        assert sent == [[], ["a"]]            # "open" first; the change before flush returned
         assert watchers.delivers("n1")
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

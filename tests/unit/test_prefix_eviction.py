@@ -133,3 +133,22 @@ def test_link_refuses_cycles_unknown_keys_and_second_parents():
     lru.on_insert("x")
     lru.on_insert("y")
     assert not lru.link("y", "x") and lru.parent_of("y") is None and "x" in lru
+
+
+def test_on_access_many_is_on_access_key_by_key():
+    def build(policy):
+        chain(policy, [f"a{i}" for i in range(300)])
+        chain(policy, ["s", "t"])
+        chain(policy, ["u"], parent="s")
+        policy.on_remove("u")             # s stays inner (t below it)
+        policy.on_remove("a299")          # a298 is revived: a leaf again in its own turn
+        return policy
+
+    touches = ["unknown", "a298", "s", "t", "a0"] + [f"a{i}" for i in range(0, 600, 2)] * 2
+    for make in (PrefixAwarePolicy, LRUPolicy):
+        one, many = build(make()), build(make())
+        for key in touches:
+            one.on_access(key)
+        many.on_access_many(touches)
+        assert vars(one) == vars(many)
+        assert list(one.candidates()) == list(many.candidates())

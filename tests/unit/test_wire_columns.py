@@ -29,7 +29,7 @@ def test_replica_columns_round_trip():
     assert wire.replicas_from_columns(msg.replicas, lengths) == [tuple(o) for o in objects]
 
 
-def test_add_places_describes_each_segment_once():
+def test_add_columns_describes_each_segment_once():
     calls = []
 
     def replica_in(segment_id: str) -> Replica:
@@ -37,11 +37,11 @@ def test_add_places_describes_each_segment_once():
         return Replica(A, Extent(segment_id, 0, 0))
 
     writer = wire.ReplicaColumnsWriter()
-    writer.add_places([("sa", 0)], replica_in)
-    writer.add_places([("sa", 64), ("sb", 0)], replica_in)
+    writer.add_columns([1, 0], ["sa"], [0], replica_in)
+    writer.add_columns([2], ["sa", "sb"], [64, 0], replica_in)
     assert calls == ["sa", "sb"]
-    got = wire.replicas_from_columns(writer.to_pb(), [64, 32])
-    assert got == [(Replica(A, Extent("sa", 0, 64)),),
+    got = wire.replicas_from_columns(writer.to_pb(), [64, 0, 32])
+    assert got == [(Replica(A, Extent("sa", 0, 64)),), (),
                    (Replica(A, Extent("sa", 64, 32)), Replica(A, Extent("sb", 0, 32)))]
 
 
