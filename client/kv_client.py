@@ -448,7 +448,7 @@ class KVClient:
     # -- internals --
     def _transport_for(self, replica: Replica) -> Transport | None:
         for t in self._transports:   # in preference order
-            if t.can_reach(replica.node) and (replica.tier == "dram" or t.scheme == "tcp"):
+            if t.can_reach(replica.node) and _serves(t.scheme, replica):
                 return t
         return None
 
@@ -532,6 +532,17 @@ class KVClient:
             errs = (t.write if write else t.read)([op for _, op in group])
             out += [(i, e) for (i, _), e in zip(group, errs)]
         return out
+
+
+def _serves(scheme: str, replica: Replica) -> bool:
+    """Whether a transport of ``scheme`` can move ``replica``'s bytes: shm maps DRAM only;
+    rdma reaches what the node registered (DRAM, and HBM through a dma-buf); tcp reaches
+    every tier, the node copying through staging (HBM) or doing the file I/O (disk)."""
+    if scheme == "shm":
+        return replica.tier == "dram"
+    if scheme == "rdma":
+        return bool(replica.rdma_rkey)
+    return True
 
 
 def _validate_keys(keys: Sequence[str]) -> tuple[list, list[int]]:

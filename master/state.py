@@ -47,6 +47,9 @@ from kvpool.master.placement import choose_segments
 
 PENDING, COMPLETE = ObjectState.PENDING, ObjectState.COMPLETE
 _MAX_SHARED_SIZES = 1024
+# Children waiting for a parent that is not stored yet (see _put_end_one); past this many,
+# new ones are plain chain heads. Bounds the master's memory against parents that never come.
+_MAX_WAITING = 1 << 16
 T = TypeVar("T")
 
 
@@ -426,8 +429,7 @@ class MasterState:
                 objs.append(None)
                 continue
             objs.append(obj)
-            if obj.lease_until < lease_until:
-                obj.lease_until = lease_until
+            obj.lease_until = max(obj.lease_until, lease_until)
             if disk:   # a read may promote: touch in order, as locate does
                 touch(obj.key)
                 if obj.segment_id in disk or obj.more:
@@ -631,12 +633,16 @@ class MasterState:
         obj.state = COMPLETE
         obj.checksum = checksum
         self._pending -= 1
-        # The indexed strs, not the request's equal copies. A parent evicted or not yet put is
-        # not linked: this block is then a chain head to the policy (it can still go first).
+        # The indexed strs, not the request's equal copies. A parent not stored yet (still
+        # pending, or put later) is waited for, up to _MAX_WAITING children: linked when it
+        # comes; meanwhile this block is a chain head to the policy (it can go first).
         parent = self._objects.get(obj.parent) if obj.parent else None
+        if parent is not None and parent.state is COMPLETE:
+            link: str | None = parent.key
+        else:
+            link = obj.parent if obj.parent and self._may_wait() else None
         # Put straight to disk (DRAM was full), the block waits there for its parent.
-        self._track(obj.key, parent.key if parent is not None and parent.state is COMPLETE
-                    else None, obj.segment_id in self._disk_segments)
+        self._track(obj.key, link, obj.segment_id in self._disk_segments)
         # The manifest records keep the parent named (linked again after a master restart);
         # the index does not: the records go to the nodes with the next heartbeat.
         named, obj.parent = obj.parent, None
@@ -687,13 +693,11 @@ class MasterState:
         self._announce_pin(obj, r)
 
     def _announce_pin(self, obj: _Object, r: ObjectRecord) -> None:
-        """Hard-pin an announced object recorded as pinned, as far as the quota allows now
-        (segments still to be mounted count towards it once they are)."""
+        """Hard-pin an announced object recorded as pinned. Not checked against the quota:
+        it was granted within it, and after a master restart the quota counts only the
+        segments mounted so far (the rest come with nodes still to announce)."""
         if r.pinned and not obj.pinned:
-            try:
-                self._pin_one(obj.key, None, self._clock())
-            except NoSpace:
-                pass   # over the quota as mounted so far: kept, unpinned
+            self._pin_one(obj.key, None, self._clock(), quota=False)
 
     def _drop_corrupt_one(self, key: str, version: int, segment_id: str, now: float) -> None:
         validate_key(key)
@@ -727,7 +731,7 @@ class MasterState:
         else:
             self._free_now(obj.replicas)
 
-    def _pin_one(self, key: str, ttl_s: float | None, now: float) -> None:
+    def _pin_one(self, key: str, ttl_s: float | None, now: float, quota: bool = True) -> None:
         obj = self._complete(key)
         if ttl_s is not None:
             if not obj.pinned:
@@ -738,11 +742,11 @@ class MasterState:
         if obj.pinned:
             return
         size = self._pin_size(obj)
-        quota = self._config.pin_quota_fraction * sum(
+        limit = self._config.pin_quota_fraction * sum(
             s.allocator.capacity_bytes for s in self._segments.values())
-        if self._hard_pinned_bytes + size > quota:
+        if quota and self._hard_pinned_bytes + size > limit:
             raise NoSpace(f"{key!r}: hard pins would hold {self._hard_pinned_bytes + size} "
-                          f"bytes, over the quota of {int(quota)} (pin_quota_fraction "
+                          f"bytes, over the quota of {int(limit)} (pin_quota_fraction "
                           f"{self._config.pin_quota_fraction} of the capacity); unpin some, "
                           "or pin with a ttl_s (a soft pin)")
         obj.pinned = True
@@ -1031,6 +1035,16 @@ class MasterState:
                     left.append(child)
             if left:
                 self._waiting[key] = left
+
+    def _may_wait(self) -> bool:
+        """Room for one more child waiting for its parent (entries of children that left
+        are pruned first when the table is full)."""
+        if len(self._waiting_for) < _MAX_WAITING and len(self._waiting) < _MAX_WAITING:
+            return True
+        waiting_for = self._waiting_for
+        self._waiting = {p: live for p, kids in self._waiting.items()
+                         if (live := [c for c in kids if waiting_for.get(c) == p])}
+        return len(waiting_for) < _MAX_WAITING and len(self._waiting) < _MAX_WAITING
 
     def _parent_of(self, key: str, disk: bool) -> str | None:
         """The parent ``key`` is linked to or waits for, in its tier's policy."""

@@ -116,9 +116,9 @@ class StoreNode:
                                             required=self._rdma_device is not None)
             if self._rdma is not None:
                 for sid, seg in self.segments.items():
-                    # DRAM only: registering the disk tier would pin (read in) the whole
-                    # file; HBM would need a dma-buf region (not done: see hbm.py).
-                    if seg.info.tier == "dram":
+                    # Not the disk tier: registering it would pin (read in) the whole file.
+                    # HBM through a dma-buf where it can be (see hbm.py), else not at all.
+                    if seg.info.tier in ("dram", "hbm"):
                         self._published[sid] = self._rdma.register(seg)
             self._server = DataServer(self.segments, self._host, self._port, shm=self._shm,
                                       rdma=self._rdma)

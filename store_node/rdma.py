@@ -9,6 +9,7 @@ pyverbs is imported only by :func:`open_node_rdma`, so a node without RDMA never
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 
 from kvpool.common.errors import InvalidArgument, KVPoolError
@@ -51,7 +52,10 @@ class NodeRDMA:
 
     def register(self, segment: Segment) -> SegmentInfo:
         """Register ``segment`` (local write, remote read, remote write); return its info with
-        the region's address and rkey, to mount on the master."""
+        the region's address and rkey, to mount on the master. Device memory goes through
+        :meth:`_register_dmabuf`."""
+        if not segment.host_addressable:
+            return self._register_dmabuf(segment)
         view = segment.buffer
         addr = self._verbs.buffer_address(view)
         with self._lock:
@@ -62,6 +66,35 @@ class NodeRDMA:
         log.info("segment_registered_for_rdma", segment=segment.info.segment_id,
                  size_bytes=view.nbytes, rkey=mr.rkey)
         return dataclasses.replace(segment.info, rdma_addr=addr, rdma_rkey=mr.rkey)
+
+    def _register_dmabuf(self, segment: Segment) -> SegmentInfo:
+        """Device memory (HBM) as a dma-buf region: its addresses start at 0 (see
+        verbs.Device.register_dmabuf). Where the segment cannot be exported or the device
+        refuses the dma-buf, the segment stays unregistered (its info returned as is): it is
+        then served over tcp through the node's pinned staging buffer, and the log says why."""
+        from kvpool.store_node.hbm import DmaBufUnavailable
+        info = segment.info
+        try:
+            export = getattr(segment, "export_dmabuf", None)
+            if export is None:
+                raise DmaBufUnavailable(f"a {info.tier} segment has no dma-buf")
+            fd = export()
+            try:
+                with self._lock:
+                    if self._closed:
+                        raise KVPoolError("node RDMA is closed")
+                    mr = self._dev.register_dmabuf(fd, info.size_bytes, self._verbs.REMOTE_ACCESS)
+                    self._mrs[info.segment_id] = mr
+            finally:
+                os.close(fd)   # the region holds its own reference to the dma-buf
+        except (DmaBufUnavailable, self._verbs.PyverbsError) as exc:
+            log.warning("segment_not_registered_for_rdma", segment=info.segment_id,
+                        tier=info.tier, reason=str(exc),
+                        served_by="tcp through pinned host staging")
+            return info
+        log.info("segment_registered_for_rdma", segment=info.segment_id, tier=info.tier,
+                 size_bytes=info.size_bytes, rkey=mr.rkey, via="dma-buf")
+        return dataclasses.replace(info, rdma_addr=0, rdma_rkey=mr.rkey)
 
     def deregister(self, segment_id: str) -> None:
         """Deregister a segment before its memory is released. A no-op if not registered."""

@@ -107,6 +107,7 @@ def kvpool_figures(kv, transport: str, shape: Shape, repeats: int, src: np.ndarr
     """Batched (or single-value) put then get_into of the same bytes, fresh keys per repeat;
     ``settle_s``: a pause (untimed) after each repeat's removal, for its space to be freed."""
     dst = np.zeros_like(src)
+    dst.fill(0)   # fault the destination's pages in before timing, as memcpy's are
     src_rows, dst_rows = list(src), list(dst)
     single = shape.objects_per_call == 1
     put, get = [], []

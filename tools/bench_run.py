@@ -29,6 +29,9 @@ from kvpool.tools.bench_report import Figure, build_report, format_table, write_
 _SEGMENT_HEADROOM = 4
 _LEASE_S = 1.0
 _SMALL_MASTER_VALUE_BYTES = 64   # on an existing cluster's real nodes
+# Calls per repeat of the small batch: one call takes a few ms, so a repeat of one call would
+# be a median of a handful of samples, at the mercy of a single scheduler hiccup.
+_SMALL_CALLS = 4
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ class BenchConfig:
     def shapes(self) -> list[w.Shape]:
         return ([w.Shape("single", s, 1, self.single_calls) for s in self.sizes]
                 + [w.Shape("prompt", self.block_bytes, self.prompt_blocks, 1),
-                   w.Shape("small", self.small_bytes, self.small_blocks, 1)])
+                   w.Shape("small", self.small_bytes, self.small_blocks, _SMALL_CALLS)])
 
 
 def _say(message: str) -> None:

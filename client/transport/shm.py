@@ -28,9 +28,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from kvpool.client.transport.base import (
-    IoOp, Transport, byte_views, group_by, recv_exact)
-from kvpool.common.checksum import checksum
+from kvpool.client.transport.base import IoOp, Transport, byte_views, group_by, recv_exact
+from kvpool.common.checksum import Checksums, checksum
 from kvpool.common.errors import ClientClosed, InvalidArgument, SegmentBoundsError, TransportError
 from kvpool.common.frames import (
     HANDOFF_REQUEST,
@@ -53,13 +52,16 @@ _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)   # Linux 5.14+
 # the batch size from which a helper thread takes half of the copying (read_extents too).
 _SUM_CHUNK_BYTES = 512 << 10
 _SPLIT_MIN_BYTES = 8 << 20
+# write_summed: runs at least this large on average are copied whole (one memcpy streams a
+# large run faster than cache-sized pieces do) while a helper thread checksums the source.
+_STREAM_RUN_BYTES = 32 << 20
 # Not POLLIN: another thread's hand-off reply may be sitting in the socket. A peer that closes
 # (or dies) sets RDHUP/HUP on a unix stream socket; ERR/NVAL are reported regardless.
 _DEAD = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 
 class _Mapping:
-    __slots__ = ("mmap", "view", "size")
+    __slots__ = ("mmap", "size", "view")
 
     def __init__(self, mm: mmap.mmap, size: int) -> None:
         self.mmap = mm
@@ -441,13 +443,34 @@ class SHMTransport(Transport):
                     return exc, [j for j, _ in items[pos:]]
             return None, []
 
-        if len(ready) < 2 or sum(views[i].nbytes for i, _ in ready) < _SPLIT_MIN_BYTES:
+        total = sum(views[i].nbytes for i, _ in ready)
+        if len(ready) < 2 or total < _SPLIT_MIN_BYTES:
             return write(ready)
+        runs = _adjacent_runs(ready, ops, views)
+        if total >= _STREAM_RUN_BYTES * len(runs):
+            return self._write_runs_summed(link, runs, ops, views, sums)
         half = _split_by_bytes(ready, lambda item: views[item[0]].nbytes)
         second = self._helper().submit(write, ready[half:])
         first_exc, first_undone = write(ready[:half])
         second_exc, second_undone = second.result()
         return first_exc or second_exc, first_undone + second_undone
+
+    @staticmethod
+    def _write_runs_summed(link: _NodeLink, runs: list[list[tuple[int, _Mapping]]],
+                           ops: Sequence[IoOp], views: list[memoryview], sums: list
+                           ) -> tuple[TransportError | None, list[int]]:
+        """Large runs: one memcpy per run in this thread (a copy that large streams past the
+        cache), while a helper thread checksums the caller's buffers (:class:`Checksums`)."""
+        order = [i for run in runs for i, _ in run]
+        with Checksums([views[i] for i in order]) as checksums:
+            for k, run in enumerate(runs):
+                try:
+                    _copy_run(link, run, ops, views, True)
+                except TransportError as exc:
+                    return exc, [i for later in runs[k:] for i, _ in later]
+            for i, crc in zip(order, checksums.result()):
+                sums[i] = crc
+        return None, []
 
     def _helper(self) -> ThreadPoolExecutor:
         with self._lock:

@@ -112,6 +112,15 @@ class Device:
         """Register caller-owned memory (pinned until the MR is closed)."""
         return MR(self.pd, length, access, address=address)
 
+    def register_dmabuf(self, fd: int, length: int, access: int = REMOTE_ACCESS) -> MR:
+        """Register ``length`` bytes of a dma-buf (e.g. GPU memory exported by its driver)
+        from its start. pyverbs passes the dma-buf offset (0) as the region's I/O virtual
+        address: remote reads and writes address its byte k as ``0 + k``. Raises
+        PyverbsError where the device or its driver cannot (EOPNOTSUPP on soft-RoCE, and on
+        NICs without peer-memory support)."""
+        from pyverbs.mr import DmaBufMR
+        return DmaBufMR(self.pd, length, access, dmabuf=fd, offset=0)
+
     def create_qp(self, depth: int) -> tuple[QP, CQ]:
         """An RC queue pair (in RESET) with its own completion queue of ``depth`` entries."""
         cq = CQ(self.ctx, depth)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from kvpool.client.transport import shm
 from kvpool.client.transport.base import IoOp
 from kvpool.client.transport.shm import SHMTransport
 from kvpool.common.checksum import checksum
@@ -107,6 +108,30 @@ def test_write_summed_lands_the_bytes_and_returns_each_ops_crc(node, blocks, blo
         dst = np.zeros_like(src)
         assert transport.read([IoOp(r, memoryview(row)) for r, row in zip(replicas, dst)]) \
             == [None] * blocks
+        assert np.array_equal(dst, src)
+    finally:
+        transport.close()
+
+
+def test_write_summed_streams_long_runs_while_a_helper_checksums(node, monkeypatch):
+    """Runs long enough are copied whole while a helper thread takes the checksums: the bytes
+    and CRCs must be those of the fused path, and a refused op still fails alone."""
+    monkeypatch.setattr(shm, "_STREAM_RUN_BYTES", 1 << 20)
+    monkeypatch.setattr(shm, "_SPLIT_MIN_BYTES", 1 << 20)
+    block = 1 << 20
+    transport = SHMTransport()
+    try:
+        src = np.random.default_rng(9).integers(0, 256, size=(6, block), dtype=np.uint8)
+        replicas = [node.replica(0, k * block, block) for k in range(6)]   # one run
+        bad = node.replica(1, node.segments[1].size_bytes, block)
+        errors, sums = transport.write_summed(
+            [*(IoOp(r, memoryview(row)) for r, row in zip(replicas, src)),
+             IoOp(bad, memoryview(src[0]))])
+        assert errors[:6] == [None] * 6 and isinstance(errors[6], SegmentBoundsError)
+        assert sums == [checksum(row) for row in src] + [None]
+        dst = np.zeros_like(src)
+        assert transport.read([IoOp(r, memoryview(row)) for r, row in zip(replicas, dst)]) \
+            == [None] * 6
         assert np.array_equal(dst, src)
     finally:
         transport.close()

@@ -163,3 +163,42 @@ def test_a_parent_never_announced_leaves_its_child_a_plain_head(clock):
     assert new.announce_objects("n1", recs, done=True) == [None, None]
     assert not new._waiting and not new._waiting_for
     assert eviction_order(new, clock, ["c", "d"]) == ["c", "d"]
+
+
+@pytest.mark.parametrize("pending", [False, True], ids=["put-later", "pending"])
+def test_a_parent_stored_after_its_child_is_linked_when_it_comes(clock, pending):
+    """A child committed before its parent (the parent put later, or still pending in another
+    client's put) waits for it: once the parent is stored, the chain goes tail first."""
+    state = make_state(clock)
+    state.mount_segment(endpoints("n1"), SegmentInfo("s", 3 * BLOCK))
+    if pending:
+        state.put_start(["p"], [BLOCK])
+    state.put_start(["c"], [BLOCK], parents=["p"])
+    assert state.put_end(["c"]) == [None]
+    clock.advance(1)
+    if not pending:
+        state.put_start(["p"], [BLOCK])
+    assert state.put_end(["p"]) == [None]   # the newest block: as a head it would go last
+    clock.advance(1)
+    state.put_start(["q"], [BLOCK])
+    state.put_end(["q"])
+    state.get_replicas(["c"])   # the child is the most recently used
+    assert eviction_order(state, clock, ["p", "c", "q"]) == ["q", "c", "p"]
+    assert not state._waiting and not state._waiting_for
+
+
+def test_children_waiting_for_parents_that_never_come_are_bounded(clock, monkeypatch):
+    import kvpool.master.state as master_state
+    monkeypatch.setattr(master_state, "_MAX_WAITING", 4)
+    state = make_state(clock)
+    state.mount_segment(endpoints("n1"), SegmentInfo("s", 16 * BLOCK))
+    for i in range(10):
+        state.put_start([f"c{i}"], [BLOCK], parents=[f"lost{i}"])
+        state.put_end([f"c{i}"])
+        if i % 2:
+            state.remove([f"c{i}"])   # a child that leaves stops waiting
+    # The removed children's entries were pruned to make room; past 4, c8 waits for nothing.
+    assert sorted(state._waiting_for) == ["c0", "c2", "c4", "c6"] and len(state._waiting) == 4
+    state.put_start(["lost0"], [BLOCK])
+    state.put_end(["lost0"])
+    assert "c0" not in state._waiting_for and "lost0" not in state._waiting

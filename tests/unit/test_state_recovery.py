@@ -241,3 +241,29 @@ def test_hard_pins_travel_in_the_manifest_and_come_back_after_a_restart(clock):
     put(new, "e")                  # the segment is full: b goes, never the pinned a
     assert new.exists(["a", "b"]) == [True, False]
     assert [r.pinned for r in new.heartbeat("n1").committed if r.key == "a"] == [True]
+
+
+def test_pins_restored_after_a_restart_are_not_held_to_a_partly_mounted_quota(clock):
+    """Hard pins granted across two nodes come back whole although the first node to announce
+    holds more than the quota of the segments mounted so far; new pins past the quota are
+    still refused."""
+    old = make_state(clock)
+    mount(old, "n1", "s-n1", size=4 * 64, keeps_manifest=True)
+    for k in ("a", "b", "c"):
+        put(old, k)
+    mount(old, "n2", "s-n2", size=4 * 64, keeps_manifest=True)
+    assert old.pin(["a", "b", "c"]) == [None] * 3   # 192 bytes, quota 0.5 x 512 = 256
+    manifest = {r.key: r for r in old.heartbeat("n1").committed}   # the last record wins
+    assert sorted(manifest) == ["a", "b", "c"] and all(r.pinned for r in manifest.values())
+
+    new = make_state(clock)
+    mount(new, "n1", "s-n1", size=4 * 64, keeps_manifest=True, recovering=True)
+    # n2 has not mounted yet: the quota so far is 0.5 x 256 = 128 < 192.
+    assert new.announce_objects("n1", list(manifest.values()), done=True) == [None] * 3
+    assert [new._objects[k].pinned for k in "abc"] == [True] * 3
+    mount(new, "n2", "s-n2", size=4 * 64, keeps_manifest=True, recovering=True)
+    assert new.announce_objects("n2", [], done=True) == []
+    put(new, "d")
+    assert new.pin(["d"]) == [None]                          # 256: at the quota
+    put(new, "e")
+    assert isinstance(new.pin(["e"])[0], NoSpace)             # 320: over it
