@@ -15,6 +15,15 @@ from kvpool.common.errors import (
 )
 
 __all__ = [
-    "KVClient", "KVPoolError", "InvalidArgument", "ObjectNotFound", "AlreadyExists", "NoSpace",
-    "ValueTooLarge", "NodeUnavailable", "MasterUnavailable", "ClientClosed", "TransportError",
+    "AlreadyExists",
+    "ClientClosed",
+    "InvalidArgument",
+    "KVClient",
+    "KVPoolError",
+    "MasterUnavailable",
+    "NoSpace",
+    "NodeUnavailable",
+    "ObjectNotFound",
+    "TransportError",
+    "ValueTooLarge",
 ]

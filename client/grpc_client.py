@@ -12,7 +12,12 @@ import grpc
 from kvpool.client.leader import MasterTargets
 from kvpool.common.addresses import LEADER_METADATA, parse_address
 from kvpool.common.errors import (
-    ClientClosed, HashSpecMismatch, InvalidArgument, KVPoolError, MasterUnavailable)
+    ClientClosed,
+    HashSpecMismatch,
+    InvalidArgument,
+    KVPoolError,
+    MasterUnavailable,
+)
 from kvpool.common.wire import GRPC_OPTIONS
 
 __all__ = ["GrpcClient", "map_rpc_error", "parse_address"]
@@ -192,6 +197,6 @@ def _leader_hint(error: grpc.RpcError | None) -> str | None:
         return None
     try:
         metadata = error.trailing_metadata() or ()
-    except Exception:   # an error raised before any call was made carries none
+    except Exception:  # noqa: BLE001 - none before a call is made; a hint must never raise
         return None
     return next((v for k, v in metadata if k == LEADER_METADATA), None) or None

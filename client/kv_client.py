@@ -11,6 +11,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from typing import Self
 
 import numpy as np
 from kvpool.client.buffers import byte_view
@@ -74,7 +75,7 @@ class KVClient:
         return self._master.address
 
     # -- lifecycle --
-    def __enter__(self) -> KVClient:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -16,6 +16,7 @@ import queue
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Self
 
 import grpc
 from kvpool.client.grpc_client import GrpcClient, map_rpc_error
@@ -143,7 +144,7 @@ class KVEventStream:
             raise ClientClosed("the event stream ended")
         raise map_rpc_error(e, "event stream")
 
-    def __enter__(self) -> KVEventStream:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Self
 
 import msgpack
 from kvpool.client.router import RouterClient
@@ -242,7 +243,7 @@ class ZMQEventBridge:
             raise self.error
         return applied
 
-    def __enter__(self) -> ZMQEventBridge:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc) -> None:

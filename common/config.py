@@ -61,7 +61,7 @@ def parse_duration(text: str | float) -> float:
     return seconds
 
 
-def format_size(n: int | float) -> str:
+def format_size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

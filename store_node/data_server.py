@@ -27,6 +27,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Mapping
+from typing import Self
 
 from kvpool.client.transport.base import send_all
 from kvpool.common.frames import (
@@ -170,7 +171,7 @@ class DataServer:
                 pass
         log.info("data_server_stopped", tcp_endpoint=self.tcp_endpoint)
 
-    def __enter__(self) -> DataServer:
+    def __enter__(self) -> Self:
         self.start()
         return self
 
@@ -363,8 +364,8 @@ class DataServer:
         size = segment.info.size_bytes
         if offset + length > size:   # offset/length are unsigned on the wire
             return (None, FrameStatus.OUT_OF_BOUNDS,
-                    f"[{offset}, {offset + length}) is outside segment {segment_id!r} "
-                    f"of {size} bytes")
+                    (f"[{offset}, {offset + length}) is outside segment {segment_id!r} "
+                     f"of {size} bytes"))
         try:
             return segment.buffer[offset:offset + length], FrameStatus.OK, ""
         except ValueError:   # unmounted and closed between the lookup and the slice

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from typing import Self
 
 import numpy as np
 
@@ -43,7 +44,7 @@ def _spawn(argv: Sequence[str]) -> subprocess.Popen:
     from kvpool.tools.cluster import _die_with_parent
     return subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=_die_with_parent)
+                            preexec_fn=_die_with_parent)  # noqa: PLW1509 - PDEATHSIG, fork-safe
 
 
 def _stop(proc: subprocess.Popen | None, timeout_s: float = 10.0) -> None:
@@ -80,7 +81,7 @@ class RawTCPPeer:
         self.proc: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
 
-    def __enter__(self) -> RawTCPPeer:
+    def __enter__(self) -> Self:
         try:
             self.proc = _spawn([sys.executable, "-m", "kvpool.tools.bench_peers", "raw-tcp"])
             line = _ready_line(self.proc, "raw-tcp")
@@ -161,7 +162,7 @@ class RedisPeer:
         self.port = 0
         self.client = None
 
-    def __enter__(self) -> RedisPeer:
+    def __enter__(self) -> Self:
         if not self.executable:
             raise PeerUnavailable("redis-server is not installed (Debian: apt-get install "
                                   "redis-server)")

@@ -9,10 +9,24 @@ import signal
 import sys
 import threading
 
-from kvpool.common.config import EVICTION_POLICIES, ConfigError, MasterConfig, format_size, load, parse_size
+from kvpool.common.config import (
+    EVICTION_POLICIES,
+    ConfigError,
+    MasterConfig,
+    format_size,
+    load,
+    parse_size,
+)
 from kvpool.common.errors import KVPoolError
 from kvpool.tools import bench, kv_events_cmd, replay, soak
-from kvpool.tools.argtypes import count_type, duration_type, fraction_type, port_type, size_type, size_or_off_type
+from kvpool.tools.argtypes import (
+    count_type,
+    duration_type,
+    fraction_type,
+    port_type,
+    size_or_off_type,
+    size_type,
+)
 
 DEFAULT_MASTER_PORT = 50051
 
@@ -201,7 +215,7 @@ def _cmd_master(args) -> int:
                   low_watermark=args.low_watermark, default_replicas=args.replicas,
                   eviction=args.eviction, promote_window_s=args.promote_window,
                   pin_quota_fraction=args.pin_quota)
-    announce = lambda addr: print(f"master: {addr}", flush=True)  # noqa: E731
+    announce = lambda addr: print(f"master: {addr}", flush=True)
     if args.ha:
         from kvpool.common.addresses import parse_etcd_url
         from kvpool.master.ha import serve_ha

@@ -16,7 +16,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Self
 
 READY_TIMEOUT_S = 30.0
 _PR_SET_PDEATHSIG = 1
@@ -47,7 +47,8 @@ class Proc:
             [*launcher, sys.executable, "-m", "kvpool", *argv], stdout=subprocess.PIPE,
             stderr=log if log is not None else None, stdin=subprocess.DEVNULL,
             # Ctrl-C in a terminal reaches only us, and we stop the children in order.
-            start_new_session=True, preexec_fn=_die_with_parent)
+            start_new_session=True,
+            preexec_fn=_die_with_parent)  # noqa: PLW1509 - sets PDEATHSIG; prctl is fork-safe
 
     def wait_ready(self, prefix: str, timeout_s: float = READY_TIMEOUT_S) -> str:
         """Block until the child prints ``prefix: VALUE``; return VALUE."""
@@ -138,7 +139,7 @@ class LocalCluster:
         if self.log_dir is None:
             return None
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        f = open(self.log_dir / f"{name}.log", "ab")
+        f = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - open for the child's life
         self._logs.append(f)
         return f
 
@@ -238,7 +239,7 @@ class LocalCluster:
             shutil.rmtree(self._disk_tmp, ignore_errors=True)
             self._disk_tmp = None
 
-    def __enter__(self) -> LocalCluster:
+    def __enter__(self) -> Self:
         self.start()
         return self
 

@@ -9,6 +9,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Self
 
 from kvpool.tools.cluster import ClusterError, _die_with_parent
 
@@ -52,15 +53,15 @@ class EtcdServer:
         """Start etcd and wait until it answers; return its ``etcd://`` URL."""
         self.port, peer = _free_port(), _free_port()
         client_url, peer_url = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{peer}"
-        log = open(self.data_dir / "etcd.log", "ab")
-        self.proc = subprocess.Popen(
-            [self._binary, "--name", "kvpool-test", "--data-dir", str(self.data_dir / "data"),
-             "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
-             "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-             "--initial-cluster", f"kvpool-test={peer_url}", "--log-level", "warn"],
-            stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
-            preexec_fn=_die_with_parent)
-        log.close()
+        # The child holds its own copy of the descriptor; ours is closed once it is spawned.
+        with open(self.data_dir / "etcd.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                [self._binary, "--name", "kvpool-test", "--data-dir", str(self.data_dir / "data"),
+                 "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+                 "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+                 "--initial-cluster", f"kvpool-test={peer_url}", "--log-level", "warn"],
+                stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
+                preexec_fn=_die_with_parent)  # noqa: PLW1509 - sets PDEATHSIG; fork-safe
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -91,7 +92,7 @@ class EtcdServer:
         if self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
-    def __enter__(self) -> EtcdServer:
+    def __enter__(self) -> Self:
         self.start()
         return self
 

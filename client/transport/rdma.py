@@ -36,8 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvpool.client.buffers import byte_view
-from kvpool.client.transport.base import (
-    IoOp, Transport, byte_views, group_by, recv_exact)
+from kvpool.client.transport.base import IoOp, Transport, byte_views, group_by, recv_exact
 from kvpool.common.errors import ClientClosed, KVPoolError, SegmentBoundsError, TransportError
 from kvpool.common.frames import (
     MAX_ERROR_BYTES,

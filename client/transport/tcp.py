@@ -21,7 +21,13 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 
 from kvpool.client.transport.base import (
-    IoOp, Transport, byte_views, group_by, recv_exact_into, send_all)
+    IoOp,
+    Transport,
+    byte_views,
+    group_by,
+    recv_exact_into,
+    send_all,
+)
 from kvpool.common.errors import (
     ClientClosed,
     InvalidArgument,

@@ -139,7 +139,7 @@ class Hosts:
         return [n for n in [*self.ns, *self.host_if, self.bridge] if n in names]
 
     def _log(self, name: str):
-        f = open(self.log_dir / f"{name}.log", "ab")
+        f = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - open for the child's life
         self._logs.append(f)
         return f
 

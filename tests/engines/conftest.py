@@ -145,7 +145,7 @@ def engine(vllm_python, tiny_model, tmp_path):
 @pytest.fixture
 def kv_cluster(tmp_path):
     """``kv_cluster(nodes=1, master_args=...)``: a real master and store nodes, stopped after
-    the test."""
+    the test, which fails if any of them logged a traceback."""
     made: list[LocalCluster] = []
 
     def start(nodes: int = 1, master_args=()) -> LocalCluster:
@@ -159,6 +159,8 @@ def kv_cluster(tmp_path):
     yield start
     for c in made:
         c.stop()
+    for log in tmp_path.glob("cluster*/*.log"):   # as tests/integration's run_cluster checks
+        assert "Traceback" not in log.read_text(), f"traceback in {log.name}"
 
 
 @pytest.fixture(scope="session")

@@ -9,13 +9,14 @@ import sys
 import time
 
 import pytest
-from kvpool.client import KVClient
+from kvpool.client import KVClient, ObjectNotFound
 
 KVPOOL = [sys.executable, "-m", "kvpool"]
 
 
 def kvpool(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([*KVPOOL, *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([*KVPOOL, *args], capture_output=True, text=True, timeout=timeout,
+                          check=False)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -65,7 +66,7 @@ def test_up_stat_and_clean_ctrl_c(tmp_path):
         with KVClient(master) as kv:
             kv.put("hello", b"world")
             assert kv.get("hello") == b"world"
-            with pytest.raises(Exception):
+            with pytest.raises(ObjectNotFound):
                 kv.get("absent")
         stat = kvpool("stat", "--master", master)
         assert stat.returncode == 0, stat.stderr

@@ -22,7 +22,7 @@ WORKLOAD = str(Path(__file__).with_name("workload.py"))
 
 def run_workload(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, WORKLOAD, *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, check=False)
 
 
 @pytest.mark.parametrize("reader_transports", ["shm,tcp", "tcp"])

@@ -13,7 +13,6 @@ import pytest
 from kvpool.client import KVClient
 from kvpool.common.errors import KVPoolError, MasterUnavailable, ObjectNotFound
 
-
 RECOVERY_LIMIT_S = 60.0    # a bound for the test to give up, not a performance target
 
 

@@ -39,7 +39,7 @@ def transport(request):
 
 
 def test_segments_are_looked_up_per_request(served, transport):
-    server, segments, node = served
+    _server, segments, node = served
     late = create_dram_segment("local", 2, 4096)
     replica = Replica(node, Extent(late.info.segment_id, 0, 4))
     assert isinstance(transport.write([IoOp(replica, memoryview(b"late"))])[0], SegmentBoundsError)
@@ -51,7 +51,7 @@ def test_segments_are_looked_up_per_request(served, transport):
 
 
 def test_unmounted_segment_is_refused_over_tcp(served):
-    server, segments, node = served
+    _server, segments, node = served
     sid = next(iter(segments))
     transport = TCPTransport(timeout_s=5)
     replica = Replica(node, Extent(sid, 0, 4))
@@ -109,6 +109,6 @@ def test_dram_segment_lifecycle():
     assert bytes(view) == b"abc"                   # still mapped until its view is released
     view.release()
     with pytest.raises(ValueError):
-        seg.buffer
+        _ = seg.buffer
     with pytest.raises(InvalidArgument):
         DramSegment("n/0-x", 0)

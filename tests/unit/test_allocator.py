@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -187,10 +189,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         for off, length in spans:
             assert off % self.alignment == 0
             assert 0 <= off and off + length <= self.capacity
-        for (o1, l1), (o2, _) in zip(spans, spans[1:]):
+        for (o1, l1), (o2, _) in pairwise(spans):
             assert o1 + l1 <= o2, "live extents overlap"
         free = a.free_ranges()
-        for (o1, l1), (o2, _) in zip(free, free[1:]):
+        for (o1, l1), (o2, _) in pairwise(free):
             assert o1 + l1 < o2, "free ranges adjacent or overlapping: not coalesced"
         # Live and free ranges tile the usable capacity exactly.
         tiles = sorted(spans + free)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -23,8 +25,8 @@ LEASE_S, PUT_TIMEOUT_S, NODE_TTL_S, QUARANTINE_S = 5.0, 10.0, 100.0, 30.0
 
 
 def make_state(clock, **overrides) -> MasterState:
-    cfg = dict(lease_ttl_s=LEASE_S, put_timeout_s=PUT_TIMEOUT_S, node_ttl_s=NODE_TTL_S,
-               quarantine_s=QUARANTINE_S, high_watermark=0.95, low_watermark=0.85)
+    cfg = {"lease_ttl_s": LEASE_S, "put_timeout_s": PUT_TIMEOUT_S, "node_ttl_s": NODE_TTL_S,
+           "quarantine_s": QUARANTINE_S, "high_watermark": 0.95, "low_watermark": 0.85}
     cfg.update(overrides)
     return MasterState(MasterConfig(**cfg), clock)
 
@@ -569,7 +571,7 @@ def _check_books(state: MasterState) -> None:
                     for _, _, entries in state._deferred for s, e in entries
                     if s is seg and state._segments.get(sid) is s]
         spans = sorted(live + deferred)
-        for (o1, l1), (o2, _) in zip(spans, spans[1:]):
+        for (o1, l1), (o2, _) in pairwise(spans):
             assert o1 + l1 <= o2, f"overlapping extents in {sid}"
         assert seg.allocator.used_bytes == sum(length for _, length in spans)
         assert seg.quarantined_bytes == sum(length for _, length in deferred)
