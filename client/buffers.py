@@ -38,6 +38,24 @@ def byte_view(obj: object, *, writable: bool) -> memoryview:
                           "bytearray, memoryview, numpy array or torch CPU tensor")
 
 
+def writable_rows(buffers: object) -> tuple[int, int] | None:
+    """``(address of row 0, bytes per row)`` where ``buffers`` is one writable, C-contiguous
+    2-D numpy array or torch CPU tensor (a KV cache's blocks, a row each): reads into it need
+    no view per row. None for anything else (a list of buffers, a strided or read-only one)."""
+    if isinstance(buffers, np.ndarray):
+        if buffers.ndim != 2 or not buffers.flags.c_contiguous or not buffers.flags.writeable:
+            return None
+        address, row_bytes = buffers.ctypes.data, buffers.shape[1] * buffers.itemsize
+    elif type(buffers).__module__.split(".")[0] == "torch":
+        t = buffers
+        if t.dim() != 2 or t.device.type != "cpu" or not t.is_contiguous() or t.requires_grad:
+            return None
+        address, row_bytes = t.data_ptr(), t.shape[1] * t.element_size()
+    else:
+        return None
+    return (address, row_bytes) if row_bytes else None
+
+
 def _tensor_view(t, writable: bool) -> memoryview:
     if t.device.type != "cpu":
         raise InvalidArgument(f"torch tensor is on {t.device}; only CPU tensors are supported")

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Self
 
 import numpy as np
-from kvpool.client.buffers import byte_view
+from kvpool.client.buffers import byte_view, writable_rows
 from kvpool.client.located import Located
 from kvpool.client.master_client import MasterClient
 from kvpool.client.transport.base import IoOp, Transport
@@ -291,7 +291,9 @@ class KVClient:
                                       f"than the value ({size} bytes)")
             return v[:size]
 
-        return self._get_verified(keys, into) if verify else self._get(keys, into)
+        if verify:
+            return self._get_verified(keys, into)
+        return self._get(keys, into, writable_rows(buffers))
 
     def _get_verified(self, keys: Sequence[str], buffer_for: Callable[[int, int], memoryview]
                       ) -> list[int | KVPoolError]:
@@ -325,13 +327,15 @@ class KVClient:
                 out[i] = r
         return out
 
-    def _get(self, keys: Sequence[str], buffer_for: Callable[[int, int], memoryview]
-             ) -> list[int | KVPoolError]:
-        """Locate, read and (if a read outlived its lease) verify each key."""
+    def _get(self, keys: Sequence[str], buffer_for: Callable[[int, int], memoryview],
+             rows: tuple[int, int] | None = None) -> list[int | KVPoolError]:
+        """Locate, read and (if a read outlived its lease) verify each key. ``rows``: the
+        buffers are the rows of one array, ``(address of row 0, bytes per row)``."""
         self._check_open()
         out, todo = _validate_keys(keys)
         bufs: dict[int, memoryview] = {}
         seen_version: dict[int, int] = {}
+        seen_size: dict[int, int] = {}
         for attempt in range(_MAX_READ_ATTEMPTS):
             if not todo:
                 break
@@ -339,12 +343,14 @@ class KVClient:
             located = self._master.locate([keys[i] for i in todo])
             read: dict[int, KVPoolError | None] = {}
             sizes: dict[int, int] = {}    # the keys read this round
-            fast = self._read_fast(todo, located, buffer_for, bufs) if attempt == 0 else []
+            fast = self._read_fast(todo, located, buffer_for, bufs, rows) if attempt == 0 \
+                else []
             if fast:
                 versions, lengths = located.versions.tolist(), located.sizes.tolist()
                 for j in fast:
                     i = todo[j]
                     seen_version[i], sizes[i], read[i] = versions[j], lengths[j], None
+                    seen_size[i] = lengths[j]
             reads = []
             for j, i in enumerate(todo):
                 if i in sizes:
@@ -354,7 +360,7 @@ class KVClient:
                     out[i] = obj
                 elif seen == obj.version:
                     out[i] = obj.size   # still the object we read: the bytes are its own
-                elif seen is not None and obj.size != bufs[i].nbytes:
+                elif seen is not None and obj.size != seen_size[i]:
                     out[i] = TransportError(f"{keys[i]!r}: the object changed during the read")
                 else:
                     try:
@@ -363,6 +369,7 @@ class KVClient:
                         out[i] = e
                         continue
                     seen_version[i], sizes[i] = obj.version, obj.size
+                    seen_size[i] = obj.size
                     reads.append((i, obj, bufs[i]))
             read.update(self._read(reads))
             lease_over = time.monotonic() > sent + located.lease_ttl_s
@@ -379,13 +386,14 @@ class KVClient:
         return out
 
     def _read_fast(self, todo: list[int], located: Located,
-                   buffer_for: Callable[[int, int], memoryview], bufs: dict[int, memoryview]
-                   ) -> list[int]:
+                   buffer_for: Callable[[int, int], memoryview], bufs: dict[int, memoryview],
+                   rows: tuple[int, int] | None = None) -> list[int]:
         """The common case of a large read, without an object per key: keys with one replica
         on a segment that the preferred transport (shm) reaches are read in place, one
         ``read_extents`` per segment. Returns the positions in ``todo`` read; every other key
         (not found, several replicas, another transport, a bad buffer, a failed copy) takes
-        the generic path, which finds its error or falls back replica by replica."""
+        the generic path, which finds its error or falls back replica by replica. ``rows``
+        (see ``_get``): each key's buffer address is computed, not asked for."""
         batch_reader = self._transports[0] if self._transports else None
         if not hasattr(batch_reader, "read_extents"):
             return []
@@ -399,6 +407,9 @@ class KVClient:
             if segment.tier != "dram" or not batch_reader.can_reach(segment.node):
                 continue
             positions = np.flatnonzero(where == loc)
+            if rows is not None:
+                done += self._read_rows(batch_reader, segment, located, todo, positions, rows)
+                continue
             views, ready = [], []
             for j, size in zip(positions.tolist(), located.sizes[positions].tolist()):
                 i = todo[j]
@@ -418,6 +429,26 @@ class KVClient:
                 continue
             done += ready
         return done
+
+    @staticmethod
+    def _read_rows(batch_reader, segment: Replica, located: Located, todo: list[int],
+                   positions: np.ndarray, rows: tuple[int, int]) -> list[int]:
+        """``_read_fast`` for one segment when key i's buffer is row i of one array: the
+        addresses are ``address + i * row_bytes``. Values longer than a row are left to the
+        generic path (which reports the buffer too small)."""
+        address, row_bytes = rows
+        lengths = located.sizes[positions]
+        positions = positions[lengths <= row_bytes]
+        if not len(positions):
+            return []
+        index = np.asarray(todo, dtype=np.uint64)[positions]
+        try:
+            batch_reader.read_at(segment, located.replicas.offsets[
+                located.replicas.first[positions]], located.sizes[positions],
+                np.uint64(address) + index * np.uint64(row_bytes))
+        except TransportError:
+            return []
+        return positions.tolist()
 
     def stats(self):
         """The master's cluster statistics (protobuf StatsResponse)."""

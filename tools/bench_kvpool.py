@@ -130,7 +130,7 @@ def kvpool_figures(kv, transport: str, shape: Shape, repeats: int, src: np.ndarr
                 t, res = _timed(kv.get_into, k[0], dst_rows[0])
                 res = [res]
             else:
-                t, res = _timed(kv.batch_get_into, k, dst_rows)
+                t, res = _timed(kv.batch_get_into, k, dst)   # one array: a row per key
             _check(res, f"{transport} get")
             lat.append(t)
         get.append(lat)

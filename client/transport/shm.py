@@ -326,29 +326,38 @@ class SHMTransport(Transport):
         segment); the caller then reads those keys again through ``read`` to learn which."""
         if self._closed:
             raise ClientClosed("transport is closed")
-        if not views:
+        if len(offsets) != len(views) or any(
+                v.nbytes != n for v, n in zip(views, lengths.tolist(), strict=True)):
+            raise InvalidArgument("read_extents needs one buffer of each extent's length")
+        self.read_at(segment, offsets, lengths,
+                     np.fromiter(map(_address, views), dtype=np.uint64, count=len(views)))
+
+    def read_at(self, segment: Replica, offsets: np.ndarray, lengths: np.ndarray,
+                addresses: np.ndarray) -> None:
+        """:meth:`read_extents` into memory given by address: ``addresses[k]`` (uint64) starts
+        ``lengths[k]`` writable bytes that the caller owns and keeps alive during the call
+        (the rows of one array: KVClient checked it). Same errors."""
+        if self._closed:
+            raise ClientClosed("transport is closed")
+        if not len(offsets):
             return
         endpoint = segment.node.shm_endpoint
         link = self._link(endpoint)
         if not link.alive():
             self._drop(link, "node hung up")
             raise TransportError(f"shm node {endpoint} hung up (node gone)")
-        if len(offsets) != len(views) or any(
-                v.nbytes != n for v, n in zip(views, lengths.tolist(), strict=True)):
-            raise InvalidArgument("read_extents needs one buffer of each extent's length")
         mapping = self._segment(link, segment.extent.segment_id)
         ends = offsets + lengths
         if int(ends.max()) > mapping.size:
             raise SegmentBoundsError(f"an extent ends past segment "
                                      f"{segment.extent.segment_id!r} of {mapping.size} bytes")
-        addresses = np.fromiter(map(_address, views), dtype=np.uint64, count=len(views))
         # A new run wherever the next extent or the next buffer does not follow on.
         follows = (offsets[1:] == ends[:-1]) & (addresses[1:] == addresses[:-1] + lengths[:-1])
         starts = np.flatnonzero(~follows) + 1
         copies = []
-        for first, stop in zip([0, *starts.tolist()], [*starts.tolist(), len(views)]):
+        for first, stop in zip([0, *starts.tolist()], [*starts.tolist(), len(offsets)]):
             start, end = int(offsets[first]), int(ends[stop - 1])
-            copies.append((start, end, views[first] if stop - first == 1 else memoryview(
+            copies.append((start, end, memoryview(
                 (ctypes.c_char * (end - start)).from_address(int(addresses[first]))).cast("B")))
 
         def read(part: list[tuple[int, int, memoryview]]) -> None:

@@ -44,3 +44,20 @@ def test_torch_tensors_any_dtype_zero_copy():
         byte_view(torch.zeros(4, 4).t(), writable=False)
     with pytest.raises(InvalidArgument, match="requires grad"):
         byte_view(torch.zeros(4, requires_grad=True), writable=True)
+
+
+def test_writable_rows_only_for_one_contiguous_writable_2d_array():
+    from kvpool.client.buffers import writable_rows
+    a = np.zeros((4, 16), dtype=np.float32)
+    assert writable_rows(a) == (a.ctypes.data, 64)
+    assert writable_rows(a[:, :8]) is None            # strided rows
+    assert writable_rows(a.reshape(-1)) is None       # not rows
+    assert writable_rows([*a]) is None                # a list of rows: one view each
+    assert writable_rows(np.zeros((4, 0))) is None
+    ro = a.copy()
+    ro.flags.writeable = False
+    assert writable_rows(ro) is None
+    torch = pytest.importorskip("torch")
+    t = torch.zeros((3, 5), dtype=torch.bfloat16)
+    assert writable_rows(t) == (t.data_ptr(), 10)
+    assert writable_rows(t.t()) is None
