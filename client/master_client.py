@@ -60,16 +60,17 @@ class MasterClient(GrpcClient):
                 [wire.move_from_pb(m) for m in r.moves])
 
     def watch_manifest(self, node_id: str, deadline_s: float
-                       ) -> Iterator[tuple[list[ObjectRecord], list[tuple[str, int]]]]:
+                       ) -> Iterator[tuple[int, list[ObjectRecord], list[tuple[str, int]]]]:
         """The changes to a node's manifest as the master makes them, until ``deadline_s``
-        passes (then the iterator ends: watch again) or the master goes away (raises)."""
+        passes (then the iterator ends: watch again) or the master goes away (raises): each
+        with its seq, to :meth:`ack_manifest` once applied when it is not 0."""
         address, stub = self._live_stub()
         stream = stub.WatchManifest(pb.WatchManifestRequest(node_id=node_id), timeout=deadline_s)
         try:
             for msg in stream:
                 if self.address != address:
                     return    # we follow another master now: this one no longer leads
-                yield (wire.records_from_pb(msg.committed),
+                yield (msg.seq, wire.records_from_pb(msg.committed),
                        list(zip(msg.removed_keys, msg.removed_versions)))
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -81,6 +82,12 @@ class MasterClient(GrpcClient):
             raise map_rpc_error(e, f"master {address}: WatchManifest") from None
         finally:
             stream.cancel()
+
+    def ack_manifest(self, node_id: str, seq: int) -> None:
+        """Tell the master that the node has applied its stream's changes up to ``seq``. Not
+        retried: a failure ends the stream, and the master sends what is unacknowledged again
+        on the next one."""
+        self._call("AckManifest", pb.AckManifestRequest(node_id=node_id, seq=seq), retry=False)
 
     def announce_objects(self, node_id: str, records: Sequence[ObjectRecord], done: bool
                          ) -> list[KVPoolError | None]:

@@ -1,13 +1,16 @@
 """Pushes manifest changes to the store nodes that watch them, and lets RPCs wait for that.
 
-A PutEnd answers only after the nodes holding the committed objects were sent the commit, so a
-master killed right after answering loses nothing it acknowledged: the nodes re-announce it.
-A PutStart answers only after the removals of the objects it evicted were sent: otherwise a
-master killed while the new object's bytes are being written over the evicted one's would
-leave that one in a manifest, and a restarted master would serve it with the new bytes.
-The wait costs one write on a stream that is already open (tens of microseconds; concurrent
-PutEnds share one message), never a round trip of the client's. A node that does not watch (or
-whose stream broke) gets the same changes with its next heartbeat, and nobody waits for it.
+A PutEnd answers only after the nodes holding the committed objects have applied the commit (they
+acknowledge each message by its seq), so a master killed right after answering loses nothing it
+acknowledged: the nodes re-announce it. A PutStart answers only after the removals of the
+objects it evicted were applied: otherwise a master killed while the new object's bytes are
+being written over the evicted one's would leave that one in a manifest, and a restarted master
+would serve it with the new bytes. The wait costs a stream write and the node's acknowledgement
+(a local round trip, shared by concurrent PutEnds), never a round trip of the client's.
+
+Messages a stream sent but the node never acknowledged (the stream broke) go back to the front
+of the node's queue and their waiters to the node's next stream. A node that does not watch
+gets the same changes with its next heartbeat, and nobody waits for it.
 """
 
 from __future__ import annotations
@@ -26,9 +29,12 @@ MAX_WAIT_S = 3.0
 
 
 class _Watch:
-    def __init__(self) -> None:
+    def __init__(self, waiters: list[asyncio.Future]) -> None:
         self.wake = asyncio.Event()
-        self.waiters: list[asyncio.Future] = []
+        self.waiters = waiters   # for the changes queued now: released by the next ack
+        self.seq = 0
+        # seq -> the message sent and who waits for the node to apply it
+        self.unacked: dict[int, tuple[ManifestDelta, list[asyncio.Future]]] = {}
 
 
 class ManifestWatchers:
@@ -38,6 +44,8 @@ class ManifestWatchers:
         self._state = state
         self._watches: dict[str, _Watch] = {}
         self._watched: set[str] = set()
+        # Waiters of a stream that ended before the node acknowledged: the next one takes them.
+        self._orphans: dict[str, list[asyncio.Future]] = {}
         self._closed = False
 
     def close(self) -> None:
@@ -46,6 +54,9 @@ class ManifestWatchers:
         self._closed = True
         for watch in self._watches.values():
             watch.wake.set()
+        for waiters in self._orphans.values():
+            _release(waiters)
+        self._orphans.clear()
 
     def delivers(self, node_id: str) -> bool:
         """Whether this node's changes go by stream (it has watched once): then never by
@@ -53,31 +64,60 @@ class ManifestWatchers:
         stream is down they wait for it to come back (the node re-opens it within a second)."""
         return node_id in self._watched
 
-    async def stream(self, node_id: str) -> AsyncIterator[ManifestDelta]:
-        """The node's changes as they happen (the first at once: whatever is queued)."""
-        watch = self._watches[node_id] = _Watch()
+    async def stream(self, node_id: str) -> AsyncIterator[tuple[int, ManifestDelta]]:
+        """The node's changes as they happen (the first at once: whatever is queued), each
+        with the seq the node acknowledges (:meth:`ack`) once it has applied it."""
+        watch = self._watches[node_id] = _Watch(self._orphans.pop(node_id, []))
         self._watched.add(node_id)
         watch.wake.set()
         try:
             # First, an empty message: the node learns that its stream is open, i.e. that from
-            # now on every put acknowledged on its segments waits for the node to be sent it.
-            yield ManifestDelta([], [])
+            # now on every put acknowledged on its segments waits for the node to apply it.
+            yield 0, ManifestDelta([], [])
             while not self._closed:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(watch.wake.wait(), PUSH_INTERVAL_S)
                 watch.wake.clear()
                 waiters, watch.waiters = watch.waiters, []
                 delta = self._state.take_manifest(node_id)
-                if delta is not None and (delta.committed or delta.removed):
-                    yield delta
-                _release(waiters)
+                if delta is None or not (delta.committed or delta.removed):
+                    _release(waiters)   # nothing queued for them: nothing to wait for
+                    continue
+                watch.seq += 1
+                watch.unacked[watch.seq] = (delta, waiters)
+                yield watch.seq, delta
         finally:
             if self._watches.get(node_id) is watch:
                 del self._watches[node_id]
-            _release(watch.waiters)
+            self._requeue(node_id, watch)
+
+    def ack(self, node_id: str, seq: int) -> None:
+        """The node has applied every message of its stream up to ``seq``."""
+        watch = self._watches.get(node_id)
+        if watch is None:
+            return
+        for s in [s for s in watch.unacked if s <= seq]:
+            _release(watch.unacked.pop(s)[1])
+
+    def _requeue(self, node_id: str, watch: _Watch) -> None:
+        """A stream ended: what it sent unacknowledged goes back to the front of the node's
+        queue (applying a message twice is harmless), its waiters to the next stream, which a
+        live node opens within a second (they give up after MAX_WAIT_S)."""
+        waiters = list(watch.waiters)
+        for seq in sorted(watch.unacked, reverse=True):   # the oldest ends up first
+            delta, held = watch.unacked.pop(seq)
+            self._state.requeue_manifest(node_id, delta)
+            waiters += held
+        waiters = [f for f in waiters if not f.done()]
+        if self._closed:
+            _release(waiters)
+        elif waiters:
+            orphans = self._orphans.setdefault(node_id, [])
+            orphans[:] = [f for f in orphans if not f.done()] + waiters
 
     async def flush(self, node_ids: Iterable[str]) -> None:
-        """Wait until the changes queued for these nodes were sent to their watchers."""
+        """Wait until the changes queued for these nodes were applied by their watchers
+        (MAX_WAIT_S at most: a node slow to take its changes does not hold puts longer)."""
         loop = asyncio.get_running_loop()
         futures = []
         for node_id in node_ids:
@@ -89,6 +129,8 @@ class ManifestWatchers:
                 futures.append(f)
         if futures:
             await asyncio.wait(futures, timeout=MAX_WAIT_S)
+            for f in futures:
+                f.cancel()   # given up on (done ones are unaffected): no longer held anywhere
 
 
 def _release(waiters: list[asyncio.Future]) -> None:

@@ -35,10 +35,10 @@ async def _check_batch(keys, context: grpc.aio.ServicerContext) -> None:
                             f"batch of {len(keys)} keys; the limit is {_MAX_BATCH}")
 
 
-def _changes(delta: ManifestDelta) -> pb.ManifestChanges:
+def _changes(delta: ManifestDelta, seq: int) -> pb.ManifestChanges:
     return pb.ManifestChanges(committed=wire.records_to_pb(delta.committed),
                               removed_keys=[k for k, _ in delta.removed],
-                              removed_versions=[v for _, v in delta.removed])
+                              removed_versions=[v for _, v in delta.removed], seq=seq)
 
 
 class MasterServicer(master_pb2_grpc.MasterServicer):
@@ -100,8 +100,12 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         # aclosing: a cancelled stream must unregister its watch now, not when collected.
         async with contextlib.aclosing(self._watchers.stream(request.node_id)) as deltas:
-            async for delta in deltas:
-                await context.write(_changes(delta))
+            async for seq, delta in deltas:
+                await context.write(_changes(delta, seq))
+
+    async def AckManifest(self, request, context):
+        self._watchers.ack(request.node_id, request.seq)
+        return pb.AckManifestResponse()
 
     async def AnnounceObjects(self, request, context):
         records = wire.records_from_pb(request.objects)

@@ -314,6 +314,13 @@ class MasterState:
         return ManifestDelta([e for e in log if type(e) is ObjectRecord],
                              [e for e in log if type(e) is tuple])
 
+    def requeue_manifest(self, node_id: str, delta: ManifestDelta) -> None:
+        """Put a taken delta back in front of the node's queue (its stream broke before the
+        node acknowledged it): the next take sends it again, before anything newer."""
+        n = self._nodes.get(node_id)
+        if n is not None and n.manifest_log is not None:
+            n.manifest_log[:0] = [*delta.committed, *delta.removed]
+
     def nodes_with_changes(self) -> list[str]:
         """The nodes whose manifest changes have not been taken yet."""
         return [nid for nid, n in self._nodes.items() if n.manifest_log]

@@ -256,14 +256,16 @@ class StoreNode:
             self._disk.manifest.apply(committed, removed)
 
     def _watch_loop(self) -> None:
-        """Apply the manifest changes the master pushes as it commits (the put path waits for
-        them to be sent, so the manifest never misses an acknowledged put); while the stream
-        is down, the master keeps them for when it is back."""
+        """Apply the manifest changes the master pushes as it commits, and acknowledge them
+        (the put path waits for that, so the manifest never misses an acknowledged put);
+        while the stream is down, the master keeps them for when it is back."""
         while not self._stop.is_set():
             try:
-                for committed, removed in self._master.watch_manifest(self.node_id,
-                                                                      WATCH_DEADLINE_S):
+                for seq, committed, removed in self._master.watch_manifest(self.node_id,
+                                                                           WATCH_DEADLINE_S):
                     self._apply_manifest(committed, removed)
+                    if seq:
+                        self._master.ack_manifest(self.node_id, seq)
                     self._stream_open.set()
             except KVPoolError as e:
                 self._stream_open.clear()

@@ -1,5 +1,6 @@
-"""ManifestWatchers: a stream opens with an empty message; a flush returns once the node's
-stream has yielded the queued changes; nobody waits for a node that does not watch."""
+"""ManifestWatchers: a stream opens with an empty message; a flush returns once the node has
+acknowledged the queued changes; what a broken stream left unacknowledged is sent again on the
+next one; nobody waits for a node that does not watch."""
 
 from __future__ import annotations
 
@@ -11,24 +12,32 @@ from .test_state import make_state
 from .test_state_recovery import mount, put
 
 
-def test_flush_waits_for_the_stream_to_take_the_changes(clock):
+def watched(clock):
     state = make_state(clock)
     mount(state, "n1", "s1", keeps_manifest=True)
-    watchers = ManifestWatchers(state)
-    sent = []
+    return state, ManifestWatchers(state)
+
+
+async def consume(stream, sent: list) -> None:
+    async for seq, delta in stream:
+        sent.append((seq, [r.key for r in delta.committed]))
+
+
+def test_flush_waits_until_the_node_has_applied_the_changes(clock):
+    state, watchers = watched(clock)
+    sent: list = []
 
     async def main():
         stream = watchers.stream("n1")
-
-        async def consume():
-            async for delta in stream:
-                sent.append([r.key for r in delta.committed])
-
-        task = asyncio.create_task(consume())
+        task = asyncio.create_task(consume(stream, sent))
         await asyncio.sleep(0)                # the stream registers
         put(state, "a", crc=1)
-        await watchers.flush(state.nodes_with_changes())
-        assert sent == [[], ["a"]]            # "open" first; the change before flush returned
+        flush = asyncio.create_task(watchers.flush(state.nodes_with_changes()))
+        await asyncio.sleep(0.05)
+        assert sent == [(0, []), (1, ["a"])]  # "open" first, then the change: sent...
+        assert not flush.done()               # ...but not applied yet
+        watchers.ack("n1", 1)
+        await asyncio.wait_for(flush, 0.5)
         assert watchers.delivers("n1")
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -37,5 +46,40 @@ def test_flush_waits_for_the_stream_to_take_the_changes(clock):
         put(state, "b", crc=2)
         await asyncio.wait_for(watchers.flush(state.nodes_with_changes()), 0.5)
         assert [r.key for r in state.take_manifest("n1").committed] == ["b"]
+
+    asyncio.run(main())
+
+
+def test_what_a_broken_stream_left_unacknowledged_is_sent_again(clock):
+    """A master whose stream write never reached the node (the stream broke) must not count
+    the commit as delivered: it goes again, first, on the node's next stream, and the put
+    still waiting is released only by that stream's acknowledgement."""
+    state, watchers = watched(clock)
+    first: list = []
+    second: list = []
+
+    async def main():
+        stream = watchers.stream("n1")
+        task = asyncio.create_task(consume(stream, first))
+        await asyncio.sleep(0)
+        put(state, "a", crc=1)
+        flush = asyncio.create_task(watchers.flush(state.nodes_with_changes()))
+        await asyncio.sleep(0.05)
+        assert first == [(0, []), (1, ["a"])]
+        task.cancel()                          # broken before the node acknowledged
+        await asyncio.gather(task, return_exceptions=True)
+        await stream.aclose()
+        put(state, "b", crc=2)                 # queued behind the resent "a"
+        assert not flush.done()
+        again = watchers.stream("n1")
+        task = asyncio.create_task(consume(again, second))
+        await asyncio.sleep(0.05)
+        assert second == [(0, []), (1, ["a", "b"])]
+        assert not flush.done()
+        watchers.ack("n1", 1)
+        await asyncio.wait_for(flush, 0.5)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await again.aclose()
 
     asyncio.run(main())

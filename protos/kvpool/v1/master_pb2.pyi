@@ -190,14 +190,28 @@ class WatchManifestRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ...) -> None: ...
 
 class ManifestChanges(_message.Message):
-    __slots__ = ("committed", "removed_keys", "removed_versions")
+    __slots__ = ("committed", "removed_keys", "removed_versions", "seq")
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_KEYS_FIELD_NUMBER: _ClassVar[int]
     REMOVED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     committed: ObjectRecords
     removed_keys: _containers.RepeatedScalarFieldContainer[str]
     removed_versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, committed: _Optional[_Union[ObjectRecords, _Mapping]] = ..., removed_keys: _Optional[_Iterable[str]] = ..., removed_versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    seq: int
+    def __init__(self, committed: _Optional[_Union[ObjectRecords, _Mapping]] = ..., removed_keys: _Optional[_Iterable[str]] = ..., removed_versions: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class AckManifestRequest(_message.Message):
+    __slots__ = ("node_id", "seq")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    seq: int
+    def __init__(self, node_id: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class AckManifestResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class AnnounceObjectsRequest(_message.Message):
     __slots__ = ("node_id", "objects", "done")

@@ -59,6 +59,11 @@ class MasterStub:
                 request_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.WatchManifestRequest.SerializeToString,
                 response_deserializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.ManifestChanges.FromString,
                 _registered_method=True)
+        self.AckManifest = channel.unary_unary(
+                '/kvpool.v1.Master/AckManifest',
+                request_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.AckManifestRequest.SerializeToString,
+                response_deserializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.AckManifestResponse.FromString,
+                _registered_method=True)
         self.PutStart = channel.unary_unary(
                 '/kvpool.v1.Master/PutStart',
                 request_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.PutStartRequest.SerializeToString,
@@ -134,6 +139,12 @@ class MasterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchManifest(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AckManifest(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -223,6 +234,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.WatchManifest,
                     request_deserializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.WatchManifestRequest.FromString,
                     response_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.ManifestChanges.SerializeToString,
+            ),
+            'AckManifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.AckManifest,
+                    request_deserializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.AckManifestRequest.FromString,
+                    response_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.AckManifestResponse.SerializeToString,
             ),
             'PutStart': grpc.unary_unary_rpc_method_handler(
                     servicer.PutStart,
@@ -405,6 +421,33 @@ class Master:
             '/kvpool.v1.Master/WatchManifest',
             kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.WatchManifestRequest.SerializeToString,
             kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.ManifestChanges.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AckManifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/AckManifest',
+            kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.AckManifestRequest.SerializeToString,
+            kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.AckManifestResponse.FromString,
             options,
             channel_credentials,
             insecure,
