@@ -32,7 +32,6 @@ class _Watch:
     def __init__(self, waiters: list[asyncio.Future]) -> None:
         self.wake = asyncio.Event()
         self.waiters = waiters   # for the changes queued now: released by the next ack
-        self.seq = 0
         # seq -> the message sent and who waits for the node to apply it
         self.unacked: dict[int, tuple[ManifestDelta, list[asyncio.Future]]] = {}
 
@@ -46,6 +45,9 @@ class ManifestWatchers:
         self._watched: set[str] = set()
         # Waiters of a stream that ended before the node acknowledged: the next one takes them.
         self._orphans: dict[str, list[asyncio.Future]] = {}
+        # The last seq sent to each node, across its streams: an acknowledgement of a broken
+        # stream's message that arrives late can never release a newer stream's waiters.
+        self._seqs: dict[str, int] = {}
         self._closed = False
 
     def close(self) -> None:
@@ -83,9 +85,9 @@ class ManifestWatchers:
                 if delta is None or not (delta.committed or delta.removed):
                     _release(waiters)   # nothing queued for them: nothing to wait for
                     continue
-                watch.seq += 1
-                watch.unacked[watch.seq] = (delta, waiters)
-                yield watch.seq, delta
+                seq = self._seqs[node_id] = self._seqs.get(node_id, 0) + 1
+                watch.unacked[seq] = (delta, waiters)
+                yield seq, delta
         finally:
             if self._watches.get(node_id) is watch:
                 del self._watches[node_id]
