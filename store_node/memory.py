@@ -141,13 +141,16 @@ class MappedSegment(Segment):
 
 
 class DramSegment(MappedSegment):
-    """A DRAM segment backed by a sealed memfd mapped MAP_SHARED."""
+    """A DRAM segment backed by a sealed memfd mapped MAP_SHARED; with ``hugepages``, a
+    hugetlbfs memfd (``MFD_HUGETLB``: 2 MiB pages reserved by the operator, see
+    :func:`check_hugepages`), which same-host clients map and RDMA registers the same way."""
 
-    def __init__(self, segment_id: str, size_bytes: int) -> None:
+    def __init__(self, segment_id: str, size_bytes: int, hugepages: bool = False) -> None:
         if size_bytes <= 0:
             raise InvalidArgument(f"segment size must be positive, not {size_bytes}")
         name = f"kvpool:{segment_id}".encode()[:_MEMFD_NAME_MAX].decode("utf-8", "ignore")
-        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | (os.MFD_HUGETLB if hugepages else 0)
+        fd = os.memfd_create(name, flags)
         try:
             os.ftruncate(fd, size_bytes)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
@@ -171,6 +174,32 @@ class DramSegment(MappedSegment):
         return f"DramSegment({self._info.segment_id!r}, {self._info.size_bytes}, {state})"
 
 
-def create_dram_segment(node_id: str, index: int, size_bytes: int) -> DramSegment:
-    """Allocate DRAM segment number ``index`` of ``node_id`` (populated at once)."""
-    return DramSegment(new_segment_id(node_id, index), size_bytes)
+def create_dram_segment(node_id: str, index: int, size_bytes: int,
+                        hugepages: bool = False) -> DramSegment:
+    """Allocate DRAM segment number ``index`` of ``node_id`` (populated at once), in huge
+    pages if ``hugepages`` (call :func:`check_hugepages` first for a clear error)."""
+    return DramSegment(new_segment_id(node_id, index), size_bytes, hugepages)
+
+
+def check_hugepages(sizes: list[int], meminfo: str = "/proc/meminfo") -> None:
+    """InvalidArgument, saying what to do, unless segments of ``sizes`` fit in this host's
+    free huge pages: each a whole number of pages, all of them in the pages free. Huge pages
+    are reserved by the operator (``sysctl vm.nr_hugepages=N``), never by kvpool."""
+    try:
+        with open(meminfo) as f:
+            fields = dict(line.split(":", 1) for line in f)
+        page = int(fields["Hugepagesize"].split()[0]) * 1024
+        free = int(fields["HugePages_Free"].split()[0])
+    except (OSError, KeyError, ValueError):
+        raise InvalidArgument("--hugepages: this kernel reports no huge pages "
+                              f"(no Hugepagesize in {meminfo})") from None
+    odd = [size for size in sizes if size % page]
+    if odd:
+        raise InvalidArgument(f"--hugepages: a segment of {odd[0]} bytes is not a whole number "
+                              f"of {page >> 20} MiB huge pages")
+    needed = sum(sizes) // page
+    if needed > free:
+        raise InvalidArgument(
+            f"--hugepages: the segments need {needed} huge pages of {page >> 20} MiB and this "
+            f"host has {free} free; reserve them first (as root: sysctl "
+            f"vm.nr_hugepages={needed + int(fields['HugePages_Total'].split()[0]) - free})")

@@ -20,7 +20,7 @@ from kvpool.common.types import Move, NodeEndpoints, SegmentInfo
 from kvpool.store_node.data_server import DataServer
 from kvpool.store_node.disk import DiskTier
 from kvpool.store_node.manifest import Manifest
-from kvpool.store_node.memory import Segment, create_dram_segment
+from kvpool.store_node.memory import Segment, check_hugepages, create_dram_segment
 from kvpool.store_node.scrubber import Scrubber
 
 log = get_logger(__name__)
@@ -42,7 +42,8 @@ class StoreNode:
                  rdma_device: str | bool | None = None,
                  scrub_bytes_per_s: int = DEFAULT_SCRUB_BYTES_PER_S,
                  scrub_interval_s: float = 60.0, disk_path: str | None = None,
-                 disk_size: int = 0, hbm_size: int = 0, gpu: int = 0):
+                 disk_size: int = 0, hbm_size: int = 0, gpu: int = 0,
+                 hugepages: bool = False):
         """``host``/``port``: where the tcp data server listens (port 0 = any free port);
         ``advertise_host``: the address clients should dial, if not ``host`` (e.g. 0.0.0.0).
         ``rdma_device``: register the segments with this RDMA device (an error if missing);
@@ -52,7 +53,9 @@ class StoreNode:
         ``disk_path``/``disk_size``: a disk tier of that size in that directory (its objects
         survive a restart of the node; store_node/disk.py); the node then takes the node id
         the directory was created with, unless ``node_id`` is given (it must match).
-        ``hbm_size``: an HBM tier of that size on GPU ``gpu`` (store_node/hbm.py)."""
+        ``hbm_size``: an HBM tier of that size on GPU ``gpu`` (store_node/hbm.py).
+        ``hugepages``: the DRAM segments in reserved 2 MiB huge pages (fewer TLB misses on
+        every copy; see memory.check_hugepages)."""
         if not segment_sizes:
             raise ValueError("a store node needs at least one segment")
         # Opened first: a bad directory is an error before any memory is allocated.
@@ -60,6 +63,7 @@ class StoreNode:
         node_id = node_id or (self._disk.node_id if self._disk else None)
         self.node_id = node_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
         self._sizes = list(segment_sizes)
+        self._hugepages = hugepages
         self._hbm_size, self._gpu = hbm_size, gpu
         self._host, self._port, self._shm = host, port, shm
         self._advertise = advertise_host
@@ -91,10 +95,13 @@ class StoreNode:
 
     def start(self, mount_timeout_s: float = 30.0) -> None:
         """Allocate, serve, mount (retrying while the master is not reachable yet), heartbeat."""
-        _check_memory(sum(self._sizes))
+        if self._hugepages:
+            check_hugepages(self._sizes)
+        else:
+            _check_memory(sum(self._sizes))
         try:
             for i, size in enumerate(self._sizes):
-                seg = create_dram_segment(self.node_id, i, size)
+                seg = create_dram_segment(self.node_id, i, size, self._hugepages)
                 self.segments[seg.info.segment_id] = seg
                 self._published[seg.info.segment_id] = seg.info
             if self._hbm_size:

@@ -131,3 +131,18 @@ def test_segment_larger_than_memory_is_refused():
     r = kvpool("store-node", "--master", "127.0.0.1:1", "--segment-size", "64TiB")
     assert r.returncode == 1
     assert "do not fit" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_hugepages_without_enough_reserved_pages_is_refused():
+    from kvpool.common.errors import InvalidArgument
+    from kvpool.store_node.memory import check_hugepages
+    try:
+        check_hugepages([64 << 20])
+    except InvalidArgument:
+        pass
+    else:
+        pytest.skip("this host has 32 free huge pages: nothing to refuse")
+    r = kvpool("store-node", "--master", "127.0.0.1:1", "--segment-size", "64MiB",
+               "--hugepages")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "--hugepages:" in r.stderr and "sysctl vm.nr_hugepages=" in r.stderr, r.stderr
