@@ -42,6 +42,17 @@ def segment_stats(state, segment_id):
     return next(g for g in state.stats().segments if g.info.segment_id == segment_id)
 
 
+def filled_past_the_watermark(clock):
+    """A tiered state whose DRAM holds k0..k3 (past its high watermark), unleased, ticked: the
+    demotions of k0 and k1 are issued."""
+    state = tiered(clock)
+    for i in range(4):
+        put(state, f"k{i}")
+    clock.advance(LEASE_S + 1)
+    state.tick()
+    return state
+
+
 def run_moves(state, node="n", ok=True):
     moves = state.take_moves(node)
     state.moves_finished(node, [m.move_id for m in moves] if ok else [],
@@ -87,11 +98,7 @@ def test_a_full_tier_demotes_in_policy_order_and_switches_only_when_the_copy_is_
 
 
 def test_a_failed_move_frees_its_destination_and_keeps_the_object(clock):
-    state = tiered(clock)
-    for i in range(4):
-        put(state, f"k{i}")
-    clock.advance(LEASE_S + 1)
-    state.tick()
+    state = filled_past_the_watermark(clock)
     moves = run_moves(state, ok=False)
     assert len(moves) == 2
     assert where(state, "k0") == [("m", "dram")]
@@ -104,11 +111,7 @@ def test_a_failed_move_frees_its_destination_and_keeps_the_object(clock):
 
 
 def test_an_unreported_move_expires_and_its_destination_is_quarantined(clock):
-    state = tiered(clock)
-    for i in range(4):
-        put(state, f"k{i}")
-    clock.advance(LEASE_S + 1)
-    state.tick()
+    state = filled_past_the_watermark(clock)
     moves = state.take_moves("n")
     clock.advance(PUT_TIMEOUT_S + 1)
     state.tick()   # expired (the node may still be writing the destination); issued again
@@ -124,11 +127,7 @@ def test_an_unreported_move_expires_and_its_destination_is_quarantined(clock):
 
 
 def test_moves_expire_in_the_outbox_too(clock):
-    state = tiered(clock)
-    for i in range(4):
-        put(state, f"k{i}")
-    clock.advance(LEASE_S + 1)
-    state.tick()                   # queued for a node that does not heartbeat in time
+    state = filled_past_the_watermark(clock)   # queued for a node that is not heard in time
     clock.advance(PUT_TIMEOUT_S + 1)
     state.tick()
     # Only the moves issued again are handed out: an expired one's destination is reused
@@ -137,11 +136,7 @@ def test_moves_expire_in_the_outbox_too(clock):
 
 
 def test_an_object_removed_during_its_move_is_not_resurrected(clock):
-    state = tiered(clock)
-    for i in range(4):
-        put(state, f"k{i}")
-    clock.advance(LEASE_S + 1)
-    state.tick()
+    state = filled_past_the_watermark(clock)
     moves = state.take_moves("n")
     assert state.remove(["k0"]) == [None]
     state.moves_finished("n", [m.move_id for m in moves])
