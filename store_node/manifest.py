@@ -54,6 +54,14 @@ class Manifest:
             for key in keys:
                 self._drop(key)
 
+    def forget_records(self, records: Iterable[ObjectRecord]) -> None:
+        """Drop these records, each only while it is the key's current one (a key committed
+        again since keeps its new record)."""
+        with self._lock:
+            for r in records:
+                if self._by_key.get(r.key) == r:
+                    self._drop(r.key)
+
     def forget_segments(self, segment_ids: Iterable[str]) -> None:
         """Drop every record in these segments (their memory is gone)."""
         ids = set(segment_ids)

@@ -4,7 +4,9 @@ replica is dropped from the master's index (then readers use another replica, or
 
 It reads at a bounded rate (``bytes_per_s``) so that it never competes with serving.
 Only objects in the manifest are checked: they are committed, so their bytes never change
-while they are indexed; a report about one removed meanwhile is a no-op on the master.
+while they are indexed. A pass walks a snapshot, though, and an object evicted or removed since
+may already lie under a new one's bytes: a mismatch counts only if the record is still in the
+manifest after the read (the master reuses space only once the node has applied the removal).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class Scrubber:
             except ValueError:   # the segment was closed: the node is stopping
                 break
             self.objects_checked += 1
-            if crc != r.checksum:
+            if crc != r.checksum and self._manifest.get(r.key) == r:
                 bad.append(r)
             read += r.size
             ahead_s = read / self._rate - (time.monotonic() - started)
@@ -70,7 +72,7 @@ class Scrubber:
             self.corrupt_found += len(bad)
             log.warning("scrub_found_corrupt", objects=len(bad), keys=[r.key for r in bad[:8]])
             self._report(bad)
-            self._manifest.forget(r.key for r in bad)
+            self._manifest.forget_records(bad)
         return bad
 
     def start(self) -> None:
