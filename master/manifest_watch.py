@@ -8,9 +8,12 @@ being written over the evicted one's would leave that one in a manifest, and a r
 would serve it with the new bytes. The wait costs a stream write and the node's acknowledgement
 (a local round trip, shared by concurrent PutEnds), never a round trip of the client's.
 
-Messages a stream sent but the node never acknowledged (the stream broke) go back to the front
-of the node's queue and their waiters to the node's next stream. A node that does not watch
-gets the same changes with its next heartbeat, and nobody waits for it.
+A node that keeps a manifest watches its changes (it says so when it mounts), so its changes
+go only by stream, and an RPC waits for them while the stream is down too: before the node's
+first stream (a node just started or re-mounted), or between two. Messages a stream sent but the
+node never acknowledged (the stream broke) go back to the front of the node's queue, and their
+waiters, with those that came while no stream was open, to the node's next stream. A node that
+does not watch gets the same changes with its next heartbeat, and nobody waits for it.
 """
 
 from __future__ import annotations
@@ -60,10 +63,16 @@ class ManifestWatchers:
             _release(waiters)
         self._orphans.clear()
 
+    def expect(self, node_id: str) -> None:
+        """This node will watch (it keeps a manifest): from now on its changes wait for its
+        stream, even before it first opens one."""
+        self._watched.add(node_id)
+
     def delivers(self, node_id: str) -> bool:
-        """Whether this node's changes go by stream (it has watched once): then never by
-        heartbeat too, where an older answer could overtake a newer stream message. While its
-        stream is down they wait for it to come back (the node re-opens it within a second)."""
+        """Whether this node's changes go by stream (it watches, or said it will): then never
+        by heartbeat too, where an older answer could overtake a newer stream message. While
+        its stream is down they wait for it to come back (the node re-opens it within a
+        second)."""
         return node_id in self._watched
 
     async def stream(self, node_id: str) -> AsyncIterator[tuple[int, ManifestDelta]]:
@@ -118,17 +127,23 @@ class ManifestWatchers:
             orphans[:] = [f for f in orphans if not f.done()] + waiters
 
     async def flush(self, node_ids: Iterable[str]) -> None:
-        """Wait until the changes queued for these nodes were applied by their watchers
-        (MAX_WAIT_S at most: a node slow to take its changes does not hold puts longer)."""
+        """Wait until the changes queued for these nodes were applied by their watchers, on
+        the open stream or the next one (MAX_WAIT_S at most: a node slow to take its changes
+        does not hold puts longer). Nodes that do not watch are not waited for."""
         loop = asyncio.get_running_loop()
         futures = []
         for node_id in node_ids:
             watch = self._watches.get(node_id)
+            if watch is None and (self._closed or node_id not in self._watched):
+                continue
+            f = loop.create_future()
+            futures.append(f)
             if watch is not None:
-                f = loop.create_future()
                 watch.waiters.append(f)
                 watch.wake.set()
-                futures.append(f)
+            else:
+                orphans = self._orphans.setdefault(node_id, [])
+                orphans[:] = [o for o in orphans if not o.done()] + [f]
         if futures:
             await asyncio.wait(futures, timeout=MAX_WAIT_S)
             for f in futures:

@@ -71,7 +71,9 @@ class MasterServer:
         while True:
             await asyncio.sleep(period)
             try:
-                self.state.tick()
+                for node, silent_s, dropped in self.state.tick():
+                    log.warning("node_expired", node=node, silent_s=round(silent_s, 2),
+                                objects_dropped=dropped)
                 for instance in self.routing.tick():
                     log.info("instance_aged_out", instance=instance)
             except Exception:  # a bug in tick must not silently stop expiry forever

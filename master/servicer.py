@@ -56,6 +56,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                                       recovering=request.recovering)
         except InvalidArgument as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if request.keeps_manifest:
+            self._watchers.expect(node.node_id)
         log.info("segment_mounted", node=node.node_id, segment=segment.segment_id,
                  size_bytes=segment.size_bytes, tcp=node.tcp_endpoint)
         return pb.MountSegmentResponse()

@@ -322,8 +322,10 @@ class MasterState:
             n.manifest_log[:0] = [*delta.committed, *delta.removed]
 
     def nodes_with_changes(self) -> list[str]:
-        """The nodes whose manifest changes have not been taken yet."""
-        return [nid for nid, n in self._nodes.items() if n.manifest_log]
+        """The nodes whose manifest changes have not been taken yet, except those silent for
+        a third of node_ttl_s (probably dead: nobody should wait for them to take anything)."""
+        heard = self._clock() - self._config.node_ttl_s / 3
+        return [nid for nid, n in self._nodes.items() if n.manifest_log and n.last_seen >= heard]
 
     def announce_objects(self, node_id: str, records: Sequence[ObjectRecord],
                          done: bool = False) -> list[KVPoolError | None]:
@@ -516,15 +518,18 @@ class MasterState:
                            self._hits, self._misses, self._evictions, len(self._nodes),
                            self._demotions, self._promotions)
 
-    def tick(self) -> None:
-        """Expire silent nodes, reclaim timed-out puts, run due frees, evict above watermarks."""
+    def tick(self) -> list[tuple[str, float, int]]:
+        """Expire silent nodes, reclaim timed-out puts, run due frees, evict above watermarks.
+        Returns the nodes expired now: (node id, seconds silent, objects left without any
+        replica and so dropped with it)."""
         now = self._clock()
-        self._expire_nodes(now)
+        expired = self._expire_nodes(now)
         self._reclaim_pending(now)
         self._expire_moves(now)
         self._expire_soft_pins(now)
         self._release_deferred(now)
         self._evict_above_watermark(now)
+        return expired
 
     # -- per-key operations -----------------------------------------------------------------
 
@@ -815,17 +820,22 @@ class MasterState:
 
     # -- tick steps -------------------------------------------------------------------------
 
-    def _expire_nodes(self, now: float) -> None:
+    def _expire_nodes(self, now: float) -> list[tuple[str, float, int]]:
         ttl = self._config.node_ttl_s
         silent = {k for k, n in self._nodes.items() if now - n.last_seen > ttl / 3}
         self._silent = silent if len(silent) < len(self._nodes) else set()
+        expired = []
         for node_id in [k for k, n in self._nodes.items() if now - n.last_seen > ttl]:
             self._silent.discard(node_id)
             self._expired_segments.update(self._nodes[node_id].segment_ids)
+            before = len(self._objects)
             for seg_id in list(self._nodes[node_id].segment_ids):
                 self._drop_segment(self._segments[seg_id])
+            expired.append((node_id, now - self._nodes[node_id].last_seen,
+                            before - len(self._objects)))
             del self._nodes[node_id]
             self._outbox.pop(node_id, None)
+        return expired
 
     def _reclaim_pending(self, now: float) -> None:
         while self._put_deadlines and self._put_deadlines[0][0] <= now:

@@ -42,10 +42,62 @@ def test_flush_waits_until_the_node_has_applied_the_changes(clock):
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await stream.aclose()
-        # The stream is gone: a flush does not wait, the change stays queued for the node.
+        # The stream is gone: the change stays queued, and a flush waits for the next stream.
         put(state, "b", crc=2)
+        flush = asyncio.create_task(watchers.flush(state.nodes_with_changes()))
+        await asyncio.sleep(0.05)
+        assert not flush.done()
+        again, sent[:] = watchers.stream("n1"), []
+        task = asyncio.create_task(consume(again, sent))
+        await asyncio.sleep(0.05)
+        assert sent == [(0, []), (2, ["b"])] and not flush.done()
+        watchers.ack("n1", 2)
+        await asyncio.wait_for(flush, 0.5)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await again.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_node_that_will_watch_is_waited_for_before_its_first_stream(clock):
+    """A node just mounted (started, or re-mounted after a master restart) takes puts before
+    its stream is open: their commits wait for that stream, not for nothing."""
+    state, watchers = watched(clock)
+    watchers.expect("n1")
+    sent: list = []
+
+    async def main():
+        put(state, "a", crc=1)
+        flush = asyncio.create_task(watchers.flush(state.nodes_with_changes()))
+        await asyncio.sleep(0.05)
+        assert not flush.done()
+        stream = watchers.stream("n1")
+        task = asyncio.create_task(consume(stream, sent))
+        await asyncio.sleep(0.05)
+        assert sent == [(0, []), (1, ["a"])] and not flush.done()
+        watchers.ack("n1", 1)
+        await asyncio.wait_for(flush, 0.5)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await stream.aclose()
+
+    asyncio.run(main())
+
+
+def test_nobody_waits_for_a_silent_node_or_one_that_does_not_watch(clock):
+    state, watchers = watched(clock)
+    mount(state, "n2", "s2", keeps_manifest=True)
+    watchers.expect("n2")
+
+    async def main():
+        put(state, "a", crc=1)               # n1: mounted with a manifest, but never watches
         await asyncio.wait_for(watchers.flush(state.nodes_with_changes()), 0.5)
-        assert [r.key for r in state.take_manifest("n1").committed] == ["b"]
+        clock.advance(state.config.node_ttl_s / 2)
+        state.heartbeat("n1", take_manifest=False)
+        put(state, "b", crc=2, replicas=2)   # n2: will watch, but silent for a while now
+        assert state.nodes_with_changes() == ["n1"]
+        await asyncio.wait_for(watchers.flush(state.nodes_with_changes()), 0.5)
 
     asyncio.run(main())
 

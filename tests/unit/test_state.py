@@ -491,10 +491,11 @@ def test_dead_node_loses_its_segments_and_replicas(clock):
     assert nodes_of(pending) == ["n1"]
     clock.advance(ttl)
     state.heartbeat("n2")
-    state.tick()
+    assert state.tick() == []
     assert state.stats().nodes == 2                      # exactly the TTL is not yet dead
     clock.advance(0.5)
-    state.tick()
+    # Expired: silent this long, and "on1" and "pending1" had no other replica.
+    assert state.tick() == [("n1", ttl + 0.5, 2)]
     stats = state.stats()
     assert stats.nodes == 1 and [s.info.segment_id for s in stats.segments] == ["s2"]
     assert state.exists(["on1", "on2", "both"]) == [False, True, True]
