@@ -198,6 +198,7 @@ class Soak:
         self.running: dict = {}
         self.kill_times: list[float] = []
         self.recovery_windows: list[tuple[float, float]] = []   # master restarts
+        self.t0 = time.monotonic()   # the clients' start: fault lines and lost keys say when
 
     def run(self) -> Report:
         from kvpool.tools.cluster import LocalCluster
@@ -218,7 +219,7 @@ class Soak:
                      f"{a.segment_size >> 10} KiB, {a.clients} clients, {a.duration:.0f} s, "
                      f"seed {a.seed}", flush=True)
             workers, counters = self._start_workers(work)
-            started = time.monotonic()
+            started = self.t0 = time.monotonic()
             self._fault_loop(started + a.duration, counters)
             self._join(workers, started + a.duration + 30.0)
             self.report.duration_s = time.monotonic() - started
@@ -267,21 +268,23 @@ class Soak:
                 self.cluster.restart_master()
                 self.recovery_windows.append((started, time.monotonic() + RECOVERY_S))
                 self.report.master_kills += 1
-                self.out(f"soak: killed the master (-9) and restarted it in "
-                         f"{time.monotonic() - started:.1f} s", flush=True)
+                self._say(f"killed the master (-9) and restarted it in "
+                          f"{time.monotonic() - started:.1f} s")
                 next_master_kill = self._next(self.args.master_kill_interval, end)
                 continue
             if now >= next_kill:
                 victim = self.rng.choice(sorted(self.running))
                 self._kill_node(victim)
                 down_s = self.rng.uniform(0.2, 2 * NODE_TTL_S)
-                self.out(f"soak: killed {victim} (-9), restarting it in {down_s:.1f} s",
-                         flush=True)
+                self._say(f"killed {victim} (-9), restarting it in {down_s:.1f} s")
                 time.sleep(min(down_s, max(0.0, end - time.monotonic())))
                 self._start_node(victim)
                 next_kill = self._next(interval, end)
                 continue
             time.sleep(0.1)
+
+    def _say(self, what: str) -> None:
+        self.out(f"soak: at {time.monotonic() - self.t0:.1f} s, {what}", flush=True)
 
     def _progress(self, end: float, counters) -> None:
         from kvpool.tools.soak_worker import BYTES, ERRORS, N_COUNTERS, OPS, WRONG
@@ -354,7 +357,7 @@ class Soak:
                 if key in evicted:
                     continue
                 if any(tuple(r) in alive for r in record["replicas"]):
-                    self.report.lost.append(key)
+                    self.report.lost.append(f"{key} (put at {record['t0'] - self.t0:.1f} s)")
                 elif not record["replicas"] and not any(t >= record["t0"]
                                                         for t in self.kill_times):
                     # Gone before it could be located, with no node killed since its put.
