@@ -6,6 +6,7 @@ Object calls return one result per key: a value, or the KVPoolError instance for
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 
 import grpc
@@ -14,7 +15,15 @@ from kvpool.client.grpc_client import GrpcClient, map_rpc_error
 from kvpool.client.located import Located
 from kvpool.common import checksum, wire
 from kvpool.common.errors import ClientClosed, KVPoolError, NoSpace, UnknownNode, error_for_status
-from kvpool.common.types import Move, NodeEndpoints, ObjectRecord, ObjectView, Replica, SegmentInfo
+from kvpool.common.types import (
+    Move,
+    NodeEndpoints,
+    ObjectRecord,
+    ObjectView,
+    Replica,
+    Reservation,
+    SegmentInfo,
+)
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
 from kvpool.protos.kvpool.v1 import master_pb2_grpc
 
@@ -25,6 +34,7 @@ class MasterClient(GrpcClient):
     def __init__(self, address: str, timeout_s: float = 10.0, retries: int = 3):
         super().__init__(address, master_pb2_grpc.MasterStub, timeout_s=timeout_s,
                          retries=retries, name="master client")
+        self._watches: set = set()   # the WatchManifest calls open now (end_watches)
 
     # -- membership (store nodes) --
     def mount_segment(self, node: NodeEndpoints, segment: SegmentInfo, *,
@@ -60,18 +70,22 @@ class MasterClient(GrpcClient):
                 [wire.move_from_pb(m) for m in r.moves])
 
     def watch_manifest(self, node_id: str, deadline_s: float
-                       ) -> Iterator[tuple[int, list[ObjectRecord], list[tuple[str, int]]]]:
+                       ) -> Iterator[tuple[int, list[ObjectRecord], list[tuple[str, int]],
+                                           list[Reservation]]]:
         """The changes to a node's manifest as the master makes them, until ``deadline_s``
         passes (then the iterator ends: watch again) or the master goes away (raises): each
-        with its seq, to :meth:`ack_manifest` once applied when it is not 0."""
+        with its seq, to :meth:`ack_manifest` once applied when it is not 0, and with the
+        reservations it made (``until`` on this process's monotonic clock)."""
         address, stub = self._live_stub()
         stream = stub.WatchManifest(pb.WatchManifestRequest(node_id=node_id), timeout=deadline_s)
+        self._watches.add(stream)
         try:
             for msg in stream:
                 if self.address != address:
                     return    # we follow another master now: this one no longer leads
                 yield (msg.seq, wire.records_from_pb(msg.committed),
-                       list(zip(msg.removed_keys, msg.removed_versions)))
+                       list(zip(msg.removed_keys, msg.removed_versions)),
+                       wire.reservations_from_pb(msg.reserved, time.monotonic()))
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return
@@ -81,6 +95,13 @@ class MasterClient(GrpcClient):
                 self._fail_over(address, e)     # a standby or a dead master: find the leader
             raise map_rpc_error(e, f"master {address}: WatchManifest") from None
         finally:
+            self._watches.discard(stream)
+            stream.cancel()
+
+    def end_watches(self) -> None:
+        """End the open WatchManifest streams (their iterators raise): a node that mounted
+        again, on a new or another master, watches that one, not one that went quiet."""
+        for stream in list(self._watches):
             stream.cancel()
 
     def ack_manifest(self, node_id: str, seq: int) -> None:
@@ -89,11 +110,14 @@ class MasterClient(GrpcClient):
         on the next one."""
         self._call("AckManifest", pb.AckManifestRequest(node_id=node_id, seq=seq), retry=False)
 
-    def announce_objects(self, node_id: str, records: Sequence[ObjectRecord], done: bool
-                         ) -> list[KVPoolError | None]:
-        """Re-announce objects a node holds to a master that forgot them (Conflict: drop it)."""
+    def announce_objects(self, node_id: str, records: Sequence[ObjectRecord], done: bool,
+                         reserved: Sequence[Reservation] = ()) -> list[KVPoolError | None]:
+        """Re-announce objects a node holds to a master that forgot them (Conflict: drop it),
+        and with ``done`` the reservations still running (``until`` on this process's
+        monotonic clock)."""
         r = self._call("AnnounceObjects", pb.AnnounceObjectsRequest(
-            node_id=node_id, objects=wire.records_to_pb(records), done=done))
+            node_id=node_id, objects=wire.records_to_pb(records), done=done,
+            reserved=wire.reservations_to_pb(reserved, time.monotonic())))
         return [error_for_status(s, rec.key) for rec, s in zip(records, r.statuses)]
 
     def report_corrupt(self, keys: Sequence[str], versions: Sequence[int],

@@ -96,6 +96,20 @@ class ObjectView:
 
 
 @dataclass(frozen=True, slots=True)
+class Reservation:
+    """Space a master restarted meanwhile must not hand out again before ``until`` (on the
+    clock of whoever holds it): a put's extent while its writer may still write there (``key``
+    names the put; its commit there ends the reservation), or space freed while a reader may
+    still copy from it (``key`` is "")."""
+
+    key: str
+    segment_id: str
+    offset: int
+    size: int
+    until: float
+
+
+@dataclass(frozen=True, slots=True)
 class ObjectRecord:
     """One committed object as a store node's manifest holds it: enough for a restarted master
     to index it again without reading a byte."""

@@ -8,7 +8,15 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 from kvpool.common import checksum
-from kvpool.common.types import Extent, Move, NodeEndpoints, ObjectRecord, Replica, SegmentInfo
+from kvpool.common.types import (
+    Extent,
+    Move,
+    NodeEndpoints,
+    ObjectRecord,
+    Replica,
+    Reservation,
+    SegmentInfo,
+)
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
 
 # Batches of hundreds of blocks with descriptors exceed gRPC's 4 MiB default.
@@ -194,6 +202,18 @@ def records_to_pb(records: Sequence[ObjectRecord]) -> pb.ObjectRecords:
                             if any(r.parent for r in records) else [],
                             pinned=[r.pinned for r in records]
                             if any(r.pinned for r in records) else [])
+
+
+def reservations_to_pb(items: Sequence[Reservation], now: float) -> pb.Reservations:
+    """Reservations in columns, their ends as seconds from ``now`` (clocks are per process)."""
+    return pb.Reservations(keys=[r.key for r in items], segment_ids=[r.segment_id for r in items],
+                           offsets=[r.offset for r in items], sizes=[r.size for r in items],
+                           seconds=[max(0.0, r.until - now) for r in items])
+
+
+def reservations_from_pb(msg: pb.Reservations, now: float) -> list[Reservation]:
+    return [Reservation(k, sid, off, size, now + sec) for k, sid, off, size, sec
+            in zip(msg.keys, msg.segment_ids, msg.offsets, msg.sizes, msg.seconds)]
 
 
 def records_from_pb(msg: pb.ObjectRecords) -> list[ObjectRecord]:

@@ -91,7 +91,7 @@ class ManifestWatchers:
                 watch.wake.clear()
                 waiters, watch.waiters = watch.waiters, []
                 delta = self._state.take_manifest(node_id)
-                if delta is None or not (delta.committed or delta.removed):
+                if delta is None or not (delta.committed or delta.removed or delta.reserved):
                     _release(waiters)   # nothing queued for them: nothing to wait for
                     continue
                 seq = self._seqs[node_id] = self._seqs.get(node_id, 0) + 1

@@ -35,10 +35,11 @@ async def _check_batch(keys, context: grpc.aio.ServicerContext) -> None:
                             f"batch of {len(keys)} keys; the limit is {_MAX_BATCH}")
 
 
-def _changes(delta: ManifestDelta, seq: int) -> pb.ManifestChanges:
+def _changes(delta: ManifestDelta, seq: int, now: float) -> pb.ManifestChanges:
     return pb.ManifestChanges(committed=wire.records_to_pb(delta.committed),
                               removed_keys=[k for k, _ in delta.removed],
-                              removed_versions=[v for _, v in delta.removed], seq=seq)
+                              removed_versions=[v for _, v in delta.removed], seq=seq,
+                              reserved=wire.reservations_to_pb(delta.reserved, now))
 
 
 class MasterServicer(master_pb2_grpc.MasterServicer):
@@ -103,7 +104,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         # aclosing: a cancelled stream must unregister its watch now, not when collected.
         async with contextlib.aclosing(self._watchers.stream(request.node_id)) as deltas:
             async for seq, delta in deltas:
-                await context.write(_changes(delta, seq))
+                await context.write(_changes(delta, seq, self._state.now()))
 
     async def AckManifest(self, request, context):
         self._watchers.ack(request.node_id, request.seq)
@@ -113,7 +114,9 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         records = wire.records_from_pb(request.objects)
         await _check_batch(records, context)
         try:
-            results = self._state.announce_objects(request.node_id, records, request.done)
+            results = self._state.announce_objects(
+                request.node_id, records, request.done,
+                wire.reservations_from_pb(request.reserved, self._state.now()))
         except UnknownNode as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         indexed = sum(r is None for r in results)

@@ -38,6 +38,7 @@ from kvpool.common.types import (
     ObjectState,
     ObjectView,
     Replica,
+    Reservation,
     SegmentInfo,
     validate_key,
 )
@@ -97,10 +98,12 @@ class LocatedColumns:
 @dataclass(frozen=True, slots=True)
 class ManifestDelta:
     """What changed in one node's segments since its last heartbeat: objects committed there,
-    and ``(key, version)`` of objects dropped from there (applied after the commits)."""
+    ``(key, version)`` of objects dropped from there (applied after the commits), and space a
+    restarted master must not reuse for a while (``Reservation``, on this master's clock)."""
 
     committed: list[ObjectRecord]
     removed: list[tuple[str, int]]
+    reserved: list[Reservation] = ()
 
 
 @dataclass(eq=False, slots=True)
@@ -239,6 +242,10 @@ class MasterState:
     def config(self) -> MasterConfig:
         return self._config
 
+    def now(self) -> float:
+        """This master's clock (reservations travel as seconds from now)."""
+        return self._clock()
+
     # -- membership -----------------------------------------------------------------------
 
     def mount_segment(self, node: NodeEndpoints, segment: SegmentInfo, *,
@@ -312,14 +319,15 @@ class MasterState:
             return None
         log, n.manifest_log[:] = list(n.manifest_log), []
         return ManifestDelta([e for e in log if type(e) is ObjectRecord],
-                             [e for e in log if type(e) is tuple])
+                             [e for e in log if type(e) is tuple],
+                             [e for e in log if type(e) is Reservation])
 
     def requeue_manifest(self, node_id: str, delta: ManifestDelta) -> None:
         """Put a taken delta back in front of the node's queue (its stream broke before the
         node acknowledged it): the next take sends it again, before anything newer."""
         n = self._nodes.get(node_id)
         if n is not None and n.manifest_log is not None:
-            n.manifest_log[:0] = [*delta.committed, *delta.removed]
+            n.manifest_log[:0] = [*delta.reserved, *delta.committed, *delta.removed]
 
     def nodes_with_changes(self) -> list[str]:
         """The nodes whose manifest changes have not been taken yet, except those silent for
@@ -328,14 +336,22 @@ class MasterState:
         return [nid for nid, n in self._nodes.items() if n.manifest_log and n.last_seen >= heard]
 
     def announce_objects(self, node_id: str, records: Sequence[ObjectRecord],
-                         done: bool = False) -> list[KVPoolError | None]:
+                         done: bool = False, reserved: Sequence[Reservation] = ()
+                         ) -> list[KVPoolError | None]:
         """Index again objects a node holds (after a master restart): each one is COMPLETE at
         exactly its announced extent, a replica of an indexed object of the same key, version
         and size, or refused with Conflict (overlapping extent, other version) and the node
-        forgets it. ``done``: the node has announced everything; its recovering segments
-        take new objects from now on."""
+        forgets it. ``reserved`` (with ``done``): space the previous master had handed to a
+        put or freed under a lease, kept out of reuse until each one's end (``until``, on this
+        master's clock); one overlapping an object is stale and ignored. ``done``: the node has
+        announced everything; its recovering segments take new objects from now on."""
         n = self._live_node(node_id)
         out = [_attempt(self._announce_one, node_id, r) for r in records]
+        for r in reserved:
+            seg = self._segments.get(r.segment_id)
+            if seg is not None and seg.node_id == node_id and r.size > 0 \
+                    and seg.allocator.allocate_at(r.offset, r.size):
+                self._free_later([Extent(r.segment_id, r.offset, r.size)], r.until)
         if done:
             self._recovering.difference_update(n.segment_ids)
             if not self._recovering:   # every node announced: parents not indexed never come
@@ -572,8 +588,14 @@ class MasterState:
         obj = _Object(key, size, next(self._versions), extents[0].segment_id, extents[0].offset,
                       tuple(extents[1:]), parent=parent or None)
         self._objects[key] = obj
+        # Until its writer is surely done (its put reclaimed, then quarantined), a restarted
+        # master must not hand this space out: the nodes keep a reservation of it.
+        until = now + self._config.put_timeout_s + self._config.quarantine_s
         for e in extents:
-            self._segments[e.segment_id].keys.add(key)
+            seg = self._segments[e.segment_id]
+            seg.keys.add(key)
+            if seg.manifest_log is not None:
+                seg.manifest_log.append(Reservation(key, e.segment_id, e.offset, e.length, until))
         self._pending += 1
         started.append(obj)
         return self._replicas(obj)
@@ -1168,6 +1190,9 @@ class MasterState:
         entries = [(self._segments[e.segment_id], e) for e in extents]
         for seg, e in entries:
             seg.quarantined_bytes += seg.allocator.aligned_size(e.length)
+            if seg.manifest_log is not None:   # so that a restarted master waits as well
+                seg.manifest_log.append(Reservation("", e.segment_id, e.offset, e.length,
+                                                    free_at))
         heapq.heappush(self._deferred, (free_at, next(self._seq), entries))
 
     def _drop_segment(self, seg: _Segment) -> None:

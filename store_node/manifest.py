@@ -1,40 +1,61 @@
 """A store node's manifest: the committed objects its segments hold, as the master told it.
 
-The master sends what it committed in and dropped from the node's segments with each heartbeat
-answer (``ManifestDelta``), so the put path pays nothing for it: no extra round trip, no write
-to the node. When a master restarts with an empty index, the node re-announces the manifest
-and the master indexes the objects again at exactly these extents.
+The master pushes what it committed in and dropped from the node's segments on the node's
+manifest stream (``ManifestDelta``; master/manifest_watch.py), and a put is answered once the
+node has applied its commit. When a master restarts with an empty index, the node re-announces
+the manifest and the master indexes the objects again at exactly these extents.
 
 The manifest lives in the node's memory, next to the segments it describes: it has to survive
 a master restart, not a node restart (the segments are anonymous shared memory and go with the
-node). What it can miss: objects committed in the last heartbeat interval before a master dies
-(their delta never reached the node); those are lost as cache entries, never served wrong.
+node). What it can miss: a commit the master answered without the node's acknowledgement (the
+node took longer than MAX_WAIT_S) and then died; such an object is lost as a cache entry,
+never served wrong.
+
+It also keeps the master's reservations (``Reservation``): space handed to a put still being
+written, or freed while a reader may still copy from it. A restarted master learns them with
+the announcement and keeps that space out of reuse until each ends, so a writer or reader of
+the master that died never meets an object of the new one.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Sequence
 
-from kvpool.common.types import ObjectRecord
+from kvpool.common.types import ObjectRecord, Reservation
+
+PRUNE_EVERY_S = 1.0
 
 
 class Manifest:
     """Thread-safe ``key -> ObjectRecord`` of one node, one record per (segment, offset)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock=time.monotonic) -> None:
         self._lock = threading.Lock()
         self._by_key: dict[str, ObjectRecord] = {}
         self._by_place: dict[tuple[str, int], str] = {}
+        # Space a restarted master must not reuse yet, by place (``until`` on ``clock``).
+        self._reserved: dict[tuple[str, int], Reservation] = {}
+        self._clock = clock
+        self._pruned = clock()
 
     def __len__(self) -> int:
         return len(self._by_key)
 
-    def apply(self, committed: Iterable[ObjectRecord], removed: Iterable[tuple[str, int]]) -> None:
-        """Apply one heartbeat's delta: commits first, then removals of the version named (so
-        a key committed, removed and committed again in one interval keeps the last)."""
+    def apply(self, committed: Iterable[ObjectRecord], removed: Iterable[tuple[str, int]],
+              reserved: Iterable[Reservation] = ()) -> None:
+        """Apply one heartbeat's delta: reservations (a newer one at a place replaces the
+        older), commits (each ends its put's reservation), then removals of the version named
+        (so a key committed, removed and committed again in one interval keeps the last)."""
         with self._lock:
+            for res in reserved:
+                self._reserved[(res.segment_id, res.offset)] = res
+            self._prune_reserved()
             for r in committed:
+                res = self._reserved.get((r.segment_id, r.offset))
+                if res is not None and res.key == r.key:
+                    del self._reserved[(r.segment_id, r.offset)]
                 self._drop(r.key)
                 # A record at the same place is stale: the master reused the space, so that
                 # object's removal was lost (e.g. with a master that died).
@@ -68,6 +89,21 @@ class Manifest:
         with self._lock:
             for key in [k for k, r in self._by_key.items() if r.segment_id in ids]:
                 self._drop(key)
+            for place in [p for p in self._reserved if p[0] in ids]:
+                del self._reserved[place]
+
+    def reservations(self) -> list[Reservation]:
+        """The reservations still running (``until`` on this manifest's clock)."""
+        with self._lock:
+            self._prune_reserved(force=True)
+            return list(self._reserved.values())
+
+    def _prune_reserved(self, force: bool = False) -> None:
+        now = self._clock()
+        if force or now - self._pruned >= PRUNE_EVERY_S:
+            self._pruned = now
+            for place in [p for p, r in self._reserved.items() if r.until <= now]:
+                del self._reserved[place]
 
     def get(self, key: str) -> ObjectRecord | None:
         """The record of ``key``, or None."""

@@ -257,8 +257,8 @@ class StoreNode:
             return False
         return True
 
-    def _apply_manifest(self, committed, removed) -> None:
-        self.manifest.apply(committed, removed)
+    def _apply_manifest(self, committed, removed, reserved=()) -> None:
+        self.manifest.apply(committed, removed, reserved)
         if self._disk is not None and self._disk.manifest is not None:
             self._disk.manifest.apply(committed, removed)
 
@@ -268,9 +268,9 @@ class StoreNode:
         while the stream is down, the master keeps them for when it is back."""
         while not self._stop.is_set():
             try:
-                for seq, committed, removed in self._master.watch_manifest(self.node_id,
-                                                                           WATCH_DEADLINE_S):
-                    self._apply_manifest(committed, removed)
+                for seq, committed, removed, reserved in self._master.watch_manifest(
+                        self.node_id, WATCH_DEADLINE_S):
+                    self._apply_manifest(committed, removed, reserved)
                     if seq:
                         self._master.ack_manifest(self.node_id, seq)
                     self._stream_open.set()
@@ -282,9 +282,8 @@ class StoreNode:
             self._stream_open.clear()
 
     def _wait_stream_open(self) -> None:
-        """Wait (a few heartbeats at most) for the manifest stream: until it is open, the
-        master does not hold puts on this node's segments for it, and a master killed then
-        would lose those commits from the manifest."""
+        """Wait (a few heartbeats at most) for the manifest stream: until it is open, puts on
+        this node's segments wait for it on the master (MAX_WAIT_S at most)."""
         if not self._stream_open.wait(3 * self._interval_s):
             log.warning("manifest_stream_not_open", node=self.node_id,
                         waited_s=3 * self._interval_s)
@@ -298,13 +297,21 @@ class StoreNode:
         last one marked done; objects the master refuses (Conflict) are forgotten. Retried
         from the start if a call fails: mounting and announcing again are harmless."""
         self._mount_all(recovering=True)
-        # New objects come here once the announcement is done: by then the stream must be open.
+        # New objects come here once the announcement is done: by then the stream must be open,
+        # to this master (the one we watched may be alive but no longer lead: paused, fenced).
+        self._stream_open.clear()
+        self._master.end_watches()
         self._wait_stream_open()
         started = time.monotonic()
         batches = self.manifest.batches(ANNOUNCE_BATCH) or [[]]
         indexed = 0
         for n, batch in enumerate(batches, 1):
-            results = self._master.announce_objects(self.node_id, batch, done=n == len(batches))
+            done = n == len(batches)
+            # With the last batch: space the previous master handed out or freed under a
+            # lease, which the new one must not reuse until those writes and reads are over.
+            results = self._master.announce_objects(
+                self.node_id, batch, done=done,
+                reserved=self.manifest.reservations() if done else ())
             refused = [r.key for r, err in zip(batch, results) if isinstance(err, Conflict)]
             self.manifest.forget(refused)
             if self._disk is not None and self._disk.manifest is not None:

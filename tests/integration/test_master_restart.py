@@ -11,7 +11,12 @@ import time
 
 import pytest
 from kvpool.client import KVClient
-from kvpool.common.errors import KVPoolError, MasterUnavailable, ObjectNotFound
+from kvpool.client.master_client import MasterClient
+from kvpool.client.transport.base import IoOp
+from kvpool.client.transport.tcp import TCPTransport
+from kvpool.common.errors import KVPoolError, MasterUnavailable, NoSpace, ObjectNotFound
+
+from .conftest import run_cluster
 
 RECOVERY_LIMIT_S = 60.0    # a bound for the test to give up, not a performance target
 
@@ -103,3 +108,46 @@ def test_puts_in_flight_at_the_kill_lose_nothing_committed(cluster):
         keys = list(expected)
         assert kv.batch_get(keys) == [expected[k] for k in keys]
     print(f"\nin flight at the kill: {len(committed)} puts acknowledged, none lost")
+
+
+@pytest.fixture
+def slow_puts_cluster(tmp_path):
+    """Puts reclaimed after 30 s: the reservations outlast any slowness of this host."""
+    yield from run_cluster(tmp_path, master_args=["--put-timeout", "30s"])
+
+
+def test_a_late_writer_from_before_the_kill_overwrites_nothing_stored_after(slow_puts_cluster):
+    """A put started on the old master whose writer is still writing after the new master
+    took over: its nodes kept a reservation of its space, so the new master hands that space
+    to nobody until the put could have been reclaimed and quarantined; the late bytes land
+    where no object lives, and every object stored since reads back intact."""
+    cluster, size, tcp = slow_puts_cluster, 4 << 20, TCPTransport()
+    with MasterClient(cluster.master) as mc, KVClient(cluster.master) as kv:
+        [late], _ = mc.put_start(["late"], [size], replicas=2)
+        cluster.restart_master()
+        values = {f"after-{i}": os.urandom(size) for i in range(8)}
+        deadline = time.monotonic() + RECOVERY_LIMIT_S
+        todo = list(values)
+        while todo:   # until the nodes re-announced and the new master takes puts
+            try:
+                results = kv.batch_put(todo, [values[k] for k in todo], replicas=2)
+            except KVPoolError as e:
+                results = [e] * len(todo)
+            assert all(r is None or isinstance(r, NoSpace | MasterUnavailable)
+                       for r in results), results
+            todo = [k for k, r in zip(todo, results) if r is not None]
+            assert time.monotonic() < deadline, f"the new master took no put: {results}"
+            time.sleep(0.1 if todo else 0)
+        held = {(r.node.node_id, r.extent.offset) for r in late}
+        found, _ = mc.get_replicas(list(values))
+        for obj in found:
+            for r in obj.replicas:
+                assert (r.node.node_id, r.extent.offset) not in held, "reserved space reused"
+        assert sum(s.quarantined_bytes for s in mc.stats().segments) >= 2 * size
+        # The late writer writes now: nothing stored since is touched.
+        junk = memoryview(os.urandom(size))
+        try:
+            assert tcp.write([IoOp(r, junk) for r in late]) == [None, None]
+        finally:
+            tcp.close()
+        assert kv.batch_get(list(values), verify=True) == list(values.values())

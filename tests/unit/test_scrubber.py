@@ -68,14 +68,3 @@ def test_scrubber_ignores_objects_replaced_during_its_pass():
     finally:
         seg.close()
 
-
-def test_forgetting_a_record_keeps_a_newer_one_of_its_key():
-    manifest = Manifest()
-    old = ObjectRecord("k", "s", 0, 64, 1, 1)
-    new = ObjectRecord("k", "s", 128, 64, 2, 2)
-    manifest.apply([old], [])
-    manifest.apply([new], [("k", 1)])
-    manifest.forget_records([old])
-    assert manifest.get("k") == new
-    manifest.forget_records([new])
-    assert manifest.get("k") is None

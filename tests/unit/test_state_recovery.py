@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 from kvpool.common.errors import Conflict, NoSpace, ObjectNotFound
-from kvpool.common.types import ObjectRecord, SegmentInfo
+from kvpool.common.types import ObjectRecord, Reservation, SegmentInfo
 from kvpool.master.allocator import RangeAllocator
 from kvpool.master.state import MasterState
+from kvpool.store_node.manifest import Manifest
 
-from .test_state import NODE_TTL_S, endpoints, make_state
+from .test_state import NODE_TTL_S, PUT_TIMEOUT_S, QUARANTINE_S, endpoints, make_state
 
 
 def mount(state, node_id, segment_id, size=4096, **kw):
@@ -267,3 +268,55 @@ def test_pins_restored_after_a_restart_are_not_held_to_a_partly_mounted_quota(cl
     assert new.pin(["d"]) == [None]                          # 256: at the quota
     put(new, "e")
     assert isinstance(new.pin(["e"])[0], NoSpace)             # 320: over it
+
+
+def test_a_restarted_master_keeps_space_a_writer_or_reader_may_still_use_out_of_reuse(clock):
+    """The old master handed "p" to a writer that has not committed, and freed "r" under a
+    reader's lease, then died. Its nodes kept reservations of both; the new master keeps that
+    space out of reuse until each one ends, instead of handing it to a new put whose bytes
+    the late writer would overwrite (or whose bytes the late reader would take for "r")."""
+    old = make_state(clock)
+    mount(old, "n1", "s1", size=4 * 64, keeps_manifest=True)
+    [p] = old.put_start(["p"], [64])
+    put(old, "r", crc=1)
+    [r] = old.get_replicas(["r"])           # leased
+    assert old.remove(["r"]) == [None]
+    delta = old.take_manifest("n1")
+    assert [(x.key, x.offset) for x in delta.reserved] == \
+        [("p", p[0].extent.offset), ("r", r.replicas[0].extent.offset),
+         ("", r.replicas[0].extent.offset)]
+    put_ends = clock.now + PUT_TIMEOUT_S + QUARANTINE_S
+    assert delta.reserved[0].until == put_ends
+    lease_ends = delta.reserved[2].until
+    node = Manifest(clock)                  # the node's, on the same clock here
+    node.apply(delta.committed, delta.removed, delta.reserved)
+    assert node.records() == []
+    # "r"'s put reservation ended with its commit; its lease's replaced it at that place.
+    assert sorted((x.key, x.until) for x in node.reservations()) == \
+        [("", lease_ends), ("p", put_ends)]
+
+    new = make_state(clock)
+    mount(new, "n1", "s1", size=4 * 64, keeps_manifest=True, recovering=True)
+    assert new.announce_objects("n1", node.records(), done=True,
+                                reserved=node.reservations()) == []
+    s = new.stats().segments[0]
+    assert (s.used_bytes, s.quarantined_bytes, s.objects) == (0, 2 * 64, 0)
+    taken = {p[0].extent.offset, r.replicas[0].extent.offset}
+    placed = [put(new, f"n{i}") for i in range(3)]   # the third evicts: no space is free
+    assert {x[0].extent.offset for x in placed}.isdisjoint(taken)
+    clock.advance(lease_ends - clock.now)
+    new.tick()                              # the reader's lease is over: its space is free
+    assert new.stats().segments[0].quarantined_bytes == 64
+    clock.advance(put_ends - clock.now)
+    new.tick()                              # and the writer's put would have been reclaimed
+    assert new.stats().segments[0].quarantined_bytes == 0
+
+
+def test_a_reservation_overlapping_an_announced_object_is_stale_and_ignored(clock):
+    new = make_state(clock)
+    mount(new, "n1", "s1", size=4 * 64, keeps_manifest=True, recovering=True)
+    rec = ObjectRecord("a", "s1", 0, 64, 1, 3)
+    stale = Reservation("", "s1", 0, 64, clock.now + 60)
+    assert new.announce_objects("n1", [rec], done=True, reserved=[stale]) == [None]
+    s = new.stats().segments[0]
+    assert (s.used_bytes, s.quarantined_bytes, s.objects) == (64, 0, 1)

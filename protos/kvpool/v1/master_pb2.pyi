@@ -190,16 +190,32 @@ class WatchManifestRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ...) -> None: ...
 
 class ManifestChanges(_message.Message):
-    __slots__ = ("committed", "removed_keys", "removed_versions", "seq")
+    __slots__ = ("committed", "removed_keys", "removed_versions", "seq", "reserved")
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_KEYS_FIELD_NUMBER: _ClassVar[int]
     REMOVED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
     committed: ObjectRecords
     removed_keys: _containers.RepeatedScalarFieldContainer[str]
     removed_versions: _containers.RepeatedScalarFieldContainer[int]
     seq: int
-    def __init__(self, committed: _Optional[_Union[ObjectRecords, _Mapping]] = ..., removed_keys: _Optional[_Iterable[str]] = ..., removed_versions: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ...) -> None: ...
+    reserved: Reservations
+    def __init__(self, committed: _Optional[_Union[ObjectRecords, _Mapping]] = ..., removed_keys: _Optional[_Iterable[str]] = ..., removed_versions: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ..., reserved: _Optional[_Union[Reservations, _Mapping]] = ...) -> None: ...
+
+class Reservations(_message.Message):
+    __slots__ = ("keys", "segment_ids", "offsets", "sizes", "seconds")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    segment_ids: _containers.RepeatedScalarFieldContainer[str]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    seconds: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., segment_ids: _Optional[_Iterable[str]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., seconds: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class AckManifestRequest(_message.Message):
     __slots__ = ("node_id", "seq")
@@ -214,14 +230,16 @@ class AckManifestResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AnnounceObjectsRequest(_message.Message):
-    __slots__ = ("node_id", "objects", "done")
+    __slots__ = ("node_id", "objects", "done", "reserved")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     objects: ObjectRecords
     done: bool
-    def __init__(self, node_id: _Optional[str] = ..., objects: _Optional[_Union[ObjectRecords, _Mapping]] = ..., done: _Optional[bool] = ...) -> None: ...
+    reserved: Reservations
+    def __init__(self, node_id: _Optional[str] = ..., objects: _Optional[_Union[ObjectRecords, _Mapping]] = ..., done: _Optional[bool] = ..., reserved: _Optional[_Union[Reservations, _Mapping]] = ...) -> None: ...
 
 class AnnounceObjectsResponse(_message.Message):
     __slots__ = ("statuses",)
