@@ -233,6 +233,12 @@ class MasterState:
         # them: only replicas of objects still indexed are taken back, so an object removed
         # or evicted meanwhile does not return (a restarted master, knowing none, takes all).
         self._expired_segments: set[str] = set()
+        # Objects removed, evicted or dropped as corrupt while nodes may still be announcing
+        # (key -> version): until twice node_ttl_s after the first mount (every live node has
+        # re-mounted and announced by then) and while a segment recovers. Another node's
+        # replica announced later must not bring such an object back.
+        self._tombstones: dict[str, int] = {}
+        self._announcing_until: float | None = None
         # Nodes silent for a third of node_ttl_s (as of the last tick): probably dead, so new
         # objects go elsewhere while the TTL runs out, instead of failing their writes there.
         # Their next heartbeat clears them; if every node is silent, none is avoided.
@@ -272,6 +278,8 @@ class MasterState:
         if seg is not None and seg.info != segment:
             raise InvalidArgument(f"segment {segment.segment_id!r} is mounted as {seg.info}")
         now = self._clock()
+        if self._announcing_until is None:
+            self._announcing_until = now + 2 * self._config.node_ttl_s
         n = self._nodes.get(node.node_id)
         if n is not None and n.endpoints != node:
             # Endpoints are fixed for a node process's life: new ones mean the node restarted
@@ -540,6 +548,7 @@ class MasterState:
         replica and so dropped with it)."""
         now = self._clock()
         expired = self._expire_nodes(now)
+        self._end_tombstones(now)
         self._reclaim_pending(now)
         self._expire_moves(now)
         self._expire_soft_pins(now)
@@ -696,6 +705,8 @@ class MasterState:
         if obj is not None and (obj.state is not COMPLETE or obj.version != r.version
                                 or obj.size != r.size or obj.checksum != r.checksum):
             raise Conflict(f"{r.key!r}: indexed as another object")
+        if obj is None and self._tombstones.get(r.key) == r.version:
+            raise Conflict(f"{r.key!r}: removed or evicted since this master started")
         if obj is None and r.segment_id in self._expired_segments:
             raise Conflict(f"{r.key!r}: not indexed since its node was declared dead (removed, "
                            "evicted, or it had no other replica)")
@@ -749,6 +760,7 @@ class MasterState:
         # Other readers may be copying it under their lease: reuse only after that.
         self._free_later(bad, max(now, obj.lease_until))
         if not obj.replicas:
+            self._tombstone(obj)
             self._unindex(obj)
 
     def _put_revoke_one(self, key: str) -> None:
@@ -758,6 +770,7 @@ class MasterState:
 
     def _remove_one(self, key: str, now: float) -> None:
         obj = self._complete(key)
+        self._tombstone(obj)
         self._unindex(obj)
         if obj.lease_until > now:
             # A reader may still be copying these bytes: reuse only after its lease.
@@ -1141,6 +1154,7 @@ class MasterState:
         return obj.state is COMPLETE and not obj.pinned and obj.lease_until <= now
 
     def _evict(self, obj: _Object) -> None:
+        self._tombstone(obj)
         self._unindex(obj)
         self._free_now(obj.replicas)   # not leased, so no reader can be in flight
         self._evictions += 1
@@ -1157,6 +1171,17 @@ class MasterState:
         return Replica(self._nodes[seg.node_id].endpoints, e, rdma_addr=info.rdma_addr,
                        rdma_rkey=info.rdma_rkey,
                        rdma_length=info.size_bytes if info.rdma_rkey else 0, tier=info.tier)
+
+    def _tombstone(self, obj: _Object) -> None:
+        """Remember ``obj`` gone while nodes may still announce it (see _tombstones)."""
+        if self._recovering or (self._announcing_until is not None
+                                and self._clock() < self._announcing_until):
+            self._tombstones[obj.key] = obj.version
+
+    def _end_tombstones(self, now: float) -> None:
+        if self._tombstones and not self._recovering and self._announcing_until is not None \
+                and now >= self._announcing_until:
+            self._tombstones.clear()
 
     def _unindex(self, obj: _Object) -> None:
         """Forget ``obj``; its extents stay allocated until the caller frees them."""

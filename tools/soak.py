@@ -346,7 +346,7 @@ class Soak:
             if any(a <= record["missing_at"] <= b for a, b in self.recovery_windows):
                 live[key] = missing.pop(key)
                 self.report.recovery_misses += 1
-        removed = [k for r in results for k in r["removed"]]
+        removed = {k: t for r in results for k, t in r["removed"].items()}
         attempted = [k for r in results for k in r["attempted"]]
         mc = MasterClient(self.cluster.master, timeout_s=30.0)
         kv = KVClient(self.cluster.master, timeout_s=30.0)
@@ -366,7 +366,10 @@ class Soak:
                     self.report.dropped_with_node += 1
             self._reread(kv, [k for k in live if exists[k]], live)
             # Removed, or seen gone by a get: neither may exist again.
-            self.report.resurrected = [k for k in [*removed, *missing] if exists.get(k)]
+            self.report.resurrected = [
+                f"{k} (removed at {t - self.t0:.1f} s)" for k, t in removed.items() if exists.get(k)
+            ] + [f"{k} (a get missed it at {r['missing_at'] - self.t0:.1f} s)"
+                 for k, r in missing.items() if exists.get(k)]
             self._check_space(mc, sum(exists.values()))
         finally:
             kv.close()

@@ -8,7 +8,8 @@ key without a copy. What the worker writes at the end (JSON) is what the auditor
   the time its put started and the replicas (node id, tcp endpoint) the master gave it;
 - ``missing``: committed keys a later get or remove found absent (evicted, or lost), with
   their put records;
-- ``removed``: keys whose remove succeeded (they must never come back); a key whose remove
+- ``removed``: keys whose remove succeeded (they must never come back), with when the remove
+  returned; a key whose remove
   failed (unknown outcome) is checked no more;
 - ``attempted``: every key a put was tried for (the cluster must hold no other object).
 """
@@ -104,7 +105,7 @@ def run_worker(cfg: WorkerConfig, counters) -> None:
     live: dict[str, dict] = {}
     recent = _Recent()
     missing: dict[str, dict] = {}
-    removed: list[str] = []
+    removed: dict[str, float] = {}
     attempted: list[str] = []
     counts = {"put": 0, "put_nospace": 0, "put_failed": 0, "get": 0, "get_hit": 0,
               "get_miss": 0, "get_failed": 0, "remove": 0, "remove_failed": 0,
@@ -192,7 +193,7 @@ def _gone(key: str, live: dict, recent: _Recent, missing: dict) -> None:
 
 
 def _remove(kv: KVClient, key: str, live: dict, recent: _Recent, missing: dict,
-            removed: list, counts: dict) -> None:
+            removed: dict, counts: dict) -> None:
     try:
         kv.remove(key)
     except ObjectNotFound:
@@ -206,4 +207,4 @@ def _remove(kv: KVClient, key: str, live: dict, recent: _Recent, missing: dict,
     counts["remove"] += 1
     recent.discard(key)
     live.pop(key, None)
-    removed.append(key)
+    removed[key] = time.monotonic()

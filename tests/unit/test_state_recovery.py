@@ -320,3 +320,29 @@ def test_a_reservation_overlapping_an_announced_object_is_stale_and_ignored(cloc
     assert new.announce_objects("n1", [rec], done=True, reserved=[stale]) == [None]
     s = new.stats().segments[0]
     assert (s.used_bytes, s.quarantined_bytes, s.objects) == (64, 0, 1)
+
+
+def test_an_object_removed_while_its_other_replica_is_not_announced_yet_stays_removed(clock):
+    """After a restart, node n1 announces "k" and a client removes it before n2 (its other
+    replica) has announced: n2's copy must not bring it back."""
+    old = make_state(clock)
+    mount(old, "n1", "s1", keeps_manifest=True)
+    mount(old, "n2", "s2", keeps_manifest=True)
+    put(old, "k", replicas=2, crc=1)
+    manifests = {n: old.take_manifest(n).committed for n in ("n1", "n2")}
+
+    new = make_state(clock)
+    mount(new, "n1", "s1", keeps_manifest=True, recovering=True)
+    assert new.announce_objects("n1", manifests["n1"], done=True) == [None]
+    assert new.remove(["k"]) == [None]
+    mount(new, "n2", "s2", keeps_manifest=True, recovering=True)
+    [refused] = new.announce_objects("n2", manifests["n2"], done=True)
+    assert isinstance(refused, Conflict) and "removed or evicted" in str(refused)
+    assert new.exists(["k"]) == [False]
+    # Once every node had the time to announce (twice the node TTL), that is over: a node
+    # announcing "k" now (it was never told otherwise) is believed.
+    clock.advance(2 * NODE_TTL_S)
+    new.heartbeat("n1")
+    new.heartbeat("n2")
+    new.tick()
+    assert new.announce_objects("n2", manifests["n2"]) == [None]
