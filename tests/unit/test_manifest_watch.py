@@ -23,6 +23,25 @@ async def consume(stream, sent: list) -> None:
         sent.append((seq, [r.key for r in delta.committed]))
 
 
+async def flush_waits_for_the_next_stream(state, watchers, key: str, seq: int) -> None:
+    """Put ``key`` while n1 has no stream open: the flush waits, the next stream sends the
+    change (after its empty "open" message) and only the node's ack of it releases the flush."""
+    put(state, key, crc=seq)
+    flush = asyncio.create_task(watchers.flush(state.nodes_with_changes()))
+    await asyncio.sleep(0.05)
+    assert not flush.done()
+    sent: list = []
+    stream = watchers.stream("n1")
+    task = asyncio.create_task(consume(stream, sent))
+    await asyncio.sleep(0.05)
+    assert sent == [(0, []), (seq, [key])] and not flush.done()
+    watchers.ack("n1", seq)
+    await asyncio.wait_for(flush, 0.5)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await stream.aclose()
+
+
 def test_flush_waits_until_the_node_has_applied_the_changes(clock):
     state, watchers = watched(clock)
     sent: list = []
@@ -43,19 +62,7 @@ def test_flush_waits_until_the_node_has_applied_the_changes(clock):
         await asyncio.gather(task, return_exceptions=True)
         await stream.aclose()
         # The stream is gone: the change stays queued, and a flush waits for the next stream.
-        put(state, "b", crc=2)
-        flush = asyncio.create_task(watchers.flush(state.nodes_with_changes()))
-        await asyncio.sleep(0.05)
-        assert not flush.done()
-        again, sent[:] = watchers.stream("n1"), []
-        task = asyncio.create_task(consume(again, sent))
-        await asyncio.sleep(0.05)
-        assert sent == [(0, []), (2, ["b"])] and not flush.done()
-        watchers.ack("n1", 2)
-        await asyncio.wait_for(flush, 0.5)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await again.aclose()
+        await flush_waits_for_the_next_stream(state, watchers, "b", 2)
 
     asyncio.run(main())
 
@@ -65,24 +72,7 @@ def test_a_node_that_will_watch_is_waited_for_before_its_first_stream(clock):
     its stream is open: their commits wait for that stream, not for nothing."""
     state, watchers = watched(clock)
     watchers.expect("n1")
-    sent: list = []
-
-    async def main():
-        put(state, "a", crc=1)
-        flush = asyncio.create_task(watchers.flush(state.nodes_with_changes()))
-        await asyncio.sleep(0.05)
-        assert not flush.done()
-        stream = watchers.stream("n1")
-        task = asyncio.create_task(consume(stream, sent))
-        await asyncio.sleep(0.05)
-        assert sent == [(0, []), (1, ["a"])] and not flush.done()
-        watchers.ack("n1", 1)
-        await asyncio.wait_for(flush, 0.5)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await stream.aclose()
-
-    asyncio.run(main())
+    asyncio.run(flush_waits_for_the_next_stream(state, watchers, "a", 1))
 
 
 def test_nobody_waits_for_a_silent_node_or_one_that_does_not_watch(clock):
