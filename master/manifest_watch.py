@@ -129,12 +129,14 @@ class ManifestWatchers:
     async def flush(self, node_ids: Iterable[str]) -> None:
         """Wait until the changes queued for these nodes were applied by their watchers, on
         the open stream or the next one (MAX_WAIT_S at most: a node slow to take its changes
-        does not hold puts longer). Nodes that do not watch are not waited for."""
+        does not hold puts longer). Not waited for: nodes that do not watch, and those with
+        no stream open that have gone silent (probably dead: a stalled node keeps its stream)."""
         loop = asyncio.get_running_loop()
         futures = []
         for node_id in node_ids:
             watch = self._watches.get(node_id)
-            if watch is None and (self._closed or node_id not in self._watched):
+            if watch is None and (self._closed or node_id not in self._watched
+                                  or not self._state.heard_from(node_id)):
                 continue
             f = loop.create_future()
             futures.append(f)

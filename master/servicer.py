@@ -122,6 +122,10 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         indexed = sum(r is None for r in results)
         log.info("objects_announced", node=request.node_id, indexed=indexed,
                  refused=len(results) - indexed, done=request.done)
+        refused = [str(r) for r in results if r is not None]
+        if refused:
+            log.warning("announced_objects_refused", node=request.node_id, count=len(refused),
+                        reasons=refused[:8])
         return pb.AnnounceObjectsResponse(statuses=map(_status, results))
 
     async def ReportCorrupt(self, request, context):

@@ -338,10 +338,14 @@ class MasterState:
             n.manifest_log[:0] = [*delta.reserved, *delta.committed, *delta.removed]
 
     def nodes_with_changes(self) -> list[str]:
-        """The nodes whose manifest changes have not been taken yet, except those silent for
-        a third of node_ttl_s (probably dead: nobody should wait for them to take anything)."""
-        heard = self._clock() - self._config.node_ttl_s / 3
-        return [nid for nid, n in self._nodes.items() if n.manifest_log and n.last_seen >= heard]
+        """The nodes whose manifest changes have not been taken yet."""
+        return [nid for nid, n in self._nodes.items() if n.manifest_log]
+
+    def heard_from(self, node_id: str) -> bool:
+        """Whether ``node_id`` is known and was heard from within a third of node_ttl_s (not
+        probably dead)."""
+        n = self._nodes.get(node_id)
+        return n is not None and self._clock() - n.last_seen <= self._config.node_ttl_s / 3
 
     def announce_objects(self, node_id: str, records: Sequence[ObjectRecord],
                          done: bool = False, reserved: Sequence[Reservation] = ()

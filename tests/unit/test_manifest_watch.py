@@ -75,7 +75,7 @@ def test_a_node_that_will_watch_is_waited_for_before_its_first_stream(clock):
     asyncio.run(flush_waits_for_the_next_stream(state, watchers, "a", 1))
 
 
-def test_nobody_waits_for_a_silent_node_or_one_that_does_not_watch(clock):
+def test_nobody_waits_for_a_silent_node_without_a_stream_or_one_that_does_not_watch(clock):
     state, watchers = watched(clock)
     mount(state, "n2", "s2", keeps_manifest=True)
     watchers.expect("n2")
@@ -86,8 +86,22 @@ def test_nobody_waits_for_a_silent_node_or_one_that_does_not_watch(clock):
         clock.advance(state.config.node_ttl_s / 2)
         state.heartbeat("n1", take_manifest=False)
         put(state, "b", crc=2, replicas=2)   # n2: will watch, but silent for a while now
-        assert state.nodes_with_changes() == ["n1"]
+        assert sorted(state.nodes_with_changes()) == ["n1", "n2"]
         await asyncio.wait_for(watchers.flush(state.nodes_with_changes()), 0.5)
+        # A silent node whose stream is open is alive, only slow: it is waited for.
+        sent: list = []
+        stream = watchers.stream("n2")
+        task = asyncio.create_task(consume(stream, sent))
+        await asyncio.sleep(0)
+        put(state, "c", crc=3, replicas=2)
+        flush = asyncio.create_task(watchers.flush(state.nodes_with_changes()))
+        await asyncio.sleep(0.05)
+        assert sent == [(0, []), (1, ["b", "c"])] and not flush.done()
+        watchers.ack("n2", 1)
+        await asyncio.wait_for(flush, 0.5)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await stream.aclose()
 
     asyncio.run(main())
 
