@@ -357,7 +357,10 @@ class Soak:
                 if key in evicted:
                     continue
                 if any(tuple(r) in alive for r in record["replicas"]):
-                    self.report.lost.append(f"{key} (put at {record['t0'] - self.t0:.1f} s)")
+                    where = ", ".join(f"{n} {e}" + ("" if (n, e) in alive else " (killed)")
+                                      for n, e in record["replicas"])
+                    self.report.lost.append(f"{key} (put at {record['t0'] - self.t0:.1f} s "
+                                            f"on {where})")
                 elif not record["replicas"] and not any(t >= record["t0"]
                                                         for t in self.kill_times):
                     # Gone before it could be located, with no node killed since its put.
