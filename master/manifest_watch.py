@@ -88,6 +88,11 @@ class ManifestWatchers:
             while not self._closed:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(watch.wake.wait(), PUSH_INTERVAL_S)
+                if self._watches.get(node_id) is not watch:
+                    # A newer stream of this node took over (this one's end is not noticed
+                    # yet): only that one may take the node's changes, or its waiters would
+                    # be released for changes that went down a dead stream.
+                    break
                 watch.wake.clear()
                 waiters, watch.waiters = watch.waiters, []
                 delta = self._state.take_manifest(node_id)
@@ -120,8 +125,12 @@ class ManifestWatchers:
             self._state.requeue_manifest(node_id, delta)
             waiters += held
         waiters = [f for f in waiters if not f.done()]
+        current = self._watches.get(node_id)
         if self._closed:
             _release(waiters)
+        elif current is not None:   # a newer stream is open already: it sends them
+            current.waiters += waiters
+            current.wake.set()
         elif waiters:
             orphans = self._orphans.setdefault(node_id, [])
             orphans[:] = [f for f in orphans if not f.done()] + waiters

@@ -141,3 +141,33 @@ def test_what_a_broken_stream_left_unacknowledged_is_sent_again(clock):
         await again.aclose()
 
     asyncio.run(main())
+
+
+def test_a_stream_replaced_by_a_newer_one_takes_no_more_changes(clock):
+    """The node opened a new stream before the master noticed the old one end: the old one
+    must not take the node's changes (they would go down a dead stream while the new stream,
+    finding nothing queued, released the put waiting for them)."""
+    state, watchers = watched(clock)
+    old_sent: list = []
+    new_sent: list = []
+
+    async def main():
+        old = watchers.stream("n1")
+        old_task = asyncio.create_task(consume(old, old_sent))
+        await asyncio.sleep(0)
+        new = watchers.stream("n1")
+        new_task = asyncio.create_task(consume(new, new_sent))
+        await asyncio.sleep(0)
+        put(state, "a", crc=1)
+        flush = asyncio.create_task(watchers.flush(state.nodes_with_changes()))
+        await asyncio.sleep(0.6)              # past PUSH_INTERVAL_S: the old one woke too
+        assert old_sent == [(0, [])] and old_task.done()
+        assert new_sent == [(0, []), (1, ["a"])] and not flush.done()
+        watchers.ack("n1", 1)
+        await asyncio.wait_for(flush, 0.5)
+        new_task.cancel()
+        await asyncio.gather(new_task, return_exceptions=True)
+        await new.aclose()
+        await old.aclose()
+
+    asyncio.run(main())
