@@ -78,6 +78,13 @@ class ManifestWatchers:
     async def stream(self, node_id: str) -> AsyncIterator[tuple[int, ManifestDelta]]:
         """The node's changes as they happen (the first at once: whatever is queued), each
         with the seq the node acknowledges (:meth:`ack`) once it has applied it."""
+        old = self._watches.pop(node_id, None)
+        if old is not None:
+            # The node's previous stream (its end not noticed yet) is replaced now: what it
+            # sent unacknowledged goes first on this one, before anything newer. Requeued
+            # later, when that stream's handler ends, it would overtake newer changes (an old
+            # commit re-applied after its removal, or over the object that took its place).
+            self._requeue(node_id, old)
         watch = self._watches[node_id] = _Watch(self._orphans.pop(node_id, []))
         self._watched.add(node_id)
         watch.wake.set()
@@ -119,7 +126,7 @@ class ManifestWatchers:
         """A stream ended: what it sent unacknowledged goes back to the front of the node's
         queue (applying a message twice is harmless), its waiters to the next stream, which a
         live node opens within a second (they give up after MAX_WAIT_S)."""
-        waiters = list(watch.waiters)
+        waiters, watch.waiters = list(watch.waiters), []
         for seq in sorted(watch.unacked, reverse=True):   # the oldest ends up first
             delta, held = watch.unacked.pop(seq)
             self._state.requeue_manifest(node_id, delta)

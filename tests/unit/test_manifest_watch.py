@@ -171,3 +171,43 @@ def test_a_stream_replaced_by_a_newer_one_takes_no_more_changes(clock):
         await old.aclose()
 
     asyncio.run(main())
+
+
+def test_what_a_replaced_stream_left_unacknowledged_goes_before_anything_newer(clock):
+    """The node reconnected while its old stream still held the commit of "a" unacknowledged
+    (perhaps applied). "a" is then removed. The new stream must send that commit before the
+    removal, never after it (the node would hold "a" again, over space reused by others)."""
+    state, watchers = watched(clock)
+    old_sent: list = []
+    applied: list = []   # what the node applies, in order
+
+    async def node(stream):
+        async for seq, delta in stream:
+            applied.extend([("commit", r.key) for r in delta.committed]
+                           + [("remove", k) for k, _ in delta.removed])
+            if seq:
+                watchers.ack("n1", seq)
+
+    async def main():
+        old = watchers.stream("n1")
+        old_task = asyncio.create_task(consume(old, old_sent))
+        await asyncio.sleep(0)
+        put(state, "a", crc=1)
+        flush = asyncio.create_task(watchers.flush(state.nodes_with_changes()))
+        await asyncio.sleep(0.05)
+        assert old_sent == [(0, []), (1, ["a"])]     # sent, never acknowledged
+        new = watchers.stream("n1")
+        new_task = asyncio.create_task(node(new))
+        await asyncio.sleep(0.05)
+        assert state.remove(["a"]) == [None]
+        await asyncio.wait_for(watchers.flush(state.nodes_with_changes()), 0.5)
+        await asyncio.wait_for(flush, 0.5)
+        await asyncio.sleep(0.6)                      # the old stream wakes, and ends
+        assert applied == [("commit", "a"), ("remove", "a")]
+        for task in (old_task, new_task):
+            task.cancel()
+        await asyncio.gather(old_task, new_task, return_exceptions=True)
+        await new.aclose()
+        await old.aclose()
+
+    asyncio.run(main())
