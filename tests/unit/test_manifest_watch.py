@@ -23,6 +23,20 @@ async def consume(stream, sent: list) -> None:
         sent.append((seq, [r.key for r in delta.committed]))
 
 
+async def open_stream(watchers, sink: list, reader=None):
+    """A stream of n1 and the task reading it into ``sink`` (with ``reader``, that one)."""
+    stream = watchers.stream("n1")
+    task = asyncio.create_task(reader(stream) if reader else consume(stream, sink))
+    await asyncio.sleep(0)
+    return stream, task
+
+
+async def close_stream(stream, task) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await stream.aclose()
+
+
 async def flush_waits_for_the_next_stream(state, watchers, key: str, seq: int) -> None:
     """Put ``key`` while n1 has no stream open: the flush waits, the next stream sends the
     change (after its empty "open" message) and only the node's ack of it releases the flush."""
@@ -31,15 +45,12 @@ async def flush_waits_for_the_next_stream(state, watchers, key: str, seq: int) -
     await asyncio.sleep(0.05)
     assert not flush.done()
     sent: list = []
-    stream = watchers.stream("n1")
-    task = asyncio.create_task(consume(stream, sent))
+    stream, task = await open_stream(watchers, sent)
     await asyncio.sleep(0.05)
     assert sent == [(0, []), (seq, [key])] and not flush.done()
     watchers.ack("n1", seq)
     await asyncio.wait_for(flush, 0.5)
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    await stream.aclose()
+    await close_stream(stream, task)
 
 
 def test_flush_waits_until_the_node_has_applied_the_changes(clock):
@@ -152,12 +163,8 @@ def test_a_stream_replaced_by_a_newer_one_takes_no_more_changes(clock):
     new_sent: list = []
 
     async def main():
-        old = watchers.stream("n1")
-        old_task = asyncio.create_task(consume(old, old_sent))
-        await asyncio.sleep(0)
-        new = watchers.stream("n1")
-        new_task = asyncio.create_task(consume(new, new_sent))
-        await asyncio.sleep(0)
+        old, old_task = await open_stream(watchers, old_sent)
+        new, new_task = await open_stream(watchers, new_sent)
         put(state, "a", crc=1)
         flush = asyncio.create_task(watchers.flush(state.nodes_with_changes()))
         await asyncio.sleep(0.6)              # past PUSH_INTERVAL_S: the old one woke too
@@ -165,10 +172,8 @@ def test_a_stream_replaced_by_a_newer_one_takes_no_more_changes(clock):
         assert new_sent == [(0, []), (1, ["a"])] and not flush.done()
         watchers.ack("n1", 1)
         await asyncio.wait_for(flush, 0.5)
-        new_task.cancel()
-        await asyncio.gather(new_task, return_exceptions=True)
-        await new.aclose()
-        await old.aclose()
+        await close_stream(new, new_task)
+        await close_stream(old, old_task)
 
     asyncio.run(main())
 
@@ -189,25 +194,19 @@ def test_what_a_replaced_stream_left_unacknowledged_goes_before_anything_newer(c
                 watchers.ack("n1", seq)
 
     async def main():
-        old = watchers.stream("n1")
-        old_task = asyncio.create_task(consume(old, old_sent))
-        await asyncio.sleep(0)
+        old, old_task = await open_stream(watchers, old_sent)
         put(state, "a", crc=1)
         flush = asyncio.create_task(watchers.flush(state.nodes_with_changes()))
         await asyncio.sleep(0.05)
         assert old_sent == [(0, []), (1, ["a"])]     # sent, never acknowledged
-        new = watchers.stream("n1")
-        new_task = asyncio.create_task(node(new))
+        new, new_task = await open_stream(watchers, applied, node)
         await asyncio.sleep(0.05)
         assert state.remove(["a"]) == [None]
         await asyncio.wait_for(watchers.flush(state.nodes_with_changes()), 0.5)
         await asyncio.wait_for(flush, 0.5)
         await asyncio.sleep(0.6)                      # the old stream wakes, and ends
         assert applied == [("commit", "a"), ("remove", "a")]
-        for task in (old_task, new_task):
-            task.cancel()
-        await asyncio.gather(old_task, new_task, return_exceptions=True)
-        await new.aclose()
-        await old.aclose()
+        await close_stream(new, new_task)
+        await close_stream(old, old_task)
 
     asyncio.run(main())
