@@ -3,17 +3,21 @@
 A PutEnd answers only after the nodes holding the committed objects have applied the commit (they
 acknowledge each message by its seq), so a master killed right after answering loses nothing it
 acknowledged: the nodes re-announce it. A PutStart answers only after the removals of the
-objects it evicted were applied: otherwise a master killed while the new object's bytes are
+objects it evicted were applied (otherwise a master killed while the new object's bytes are
 being written over the evicted one's would leave that one in a manifest, and a restarted master
-would serve it with the new bytes. The wait costs a stream write and the node's acknowledgement
-(a local round trip, shared by concurrent PutEnds), never a round trip of the client's.
+would serve it with the new bytes), and after the nodes recorded the reservation of the new
+extents (a restarted master keeps them out of reuse while the writer may still write there).
+The wait costs a stream write and the node's acknowledgement (a local round trip, shared by
+concurrent calls), never a round trip of the client's.
 
 A node that keeps a manifest watches its changes (it says so when it mounts), so its changes
 go only by stream, and an RPC waits for them while the stream is down too: before the node's
-first stream (a node just started or re-mounted), or between two. Messages a stream sent but the
-node never acknowledged (the stream broke) go back to the front of the node's queue, and their
-waiters, with those that came while no stream was open, to the node's next stream. A node that
-does not watch gets the same changes with its next heartbeat, and nobody waits for it.
+first stream (a node just started or re-mounted), or between two. Only the node's newest
+stream takes its changes. Messages a stream sent but the node never acknowledged (the stream
+broke, or a newer one replaced it) go back to the front of the node's queue, before anything
+newer, and their waiters, with those that came while no stream was open, to the node's next
+stream. A node that does not watch gets the same changes with its next heartbeat, and nobody
+waits for it.
 """
 
 from __future__ import annotations
