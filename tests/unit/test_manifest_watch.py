@@ -23,9 +23,9 @@ async def consume(stream, sent: list) -> None:
         sent.append((seq, [r.key for r in delta.committed]))
 
 
-async def open_stream(watchers, sink: list, reader=None):
-    """A stream of n1 and the task reading it into ``sink`` (with ``reader``, that one)."""
-    stream = watchers.stream("n1")
+async def open_stream(watchers, sink: list, reader=None, node: str = "n1"):
+    """A stream of ``node`` and the task reading it into ``sink`` (or ``reader``'s task)."""
+    stream = watchers.stream(node)
     task = asyncio.create_task(reader(stream) if reader else consume(stream, sink))
     await asyncio.sleep(0)
     return stream, task
@@ -101,18 +101,14 @@ def test_nobody_waits_for_a_silent_node_without_a_stream_or_one_that_does_not_wa
         await asyncio.wait_for(watchers.flush(state.nodes_with_changes()), 0.5)
         # A silent node whose stream is open is alive, only slow: it is waited for.
         sent: list = []
-        stream = watchers.stream("n2")
-        task = asyncio.create_task(consume(stream, sent))
-        await asyncio.sleep(0)
+        stream, task = await open_stream(watchers, sent, node="n2")
         put(state, "c", crc=3, replicas=2)
         flush = asyncio.create_task(watchers.flush(state.nodes_with_changes()))
         await asyncio.sleep(0.05)
         assert sent == [(0, []), (1, ["b", "c"])] and not flush.done()
         watchers.ack("n2", 1)
         await asyncio.wait_for(flush, 0.5)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await stream.aclose()
+        await close_stream(stream, task)
 
     asyncio.run(main())
 
@@ -147,9 +143,7 @@ def test_what_a_broken_stream_left_unacknowledged_is_sent_again(clock):
         assert not flush.done()                      # releases nothing here
         watchers.ack("n1", 2)
         await asyncio.wait_for(flush, 0.5)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await again.aclose()
+        await close_stream(again, task)
 
     asyncio.run(main())
 
