@@ -25,9 +25,22 @@ _PR_SET_PDEATHSIG = 1
 _prctl = ctypes.CDLL(None, use_errno=True).prctl
 
 
+# A kvpool child started by Proc finds this set and asks the kernel to end it with its parent
+# (die_with_launcher). Not done in a preexec_fn: that forces a fork(), whose atfork handlers in
+# a launcher with live gRPC channels can block for good (seen: a test hung in restart_master);
+# without one, subprocess uses vfork, which runs no handlers.
+_DIE_WITH_PARENT_ENV = "KVPOOL_DIE_WITH_PARENT"
+
+
 def _die_with_parent() -> None:
     # Children must not outlive a launcher that is SIGKILLed (a crashed test, a killed shell).
     _prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+
+def die_with_launcher() -> None:
+    """In a kvpool process: if Proc started it, end with the process that did."""
+    if os.environ.pop(_DIE_WITH_PARENT_ENV, None):
+        _die_with_parent()
 
 
 class ClusterError(RuntimeError):
@@ -46,9 +59,9 @@ class Proc:
         self.popen = subprocess.Popen(
             [*launcher, sys.executable, "-m", "kvpool", *argv], stdout=subprocess.PIPE,
             stderr=log if log is not None else None, stdin=subprocess.DEVNULL,
+            env={**os.environ, _DIE_WITH_PARENT_ENV: "1"},
             # Ctrl-C in a terminal reaches only us, and we stop the children in order.
-            start_new_session=True,
-            preexec_fn=_die_with_parent)  # noqa: PLW1509 - sets PDEATHSIG; prctl is fork-safe
+            start_new_session=True)
 
     def wait_ready(self, prefix: str, timeout_s: float = READY_TIMEOUT_S) -> str:
         """Block until the child prints ``prefix: VALUE``; return VALUE."""

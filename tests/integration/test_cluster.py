@@ -180,3 +180,32 @@ def test_reader_past_its_lease_still_succeeds_when_nothing_changed(cluster, time
     with KVClient(cluster.master, transports=[SlowTCP(timeouts.lease_ttl_s * 1.5, started)]) as kv:
         kv.put("steady", b"s" * 50_000)
         assert kv.get("steady") == b"s" * 50_000   # slow, lease ran out, verified, not failed
+
+
+def test_cluster_processes_end_with_a_killed_launcher():
+    """A launcher killed -9 (a crashed test, a killed shell) leaves no master or node behind.
+    Its children are started without a fork-time hook (a vfork: no atfork handler of the
+    launcher's gRPC can block it), so they set up ending with it themselves."""
+    script = ("import time\nfrom kvpool.tools.cluster import LocalCluster\n"
+              "c = LocalCluster(nodes=1, segment_size='8MiB')\nc.start()\n"
+              "print(c.master_proc.popen.pid, c.nodes[0].popen.pid, flush=True)\n"
+              "time.sleep(120)\n")
+    launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)
+    try:
+        pids = [int(p) for p in launcher.stdout.readline().split()]
+        assert len(pids) == 2
+    finally:
+        launcher.kill()
+        launcher.wait()
+        launcher.stdout.close()
+    def running(pid: int) -> bool:
+        try:   # a zombie (exited, not reaped yet by whoever adopted it) counts as ended
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 10.0
+    while alive := [p for p in pids if running(p)]:
+        assert time.monotonic() < deadline, f"still running after their launcher: {alive}"
+        time.sleep(0.1)
