@@ -20,7 +20,7 @@ from kvpool.common.errors import (
 )
 from kvpool.common.wire import GRPC_OPTIONS
 
-__all__ = ["GrpcClient", "map_rpc_error", "parse_address"]
+__all__ = ["GrpcClient", "map_rpc_error", "map_status", "parse_address"]
 
 # Status codes a master service uses to refuse a request; everything else means unreachable.
 _REFUSALS: dict[grpc.StatusCode, type[KVPoolError]] = {
@@ -43,10 +43,15 @@ _FAILOVER_MAX_DELAY_S = 1.0
 
 def map_rpc_error(e: grpc.RpcError, what: str) -> KVPoolError:
     """The kvpool exception for a failed call (``what`` names it in the message)."""
-    code = e.code()
+    return map_status(e.code(), e.details(), what)
+
+
+def map_status(code: grpc.StatusCode, details: str, what: str) -> KVPoolError:
+    """The kvpool exception for a call that ended with ``code`` (a gRPC call's, or the lookup
+    port's: client/lookup.py)."""
     if code in _REFUSALS:
-        return _REFUSALS[code](e.details())
-    return MasterUnavailable(f"{what} failed: {code.name}: {e.details()}")
+        return _REFUSALS[code](details)
+    return MasterUnavailable(f"{what} failed: {code.name}: {details}")
 
 
 class GrpcClient:

@@ -11,10 +11,18 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 import numpy as np
-from kvpool.client.grpc_client import GrpcClient, map_rpc_error
+from kvpool.client.grpc_client import GrpcClient, map_rpc_error, map_status
 from kvpool.client.located import Located
+from kvpool.client.lookup import LookupLost, Lookups
 from kvpool.common import checksum, wire
-from kvpool.common.errors import ClientClosed, KVPoolError, NoSpace, UnknownNode, error_for_status
+from kvpool.common.errors import (
+    ClientClosed,
+    KVPoolError,
+    MasterUnavailable,
+    NoSpace,
+    UnknownNode,
+    error_for_status,
+)
 from kvpool.common.types import (
     Move,
     NodeEndpoints,
@@ -35,6 +43,7 @@ class MasterClient(GrpcClient):
         super().__init__(address, master_pb2_grpc.MasterStub, timeout_s=timeout_s,
                          retries=retries, name="master client")
         self._watches: set = set()   # the WatchManifest calls open now (end_watches)
+        self._lookups = Lookups(timeout_s, map_status)
 
     # -- membership (store nodes) --
     def mount_segment(self, node: NodeEndpoints, segment: SegmentInfo, *,
@@ -161,7 +170,7 @@ class MasterClient(GrpcClient):
         return [s == pb.STATUS_OK for s in r.statuses]
 
     def get_replicas(self, keys: Sequence[str]) -> tuple[list[ObjectView | KVPoolError], float]:
-        r = self._call("GetReplicas", pb.KeysRequest(keys=keys))
+        r = self._get_replicas(keys)
         sizes = list(r.sizes)
         sums = r.checksums if len(r.checksums) == len(sizes) else [0] * len(sizes)
         decode = checksum.decode
@@ -175,7 +184,26 @@ class MasterClient(GrpcClient):
     def locate(self, keys: Sequence[str]) -> Located:
         """``get_replicas`` in columnar form (the same RPC, leases and errors), for reads of
         many keys: no Python object per key until one is asked for."""
-        return _located(keys, self._call("GetReplicas", pb.KeysRequest(keys=keys)))
+        return _located(keys, self._get_replicas(keys))
+
+    def _get_replicas(self, keys: Sequence[str]) -> pb.GetReplicasResponse:
+        """GetReplicas on the master's lookup port where it has one we reach, else gRPC."""
+        request = pb.KeysRequest(keys=keys)
+        if (channel := self._lookups.channel) is not None:
+            try:
+                return channel.get_replicas(request)
+            except LookupLost:
+                self._lookups.lost(channel)
+            except MasterUnavailable:
+                self._lookups.lost(channel)
+                raise
+        r = self._call("GetReplicas", request)
+        self._lookups.learn(self.address, r.lookup_port)
+        return r
+
+    def close(self) -> None:
+        self._lookups.close()
+        super().close()
 
     def pin(self, keys: Sequence[str], ttl_s: float | None = None) -> list[KVPoolError | None]:
         """Hard pins (``ttl_s=None``) or soft pins for ``ttl_s`` seconds; per key None or the

@@ -292,7 +292,8 @@ def advertised(host: str, port: int, advertise: str | None) -> str:
 
 async def serve_ha(config: MasterConfig, host: str, port: int, url: EtcdURL, *,
                    advertise: str | None = None, lease_ttl_s: int = DEFAULT_LEASE_TTL_S,
-                   on_started: Callable[[str], None] | None = None) -> None:
+                   on_started: Callable[[str], None] | None = None,
+                   lookup_port: int | None = 0) -> None:
     """Run a master that leads while it holds the etcd lease, until SIGINT/SIGTERM (then it
     resigns, for an immediate takeover). Raises MasterUnavailable if it loses the lease."""
     if advertise:
@@ -300,7 +301,9 @@ async def serve_ha(config: MasterConfig, host: str, port: int, url: EtcdURL, *,
     elif host in ("0.0.0.0", "::", ""):
         advertised(host, port, None)
     election = LeaderElection(url, "", lease_ttl_s)
-    server = MasterServer(config, host, port, interceptors=[LeaderOnly(election)])
+    server = MasterServer(config, host, port, interceptors=[LeaderOnly(election)],
+                          lookup_port=lookup_port, lookup_refusal=lambda: None
+                          if election.is_leader() else f"master {election.address} does not lead")
     await server.start()
     election.address = advertised(host, server.port, advertise)
     if on_started:

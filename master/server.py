@@ -11,9 +11,10 @@ import grpc
 from kvpool.common.config import MasterConfig
 from kvpool.common.logging import get_logger
 from kvpool.common.wire import GRPC_OPTIONS
+from kvpool.master.lookup_server import LookupServer
 from kvpool.master.routing import RoutingIndex
 from kvpool.master.routing_servicer import RouterServicer, store_lookup
-from kvpool.master.servicer import MasterServicer
+from kvpool.master.servicer import MAX_BATCH, MasterServicer
 from kvpool.master.state import MasterState
 from kvpool.protos.kvpool.v1 import master_pb2_grpc, routing_pb2_grpc
 
@@ -30,10 +31,16 @@ class MasterServer:
 
     def __init__(self, config: MasterConfig, host: str = "127.0.0.1", port: int = 0,
                  clock: Callable[[], float] = time.monotonic,
-                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()):
-        """``interceptors``: wrap every call (master/ha.py refuses them on a standby)."""
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                 lookup_port: int | None = 0,
+                 lookup_refusal: Callable[[], str | None] = lambda: None):
+        """``interceptors``: wrap every call (master/ha.py refuses them on a standby).
+        ``lookup_port``: where to serve lookups besides gRPC (master/lookup_server.py; 0: any
+        free port, None: nowhere); ``lookup_refusal`` says why they are refused, if they are."""
         self.config = config
         self._interceptors = list(interceptors)
+        self._lookup_port, self._lookup_refusal = lookup_port, lookup_refusal
+        self._lookup: LookupServer | None = None
         # Each eviction at debug level: an auditor (kvpool soak) tells evictions from losses.
         self.state = MasterState(config, clock, on_evict=_log_eviction)
         # The routing index (instances' own caches, from KV events) reads the object index
@@ -60,8 +67,19 @@ class MasterServer:
         except RuntimeError as e:
             raise OSError(f"cannot listen on {self._host}:{self._port}: {e}") from None
         await self._server.start()
+        if self._lookup_port is not None:
+            self._lookup = LookupServer(self._servicer.get_replicas, MAX_BATCH,
+                                        self._lookup_refusal)
+            try:
+                self._servicer.lookup_port = await self._lookup.start(self._host,
+                                                                      self._lookup_port)
+            except OSError as e:
+                await self._server.stop(0)
+                raise OSError(f"cannot listen on {self._host}:{self._lookup_port} for "
+                              f"lookups: {e.strerror or e}") from None
         self._ticker = asyncio.create_task(self._tick_forever())
-        log.info("master_started", address=self.address, **vars(self.config))
+        log.info("master_started", address=self.address, lookup_port=self._servicer.lookup_port,
+                 **vars(self.config))
         return self.address
 
     async def _tick_forever(self) -> None:
@@ -82,6 +100,8 @@ class MasterServer:
     async def stop(self, grace_s: float = 1.0) -> None:
         if self._ticker:
             self._ticker.cancel()
+        if self._lookup:
+            await self._lookup.stop()
         if self._server:
             self._servicer.close_streams()
             await self._server.stop(grace_s)
@@ -89,9 +109,10 @@ class MasterServer:
 
 
 async def serve(config: MasterConfig, host: str, port: int,
-                on_started: Callable[[str], None] | None = None) -> None:
+                on_started: Callable[[str], None] | None = None,
+                lookup_port: int | None = 0) -> None:
     """Run a master until SIGINT/SIGTERM."""
-    server = MasterServer(config, host, port)
+    server = MasterServer(config, host, port, lookup_port=lookup_port)
     address = await server.start()
     if on_started:
         on_started(address)

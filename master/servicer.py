@@ -22,7 +22,7 @@ from kvpool.protos.kvpool.v1 import master_pb2 as pb
 from kvpool.protos.kvpool.v1 import master_pb2_grpc
 
 log = get_logger(__name__)
-_MAX_BATCH = 65536
+MAX_BATCH = 65536
 
 
 def _status(result: object) -> int:
@@ -30,9 +30,9 @@ def _status(result: object) -> int:
 
 
 async def _check_batch(keys, context: grpc.aio.ServicerContext) -> None:
-    if len(keys) > _MAX_BATCH:
+    if len(keys) > MAX_BATCH:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"batch of {len(keys)} keys; the limit is {_MAX_BATCH}")
+                            f"batch of {len(keys)} keys; the limit is {MAX_BATCH}")
 
 
 def _changes(delta: ManifestDelta, seq: int, now: float) -> pb.ManifestChanges:
@@ -46,6 +46,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     def __init__(self, state: MasterState):
         self._state = state
         self._watchers = ManifestWatchers(state)
+        self.lookup_port = 0   # named in GetReplicas answers once the lookup port is bound
 
     async def MountSegment(self, request, context):
         node, segment = wire.node_from_pb(request.node), wire.segment_from_pb(request.segment)
@@ -208,7 +209,13 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
     async def GetReplicas(self, request, context):
         await _check_batch(request.keys, context)
-        located = self._state.locate_columns(list(request.keys))
+        response = self.get_replicas(request.keys)
+        response.lookup_port = self.lookup_port
+        return response
+
+    def get_replicas(self, keys) -> pb.GetReplicasResponse:
+        """GetReplicas' answer (also served on the lookup port: master/lookup_server.py)."""
+        located = self._state.locate_columns(list(keys))
         statuses = [pb.STATUS_OK] * len(located.sizes)
         for i, error in located.errors.items():
             statuses[i] = status_for_error(error)

@@ -59,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "0.0.0.0 for a multi-host cluster)")
     m.add_argument("--port", type=port_type, default=DEFAULT_MASTER_PORT,
                    help=f"gRPC port (default: {DEFAULT_MASTER_PORT}; 0 = any free port)")
+    m.add_argument("--lookup-port", type=port_type, default=0, metavar="PORT",
+                   help="also answer lookups (GetReplicas, the master call of every read) here, "
+                        "over plain tcp: a few times cheaper than gRPC, and named in gRPC answers, "
+                        "so clients find it (default: 0 = any free port; open it to clients "
+                        "beside --port, or they keep using gRPC)")
+    m.add_argument("--no-lookup-port", action="store_true",
+                   help="answer lookups over gRPC only")
     m.add_argument("--config", metavar="FILE", help="YAML file of master settings (the long "
                    "option names with _ for -, e.g. put_timeout_s: 30s); flags override it")
     m.add_argument("--put-timeout", type=duration_type, metavar="DURATION",
@@ -222,16 +229,19 @@ def _cmd_master(args) -> int:
                   eviction=args.eviction, promote_window_s=args.promote_window,
                   pin_quota_fraction=args.pin_quota)
     announce = lambda addr: print(f"master: {addr}", flush=True)
+    lookup_port = None if args.no_lookup_port else args.lookup_port
     if args.ha:
         from kvpool.common.addresses import parse_etcd_url
         from kvpool.master.ha import serve_ha
         url = parse_etcd_url(args.ha)
         asyncio.run(serve_ha(config, args.host, args.port, url, advertise=args.advertise,
-                             lease_ttl_s=max(1, round(args.ha_lease_ttl)), on_started=announce))
+                             lease_ttl_s=max(1, round(args.ha_lease_ttl)), on_started=announce,
+                             lookup_port=lookup_port))
         return 0
     if args.advertise:
         raise ConfigError("--advertise is for standby masters: give --ha etcd://HOST:PORT too")
-    asyncio.run(serve(config, args.host, args.port, on_started=announce))
+    asyncio.run(serve(config, args.host, args.port, on_started=announce,
+                      lookup_port=lookup_port))
     return 0
 
 

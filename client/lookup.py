@@ -1,0 +1,162 @@
+"""The client side of the master's lookup port (common/lookup.py): GetReplicas without gRPC.
+
+:class:`LookupChannel` keeps connections to one master's lookup port open, one per caller in
+flight. :class:`Lookups` decides when to use it: once a gRPC answer named the port, until it
+fails; a failed port is left alone for a while (gRPC answers the lookups meanwhile), and a port
+that a master names anew (a restarted master) is tried at once.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+from kvpool.common import lookup
+from kvpool.common.errors import KVPoolError, MasterUnavailable
+from kvpool.protos.kvpool.v1 import master_pb2 as pb
+
+# After a port failed: use gRPC alone this long before trying the same port again.
+RETRY_AFTER_S = 10.0
+# Connecting is the only step allowed to fail fast: a port that is not open to us (a container's
+# unpublished port, a firewall that drops) must not hold up a read.
+_CONNECT_TIMEOUT_S = 1.0
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class LookupLost(Exception):
+    """The lookup port cannot answer (unreachable, hung up, refusing): ask over gRPC."""
+
+
+class LookupChannel:
+    """Connections to ``host:port``, the lookup port of the master at ``master``.
+
+    ``refused(code, message, what)``: the KVPoolError for an answer with an error status (as
+    for the same status over gRPC)."""
+
+    def __init__(self, master: str, port: int, timeout_s: float,
+                 refused: Callable[[grpc.StatusCode, str, str], KVPoolError]):
+        host = master.rpartition(":")[0]
+        self.target = (master, port)
+        self._endpoint = (host[1:-1] if host.startswith("[") else host, port)
+        self._timeout_s, self._refused = timeout_s, refused
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def get_replicas(self, request: pb.KeysRequest) -> pb.GetReplicasResponse:
+        """The master's answer; LookupLost if the port cannot give one; the KVPoolError of a
+        refusal (InvalidArgument); MasterUnavailable if the master takes longer than the
+        timeout to answer (as a gRPC deadline)."""
+        sock = self._connection()
+        try:
+            sock.sendall(lookup.encode_request(lookup.GET_REPLICAS, request.SerializeToString()))
+            status, length = lookup.RESPONSE.unpack(_receive(sock, lookup.RESPONSE.size))
+            if length > lookup.MAX_BODY_BYTES:
+                raise LookupLost(f"an answer of {length} bytes")
+            body = _receive(sock, length)
+        except TimeoutError:
+            sock.close()
+            raise MasterUnavailable(f"master {self.target[0]}: lookup took longer than "
+                                    f"{self._timeout_s:g}s") from None
+        except OSError as e:
+            sock.close()
+            raise LookupLost(f"lookup port {self._endpoint[1]}: {e}") from None
+        except BaseException:
+            sock.close()
+            raise
+        self._release(sock)
+        if status == 0:
+            return pb.GetReplicasResponse.FromString(body)
+        code = _STATUS.get(status, grpc.StatusCode.UNKNOWN)
+        message = body.decode(errors="replace")
+        if code == grpc.StatusCode.UNAVAILABLE:   # e.g. a standby: gRPC finds the leader
+            raise LookupLost(message)
+        raise self._refused(code, message, f"master {self.target[0]}: lookup")
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close()
+
+    def _connection(self) -> socket.socket:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        try:
+            sock = socket.create_connection(self._endpoint, timeout=_CONNECT_TIMEOUT_S)
+        except OSError as e:
+            raise LookupLost(f"lookup port {self._endpoint[1]}: {e}") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(self._timeout_s)
+        return sock
+
+    def _release(self, sock: socket.socket) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle.append(sock)
+                return
+        sock.close()
+
+
+def _receive(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionResetError("the master closed the connection")
+        got += k
+    return buf
+
+
+class Lookups:
+    """Which lookup port to use, if any: learned from gRPC answers, dropped when it fails."""
+
+    def __init__(self, timeout_s: float,
+                 refused: Callable[[grpc.StatusCode, str, str], KVPoolError],
+                 clock: Callable[[], float] = time.monotonic):
+        self._timeout_s, self._refused, self._clock = timeout_s, refused, clock
+        self._lock = threading.Lock()
+        self._channel: LookupChannel | None = None
+        self._failed: dict[tuple[str, int], float] = {}   # target -> when to try it again
+        self._closed = False
+
+    @property
+    def channel(self) -> LookupChannel | None:
+        return self._channel
+
+    def learn(self, master: str, port: int) -> None:
+        """``master`` named its lookup ``port`` (0: it has none)."""
+        current = self._channel
+        if current is not None and current.target == (master, port):
+            return
+        target = (master, port)
+        with self._lock:
+            if self._closed or self._failed.get(target, 0.0) > self._clock():
+                return
+            old, self._channel = self._channel, LookupChannel(
+                master, port, self._timeout_s, self._refused) if port else None
+        if old is not None:
+            old.close()
+
+    def lost(self, channel: LookupChannel) -> None:
+        """``channel`` failed: gRPC only, until its master names a port again after a while."""
+        with self._lock:
+            now = self._clock()
+            self._failed = {t: at for t, at in self._failed.items() if at > now}
+            self._failed[channel.target] = now + RETRY_AFTER_S
+            if self._channel is channel:
+                self._channel = None
+        channel.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()

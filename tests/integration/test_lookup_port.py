@@ -1,0 +1,179 @@
+"""The master's lookup port (common/lookup.py): a real master in this process, real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import grpc
+import pytest
+from kvpool.client.lookup import RETRY_AFTER_S, LookupChannel, LookupLost, Lookups
+from kvpool.client.master_client import MasterClient
+from kvpool.common import lookup
+from kvpool.common.config import MasterConfig
+from kvpool.common.errors import InvalidArgument
+from kvpool.common.types import NodeEndpoints, SegmentInfo
+from kvpool.master.server import MasterServer
+from kvpool.master.servicer import MAX_BATCH
+from kvpool.protos.kvpool.v1 import master_pb2 as pb
+
+
+class CountCalls(grpc.aio.ServerInterceptor):
+    """Counts the master's gRPC calls by method name."""
+
+    def __init__(self):
+        self.calls: dict[str, int] = {}
+
+    async def intercept_service(self, continuation, details):
+        name = details.method.rsplit("/", 1)[-1]
+        self.calls[name] = self.calls.get(name, 0) + 1
+        return await continuation(details)
+
+
+class Master:
+    """A MasterServer on its own event-loop thread."""
+
+    def __init__(self, port: int = 0, **kw):
+        self.counter = CountCalls()
+        self.server = MasterServer(MasterConfig(), port=port, interceptors=[self.counter], **kw)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.address = self.run(self.server.start())
+
+    def run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
+
+    def stop(self) -> None:
+        self.run(self.server.stop(0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture
+def master():
+    m = Master()
+    yield m
+    m.stop()
+
+
+def _store(mc: MasterClient, keys: list[str]) -> None:
+    """Index ``keys`` (64 bytes each) in a segment no node backs: the master never reads it."""
+    node = NodeEndpoints(node_id="n", boot_id="", tcp_endpoint="127.0.0.1:9")
+    mc.mount_segment(node, SegmentInfo("n/0", 1 << 20))
+    placed, _ = mc.put_start(keys, [64] * len(keys))
+    assert not any(isinstance(p, Exception) for p in placed)
+    assert not any(mc.put_end(keys))
+
+
+def _columns(located) -> tuple:
+    r = located.replicas
+    return (located.statuses.tolist(), located.sizes.tolist(), located.versions.tolist(),
+            r.offsets.tolist(), r.counts.tolist())
+
+
+def test_lookups_go_to_the_lookup_port_once_a_grpc_answer_named_it(master):
+    keys = [f"k{i}" for i in range(5)]
+    with MasterClient(master.address) as mc:
+        _store(mc, keys)
+        first = mc.locate([*keys, "missing"])
+        assert master.counter.calls["GetReplicas"] == 1
+        assert mc._lookups.channel is not None
+        again = mc.locate([*keys, "missing"])
+        views, _ = mc.get_replicas(keys)
+        assert master.counter.calls["GetReplicas"] == 1     # both over the lookup port
+    assert _columns(again) == _columns(first)
+    assert first.statuses.tolist()[-1] == pb.STATUS_NOT_FOUND
+    assert [v.size for v in views] == [64] * 5
+
+
+def test_a_batch_over_the_limit_is_invalid_on_the_lookup_port_too(master):
+    with MasterClient(master.address) as mc:
+        _store(mc, ["k"])
+        mc.locate(["k"])
+        with pytest.raises(InvalidArgument, match="limit"):
+            mc.locate([f"x{i}" for i in range(MAX_BATCH + 1)])
+        assert master.counter.calls["GetReplicas"] == 1   # refused there, not retried on gRPC
+        assert mc.locate(["k"]).sizes.tolist() == [64]    # and the port still serves
+
+
+def test_a_malformed_frame_is_answered_invalid_and_the_connection_closed(master):
+    with socket.create_connection(("127.0.0.1", master.server._servicer.lookup_port), 5) as s:
+        s.sendall(b"HTTP" + bytes(lookup.REQUEST.size - 4))
+        data = b""
+        while chunk := s.recv(4096):
+            data += chunk
+    status, length = lookup.RESPONSE.unpack(data[:lookup.RESPONSE.size])
+    assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert b"malformed" in data[lookup.RESPONSE.size:] and len(data) == 8 + length
+
+
+def test_a_refusing_lookup_port_sends_lookups_back_to_grpc():
+    m = Master(lookup_refusal=lambda: "master x does not lead")
+    try:
+        with MasterClient(m.address) as mc:
+            _store(mc, ["k"])
+            for _ in range(3):
+                assert mc.locate(["k"]).sizes.tolist() == [64]
+            # Learned, refused (UNAVAILABLE), then left alone: every answer came over gRPC.
+            assert m.counter.calls["GetReplicas"] == 3
+            assert mc._lookups.channel is None
+    finally:
+        m.stop()
+
+
+def test_a_master_without_a_lookup_port_is_asked_over_grpc():
+    m = Master(lookup_port=None)
+    try:
+        with MasterClient(m.address) as mc:
+            _store(mc, ["k"])
+            mc.locate(["k"])
+            assert mc._lookups.channel is None
+    finally:
+        m.stop()
+
+
+def test_a_restarted_master_is_found_on_its_new_lookup_port():
+    m = Master()
+    port = int(m.address.rpartition(":")[2])
+    with MasterClient(m.address) as mc:
+        _store(mc, ["k"])
+        mc.locate(["k"])
+        old = mc._lookups.channel.target
+        m.stop()
+        m = Master(port=port)
+        try:
+            _store(mc, ["k"])
+            assert mc.locate(["k"]).sizes.tolist() == [64]   # the old port: lost, then gRPC
+            assert mc._lookups.channel is not None and mc._lookups.channel.target != old
+            assert mc.locate(["k"]).sizes.tolist() == [64]
+            assert m.counter.calls["GetReplicas"] == 1
+        finally:
+            m.stop()
+
+
+def test_a_lookup_port_that_failed_is_left_alone_for_a_while():
+    with socket.socket() as s:      # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    now = [0.0]
+    lookups = Lookups(1.0, lambda code, message, what: InvalidArgument(message),
+                      clock=lambda: now[0])
+    lookups.learn("127.0.0.1:1234", dead)
+    channel = lookups.channel
+    assert isinstance(channel, LookupChannel)
+    with pytest.raises(LookupLost):
+        channel.get_replicas(pb.KeysRequest(keys=["k"]))
+    lookups.lost(channel)
+    lookups.learn("127.0.0.1:1234", dead)
+    assert lookups.channel is None
+    lookups.learn("127.0.0.1:1234", dead + 1)   # a new port (a restarted master): at once
+    assert lookups.channel is not None
+    lookups.learn("127.0.0.1:1234", 0)          # none
+    assert lookups.channel is None
+    now[0] += RETRY_AFTER_S + 1
+    lookups.learn("127.0.0.1:1234", dead)
+    assert lookups.channel is not None
+    lookups.close()
