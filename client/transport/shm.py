@@ -24,7 +24,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -52,6 +52,8 @@ _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)   # Linux 5.14+
 # the batch size from which a helper thread takes half of the copying (read_extents too).
 _SUM_CHUNK_BYTES = 512 << 10
 _SPLIT_MIN_BYTES = 8 << 20
+# read_at: the piece two threads take turns at (16 of a 32 MiB batch).
+_READ_PIECE_BYTES = 2 << 20
 # write_summed: runs at least this large on average are copied whole (one memcpy streams a
 # large run faster than cache-sized pieces do) while a helper thread checksums the source.
 _STREAM_RUN_BYTES = 32 << 20
@@ -252,18 +254,15 @@ def _write_summed(link: _NodeLink, mapping: _Mapping, start: int, end: int,
         return crc
 
 
-def _halve(copies: list[tuple[int, int, memoryview]]
-           ) -> tuple[list[tuple[int, int, memoryview]], list[tuple[int, int, memoryview]]]:
-    """Split ``(start, end, buffer)`` copies into two lists of equal bytes, cutting the copy
-    that straddles the middle in two."""
-    half = sum(end - start for start, end, _ in copies) // 2
-    for k, (start, end, buf) in enumerate(copies):
-        if end - start < half:
-            half -= end - start
-            continue
-        return ([*copies[:k], (start, start + half, buf[:half])],
-                [(start + half, end, buf[half:]), *copies[k + 1:]])
-    return copies, []
+def _pieces(copies: list[tuple[int, int, memoryview]], piece_bytes: int
+            ) -> list[tuple[int, int, memoryview]]:
+    """``(start, end, buffer)`` copies cut into pieces of at most ``piece_bytes``."""
+    out = []
+    for start, end, buf in copies:
+        for at in range(0, end - start, piece_bytes):
+            stop = min(at + piece_bytes, end - start)
+            out.append((start + at, start + stop, buf[at:stop]))
+    return out
 
 
 def _split_by_bytes(items: list, nbytes: Callable[[object], int]) -> int:
@@ -360,20 +359,24 @@ class SHMTransport(Transport):
             copies.append((start, end, memoryview(
                 (ctypes.c_char * (end - start)).from_address(int(addresses[first]))).cast("B")))
 
-        def read(part: list[tuple[int, int, memoryview]]) -> None:
+        def read(part: Iterable[tuple[int, int, memoryview]]) -> None:
             for start, end, buf in part:
                 _copy(link, mapping, start, end, buf, write=False)
 
         try:
             if int(ends.max() - offsets.min()) < _SPLIT_MIN_BYTES:   # cheap upper bound
                 read(copies)
-            else:   # half the bytes by the helper thread, as write_summed does
-                first_half, second_half = _halve(copies)
-                second = self._helper().submit(read, second_half)
+            else:
+                # This thread and the helper take the next piece until none is left: a
+                # helper that wakes late (a sleeping core takes a while here) copies less
+                # instead of holding up the end. Not needed after all: not waited for.
+                pieces = iter(_pieces(copies, _READ_PIECE_BYTES))
+                helper = self._helper().submit(read, pieces)
                 try:
-                    read(first_half)
+                    read(pieces)
                 finally:
-                    second.result()
+                    if not helper.cancel():
+                        helper.result()
         except TransportError as exc:
             self._drop(link, str(exc))
             raise
