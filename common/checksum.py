@@ -15,7 +15,7 @@ from typing import Self
 
 import crc32c as _crc32c
 
-_PRESENT = 1 << 32
+PRESENT = 1 << 32   # set in an encoded checksum (0 = none recorded)
 # Below this many bytes in all, a helper thread costs more than it saves.
 _HELPER_MIN_BYTES = 8 << 20
 
@@ -28,12 +28,12 @@ def checksum(data, crc: int = 0) -> int:
 
 def encode(crc: int | None) -> int:
     """A checksum (or None) as it travels in protobuf."""
-    return 0 if crc is None else _PRESENT | crc
+    return 0 if crc is None else PRESENT | crc
 
 
 def decode(value: int) -> int | None:
     """The inverse of :func:`encode`."""
-    return value & 0xFFFFFFFF if value & _PRESENT else None
+    return value & 0xFFFFFFFF if value & PRESENT else None
 
 
 class Checksums:

@@ -457,16 +457,20 @@ class MasterState:
         lease_until = now + self._config.lease_ttl_s
         get, touch = self._objects.get, self._policy.on_access
         disk = self._disk_segments
-        objs: list[_Object | None] = []   # None: a miss, explained in ``errors``
+        # None: a miss, explained in ``errors``. Keys are strs, the index's keys too: any
+        # other hashable key finds nothing (and an unhashable one is looked at alone).
+        try:
+            objs: list[_Object | None] = list(map(get, keys))
+        except TypeError:
+            objs = [get(k) if isinstance(k, str) else None for k in keys]
         errors: dict[int, KVPoolError] = {}
-        for i, key in enumerate(keys):
-            obj = get(key) if isinstance(key, str) else None
+        for i, obj in enumerate(objs):
             if obj is None or obj.state is not COMPLETE:   # only the misses learn why
-                errors[i] = _attempt(self._get_one, key, now)
-                objs.append(None)
+                errors[i] = _attempt(self._get_one, keys[i], now)
+                objs[i] = None
                 continue
-            objs.append(obj)
-            obj.lease_until = max(obj.lease_until, lease_until)
+            if obj.lease_until < lease_until:   # noqa: PLR1730 (max() costs a call per key)
+                obj.lease_until = lease_until
             if disk:   # a read may promote: touch in order, as locate does
                 touch(obj.key)
                 if obj.segment_id in disk or obj.more:
@@ -475,15 +479,16 @@ class MasterState:
         if not disk:   # the indexed strs, not the request's equal copies
             self._policy.on_access_many([o.key for o in found])
         self._hits += len(found)
-        encode = checksum.encode
+        present = checksum.PRESENT   # checksum.encode, inlined
         if errors:   # a miss holds zeros (and no replica) in its slot
             sizes = [0 if o is None else o.size for o in objs]
             versions = [0 if o is None else o.version for o in objs]
-            sums = [0 if o is None else encode(o.checksum) for o in objs]
+            sums = [0 if o is None or o.checksum is None else present | o.checksum
+                    for o in objs]
         else:
             sizes = [o.size for o in found]
             versions = [o.version for o in found]
-            sums = [encode(o.checksum) for o in found]
+            sums = [0 if o.checksum is None else present | o.checksum for o in found]
         if any(o.more for o in found):   # extra replicas (rare): built key by key
             counts = [0 if o is None else 1 + len(o.more) for o in objs]
             segment_ids, offsets = [], []
