@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -47,6 +48,16 @@ def test_unreachable_master_is_a_clear_error():
     assert "master 127.0.0.1:1" in r.stderr and "Traceback" not in r.stderr
     r = kvpool("stat", "--master", "nonsense")
     assert r.returncode == 1 and "invalid master address" in r.stderr
+
+
+def test_a_taken_lookup_port_is_a_clear_error():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = kvpool("master", "--port", "0", "--lookup-port", str(port))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"cannot listen on 127.0.0.1:{port} for lookups" in r.stderr
 
 
 def test_bad_config_file(tmp_path):
