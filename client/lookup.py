@@ -50,23 +50,29 @@ class LookupChannel:
         """The master's answer; LookupLost if the port cannot give one; the KVPoolError of a
         refusal (InvalidArgument); MasterUnavailable if the master takes longer than the
         timeout to answer (as a gRPC deadline)."""
-        sock = self._connection()
-        try:
-            sock.sendall(lookup.encode_request(lookup.GET_REPLICAS, request.SerializeToString()))
-            status, length = lookup.RESPONSE.unpack(_receive(sock, lookup.RESPONSE.size))
-            if length > lookup.MAX_BODY_BYTES:
-                raise LookupLost(f"an answer of {length} bytes")
-            body = _receive(sock, length)
-        except TimeoutError:
-            sock.close()
-            raise MasterUnavailable(f"master {self.target[0]}: lookup took longer than "
-                                    f"{self._timeout_s:g}s") from None
-        except OSError as e:
-            sock.close()
-            raise LookupLost(f"lookup port {self._endpoint[1]}: {e}") from None
-        except BaseException:
-            sock.close()
-            raise
+        frame = lookup.encode_request(lookup.GET_REPLICAS, request.SerializeToString())
+        while True:
+            sock, reused = self._connection()
+            try:
+                sock.sendall(frame)
+                status, length = lookup.RESPONSE.unpack(_receive(sock, lookup.RESPONSE.size))
+                if length > lookup.MAX_BODY_BYTES:
+                    raise LookupLost(f"an answer of {length} bytes")
+                body = _receive(sock, length)
+                break
+            except TimeoutError:
+                sock.close()
+                raise MasterUnavailable(f"master {self.target[0]}: lookup took longer than "
+                                        f"{self._timeout_s:g}s") from None
+            except OSError as e:
+                sock.close()
+                if not reused:
+                    raise LookupLost(f"lookup port {self._endpoint[1]}: {e}") from None
+                # A kept connection the master dropped (it restarted on the same port, say):
+                # once more on a new one. Asking twice is harmless: a lookup only leases.
+            except BaseException:
+                sock.close()
+                raise
         self._release(sock)
         if status == 0:
             return pb.GetReplicasResponse.FromString(body)
@@ -83,17 +89,18 @@ class LookupChannel:
         for sock in idle:
             sock.close()
 
-    def _connection(self) -> socket.socket:
+    def _connection(self) -> tuple[socket.socket, bool]:
+        """A connection, and whether it was kept from an earlier call."""
         with self._lock:
             if self._idle:
-                return self._idle.pop()
+                return self._idle.pop(), True
         try:
             sock = socket.create_connection(self._endpoint, timeout=_CONNECT_TIMEOUT_S)
         except OSError as e:
             raise LookupLost(f"lookup port {self._endpoint[1]}: {e}") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(self._timeout_s)
-        return sock
+        return sock, False
 
     def _release(self, sock: socket.socket) -> None:
         with self._lock:

@@ -177,3 +177,24 @@ def test_a_lookup_port_that_failed_is_left_alone_for_a_while():
     lookups.learn("127.0.0.1:1234", dead)
     assert lookups.channel is not None
     lookups.close()
+
+
+def test_a_master_restarted_on_the_same_lookup_port_is_asked_there_at_once():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        fixed = s.getsockname()[1]
+    m = Master(lookup_port=fixed)
+    port = int(m.address.rpartition(":")[2])
+    with MasterClient(m.address) as mc:
+        _store(mc, ["k"])
+        mc.locate(["k"])
+        mc.locate(["k"])    # a kept connection now
+        m.stop()
+        m = Master(port=port, lookup_port=fixed)
+        try:
+            _store(mc, ["k"])
+            # The kept connection is dead: a new one, to the same port, without gRPC.
+            assert mc.locate(["k"]).sizes.tolist() == [64]
+            assert m.counter.calls.get("GetReplicas", 0) == 0
+        finally:
+            m.stop()
