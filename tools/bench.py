@@ -77,7 +77,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="with --disk-tier: bytes put, about half of them demoted (default: "
                         "256MiB)")
     b.add_argument("--peers", default="", metavar="LIST",
-                   help="more systems to compare, where installed (known: mooncake)")
+                   help="more systems to compare, where installed: 'mooncake' = Mooncake Store "
+                        "over its tcp transport (a master and a segment holder started here; "
+                        "pip install mooncake-transfer-engine-non-cuda)")
     return b
 
 

@@ -99,6 +99,41 @@ def redis_figures(peer, shape: Shape, repeats: int, src: np.ndarray, prefix: str
                       shape.objects_per_call, lat) for op, lat in (("put", put), ("get", get))]
 
 
+def mooncake_figures(peer, shape: Shape, repeats: int, src: np.ndarray, prefix: str
+                     ) -> list[Figure]:
+    """Mooncake Store's batched put and get of the same rows (tools/bench_mooncake.py), fresh
+    keys per repeat, through registered buffers; checked byte for byte once."""
+    dst = np.zeros_like(src)
+    peer.register(src)
+    peer.register(dst)
+    try:
+        put, get = [], []
+        for r in range(repeats):
+            keys = [[f"{prefix}/{r}/{c}/{j}" for j in range(shape.objects_per_call)]
+                    for c in range(shape.calls)]
+            lat = []
+            for k in keys:
+                t, codes = _timed(peer.put, k, src)
+                if any(codes):
+                    raise BenchError(f"mooncake put failed: codes {sorted(set(codes))}")
+                lat.append(t)
+            put.append(lat)
+            lat = []
+            for k in keys:
+                t, got = _timed(peer.get, k, dst)
+                if any(n != shape.value_bytes for n in got):
+                    raise BenchError(f"mooncake get failed: results {sorted(set(got))[:4]}")
+                lat.append(t)
+            get.append(lat)
+            if r == 0 and not np.array_equal(src, dst):
+                raise BenchError("mooncake get returned bytes that differ from those put")
+            peer.delete([x for ks in keys for x in ks])
+    finally:
+        peer.unregister_all()
+    return [summarize("mooncake", "tcp", shape.workload, op, shape.value_bytes,
+                      shape.objects_per_call, lat) for op, lat in (("put", put), ("get", get))]
+
+
 # ---------------------------------------------------------------- kvpool data path
 
 

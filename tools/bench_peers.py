@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from typing import Self
+from typing import IO, Self
 
 import numpy as np
 
@@ -40,9 +40,12 @@ def memcpy_copy(dst: np.ndarray, src: np.ndarray) -> None:
     np.copyto(dst, src)
 
 
-def _spawn(argv: Sequence[str]) -> subprocess.Popen:
+def _spawn(argv: Sequence[str], log: IO[bytes] | None = None) -> subprocess.Popen:
+    """Start a peer's process; its output to ``log``, else to a pipe (read it, or keep it
+    quiet: a full pipe blocks the process)."""
     from kvpool.tools.cluster import _die_with_parent
-    return subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+    return subprocess.Popen(list(argv), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE if log is None else log,
                             stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=_die_with_parent)  # noqa: PLW1509 - PDEATHSIG, fork-safe
 

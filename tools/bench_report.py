@@ -23,6 +23,13 @@ RATIO_DEFINITIONS: tuple[tuple[str, tuple[str, str, str, str], tuple[str, str, s
     ("tcp_put_vs_redis", ("kvpool", "tcp", "prompt", "put"), ("redis", "tcp", "prompt", "put")),
     ("small_shm_get_vs_memcpy", ("kvpool", "shm", "small", "get"),
      ("memcpy", "-", "small", "copy")),
+    # With --peers mooncake (None otherwise): Mooncake Store's own tcp transport.
+    ("tcp_get_vs_mooncake", ("kvpool", "tcp", "prompt", "get"),
+     ("mooncake", "tcp", "prompt", "get")),
+    ("tcp_put_vs_mooncake", ("kvpool", "tcp", "prompt", "put"),
+     ("mooncake", "tcp", "prompt", "put")),
+    ("mooncake_get_vs_raw_tcp", ("mooncake", "tcp", "prompt", "get"),
+     ("raw_tcp", "tcp", "prompt", "get")),
 )
 MASTER_FIGURES = ("put_objects_per_s", "lookup_objects_per_s", "bytes_per_object")
 
@@ -44,7 +51,7 @@ TARGETS: tuple[tuple[str, str, float], ...] = (
 class Figure:
     """One measured workload: medians over repeats, latency percentiles over all calls."""
 
-    system: str              # kvpool | memcpy | raw_tcp | redis
+    system: str              # kvpool | memcpy | raw_tcp | redis | mooncake
     transport: str           # shm | tcp | "-" (memcpy)
     workload: str            # prompt (batch) | small (batch of small values) | single
     op: str                  # put | get | copy
@@ -198,7 +205,7 @@ def write_plots(report: dict, directory: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(10, 5))
     labels = [f"{r['system']}\n{r['transport']} {r['op']}\n{r['workload']}" for r in batch]
     colors = {"kvpool": "tab:blue", "memcpy": "tab:gray", "raw_tcp": "tab:orange",
-              "redis": "tab:red"}
+              "redis": "tab:red", "mooncake": "tab:purple"}
     ax.bar(range(len(batch)), [r["gbps"] for r in batch],
            color=[colors.get(r["system"], "tab:green") for r in batch])
     ax.set_xticks(range(len(batch)), labels, fontsize=7)

@@ -82,6 +82,7 @@ def run_bench(config: BenchConfig, *, master: str | None = None, json_path: str 
                   for shape, src in data.items()}
         raw_tcp = _raw_tcp(config, data)
         _redis(config, data, figures, skipped, run_id, environment)
+        _peers(config, data, figures, skipped, run_id)
         _kvpool(config, data, figures, skipped, master, run_id)
         figures[:0] = [w.memcpy_figure(shape, memcpy[shape] + w.memcpy_latencies(
             shape, config.repeats, src)) for shape, src in data.items()]
@@ -96,8 +97,6 @@ def run_bench(config: BenchConfig, *, master: str | None = None, json_path: str 
     except (w.BenchError, KVPoolError, OSError, RuntimeError) as e:
         print(f"kvpool bench: error: {e}", file=sys.stderr)
         return 1
-    for peer in config.peers:
-        skipped[peer] = _peer_unavailable(peer)
     environment["elapsed_s"] = round(time.monotonic() - started, 1)
     report = build_report(figures, master_figures, config=asdict(config),
                           environment=environment, skipped=skipped)
@@ -237,12 +236,24 @@ def _master(config: BenchConfig, master: str | None) -> dict:
             cluster.stop()
 
 
-def _peer_unavailable(peer: str) -> str:
-    if peer == "mooncake":
+def _peers(config: BenchConfig, data: dict, figures: list, skipped: dict, run_id: str) -> None:
+    """The ``--peers`` systems' figures (before kvpool's: no gRPC channel is open yet when
+    they start their processes), or why each was skipped."""
+    from kvpool.tools.bench_peers import PeerUnavailable
+    for name in config.peers:
+        if name != "mooncake":
+            skipped[name] = "unknown peer (known: mooncake)"
+            continue
+        from kvpool.tools.bench_mooncake import MooncakePeer
+        volume = max(s.value_bytes * s.objects_per_call * s.calls for s in data)
         try:
-            import mooncake.store  # noqa: F401
-        except ImportError:
-            return ("not installed (pip install mooncake-transfer-engine-non-cuda, where a "
-                    "wheel exists for this platform)")
-        return "installed, but the Mooncake Store peer is not wired into this bench yet"
-    return "unknown peer (known: mooncake)"
+            peer = MooncakePeer(segment_bytes=max(1 << 30, 2 * volume)).__enter__()
+        except PeerUnavailable as e:
+            skipped[name] = str(e)
+            _say(f"peer: mooncake skipped: {e}")
+            continue
+        with peer:
+            _say("peer: Mooncake Store (tcp, zero-copy batch calls)")
+            for shape, src in data.items():
+                figures.extend(w.mooncake_figures(peer, shape, config.repeats, src,
+                                                  f"bench-{run_id}-{shape.workload}"))

@@ -1,9 +1,10 @@
 """``kvpool bench`` end to end on a tiny workload: the JSON it writes (not the speed), and that
-everything it starts -- a local cluster, the raw tcp peer, redis-server -- is gone afterwards,
-whether it finished, failed, or was interrupted."""
+everything it starts -- a local cluster, the raw tcp peer, redis-server, Mooncake -- is gone
+afterwards, whether it finished, failed, or was interrupted."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -15,6 +16,7 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 from kvpool.tools.bench_peers import RawTCPPeer, RedisPeer
 from kvpool.tools.bench_report import RATIO_DEFINITIONS, validate_report
@@ -24,6 +26,9 @@ TINY = ["--quick", "--sizes", "4KiB", "--single-calls", "2", "--prompt-blocks", 
         "--block-size", "64KiB", "--small-blocks", "8", "--small-size", "4KiB",
         "--master-objects", "2000", "--master-batch", "500"]
 MARK = "KVPOOL_BENCH_TEST_MARK"
+MOONCAKE = importlib.util.find_spec("mooncake") is not None
+needs_mooncake = pytest.mark.skipif(not MOONCAKE, reason="Mooncake is not installed (pip "
+                                    "install mooncake-transfer-engine-non-cuda: Linux x86-64)")
 needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None,
                                  reason="redis-server is not installed (apt-get install "
                                         "redis-server; .ci/run installs it)")
@@ -69,15 +74,19 @@ def test_quick_smoke_run_writes_a_valid_report(tmp_path):
     assert validate_report(report) == []
     ratios = report["ratios"]
     for name, _, _ in RATIO_DEFINITIONS:
-        redis_side = name.endswith("_vs_redis")
-        if redis_side and "redis" in report["skipped"]:
+        peer = "redis" if "redis" in name else "mooncake" if "mooncake" in name else None
+        if peer in report["skipped"]:
             assert ratios[name] is None
         else:
             assert isinstance(ratios[name], float) and ratios[name] > 0, name
     master = ratios["master"]
     assert master["put_objects_per_s"] > 0 and master["lookup_objects_per_s"] > 0
     assert master["bytes_per_object"] is not None
-    assert "mooncake" in report["skipped"]
+    if MOONCAKE:
+        assert {r["workload"] for r in report["results"] if r["system"] == "mooncake"} \
+            == {"single", "prompt", "small"}
+    else:
+        assert "not installed" in report["skipped"]["mooncake"]
     assert {"shm_get_vs_memcpy", "master.bytes_per_object"} <= {t["name"] for t in
                                                                  report["targets"]}
     assert "target" in stdout and "shm_get_vs_memcpy" in stdout
@@ -127,6 +136,24 @@ def test_redis_peer_stops_its_server():
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
     assert not Path(f"/proc/{pid}").exists() or \
         Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+@needs_mooncake
+def test_mooncake_peer_moves_bytes_between_processes_and_stops():
+    from kvpool.tools.bench_mooncake import MooncakePeer
+    src = np.arange(4 * 4096, dtype=np.uint32).view(np.uint8).reshape(16, 4096)
+    dst = np.zeros_like(src)
+    with MooncakePeer(64 << 20) as peer:
+        procs = [peer._master, peer._holder]
+        peer.register(src)
+        peer.register(dst)
+        keys = [f"k{i}" for i in range(16)]
+        assert peer.put(keys, src) == [0] * 16
+        assert peer.get(keys, dst) == [4096] * 16
+        peer.delete(keys)
+        assert all(n < 0 for n in peer.get(keys, dst))   # gone: an error code per key
+    assert np.array_equal(src, dst)
+    assert all(p.poll() is not None for p in procs), "a Mooncake process is still running"
 
 
 def test_raw_tcp_peer_moves_bytes_and_stops():

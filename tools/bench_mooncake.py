@@ -1,0 +1,181 @@
+"""Mooncake Store as a ``kvpool bench`` peer (``--peers mooncake``): its TCP transport between
+two processes on this host, as kvpool's tcp figures are measured.
+
+Three processes: ``mooncake_master`` (with its built-in HTTP metadata server, so no etcd), a
+holder that mounts the only global segment (so every value lives in another process than the
+bench), and the bench itself: a client with no segment that puts and gets through buffers it
+registered (``batch_put_from`` / ``batch_get_into``, Mooncake's zero-copy batch calls, its
+fastest here; ``put_batch`` / ``get_batch`` with bytes reached about 0.2 x raw tcp on gets).
+
+The recipe, found on this kind of machine with mooncake-transfer-engine-non-cuda 0.3.13:
+``MC_TCP_BIND_ADDRESS=127.0.0.1`` (else each client advertises its first non-loopback address),
+``MC_STORE_MEMCPY=0`` (it turns itself on where there is no RDMA; no same-host shortcut was
+seen, the loopback counters grew by the payload, but a tcp figure must not take one),
+``MC_LOG_LEVEL=WARNING`` (clients ignore glog's variables). Removals are forced: Mooncake leases
+each read object for 10 s.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Self
+
+import numpy as np
+from kvpool.tools.bench_peers import PeerUnavailable, _free_port, _spawn, _stop
+
+MOONCAKE_ENV = {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "MC_STORE_MEMCPY": "0",
+                "MC_LOG_LEVEL": "WARNING", "GLOG_minloglevel": "1"}
+_HOST = "127.0.0.1"
+_START_TIMEOUT_S = 30.0
+_READY = "kvpool: holder ready"
+_LOCAL_BUFFER_BYTES = 16 << 20   # staging for unregistered buffers; ours are registered
+_INSTALL = ("pip install mooncake-transfer-engine-non-cuda (Linux x86-64; it is in "
+            "kvpool[bench])")
+
+
+class MooncakePeer:
+    """A private Mooncake Store (master + a holder of ``segment_bytes``) and a client of it.
+
+    ``put(keys, rows)`` / ``get(keys, rows)`` move the rows of a registered 2-D array
+    (:meth:`register`), one value per row; ``delete(keys)`` removes them."""
+
+    def __init__(self, segment_bytes: int) -> None:
+        self.segment_bytes = segment_bytes
+        self._master = self._holder = None
+        self._store = None
+        self._registered: list[int] = []
+        self._logs: tempfile.TemporaryDirectory | None = None
+
+    def __enter__(self) -> Self:
+        for name, value in MOONCAKE_ENV.items():   # read when the library loads
+            os.environ.setdefault(name, value)
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError:
+            raise PeerUnavailable(f"Mooncake is not installed ({_INSTALL})") from None
+        executable = Path(sys.executable).with_name("mooncake_master")
+        if not executable.exists():
+            raise PeerUnavailable(f"mooncake_master is not beside {sys.executable}")
+        self._logs = tempfile.TemporaryDirectory(prefix="kvpool-bench-mooncake-")
+        logs = Path(self._logs.name)
+        try:
+            rpc, http = _free_port(), _free_port()
+            metadata = f"http://{_HOST}:{http}/metadata"
+            master = f"{_HOST}:{rpc}"
+            self._master = _spawn([
+                str(executable), f"--rpc_port={rpc}", f"--rpc_address={_HOST}",
+                "--enable_http_metadata_server=true", f"--http_metadata_server_host={_HOST}",
+                f"--http_metadata_server_port={http}", f"--metrics_port={_free_port()}",
+                "--enable_metric_reporting=false", "--rpc_thread_num=2"],
+                log=(logs / "master.log").open("wb"))
+            _wait_for_ports(self._master, [rpc, http], logs / "master.log")
+            self._holder = _spawn([sys.executable, "-m", "kvpool.tools.bench_mooncake",
+                                   "holder", metadata, master, str(self.segment_bytes)],
+                                  log=(logs / "holder.log").open("wb"))
+            _wait_for_line(self._holder, logs / "holder.log", _READY)
+            self._store = MooncakeDistributedStore()
+            rc = self._store.setup(_HOST, metadata, 0, _LOCAL_BUFFER_BYTES, "tcp", "", master)
+            if rc != 0:
+                raise PeerUnavailable(f"Mooncake client setup failed (code {rc})")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def register(self, array: np.ndarray) -> None:
+        """Register ``array`` (C-contiguous) for zero-copy puts and gets."""
+        rc = self._store.register_buffer(array.ctypes.data, array.nbytes)
+        if rc != 0:
+            raise PeerUnavailable(f"Mooncake register_buffer failed (code {rc})")
+        self._registered.append(array.ctypes.data)
+
+    def unregister_all(self) -> None:
+        for address in self._registered:
+            self._store.unregister_buffer(address)
+        self._registered.clear()
+
+    def put(self, keys: list[str], rows: np.ndarray) -> list[int]:
+        """Per key 0 or Mooncake's (negative) error code."""
+        return self._store.batch_put_from(keys, _row_addresses(rows), [rows.shape[1]] * len(keys))
+
+    def get(self, keys: list[str], rows: np.ndarray) -> list[int]:
+        """Per key the bytes read, or Mooncake's (negative) error code."""
+        return self._store.batch_get_into(keys, _row_addresses(rows), [rows.shape[1]] * len(keys))
+
+    def delete(self, keys: list[str]) -> None:
+        self._store.batch_remove(keys, True)
+
+    def close(self) -> None:
+        if self._store is not None:
+            self.unregister_all()
+            self._store.close()
+            self._store = None
+        _stop(self._holder)
+        _stop(self._master)
+        self._holder = self._master = None
+        if self._logs is not None:
+            self._logs.cleanup()
+            self._logs = None
+
+
+def _row_addresses(rows: np.ndarray) -> list[int]:
+    return (rows.ctypes.data + np.arange(len(rows), dtype=np.uint64)
+            * np.uint64(rows.strides[0])).tolist()
+
+
+def _wait_for_ports(proc, ports: list[int], log: Path) -> None:
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    for port in ports:
+        while True:
+            try:
+                socket.create_connection((_HOST, port), timeout=0.5).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise PeerUnavailable(_failed("mooncake_master", proc, log)) from None
+                time.sleep(0.1)
+
+
+def _wait_for_line(proc, log: Path, line: str) -> None:
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while proc.poll() is None and time.monotonic() < deadline:
+        if line in log.read_text(errors="replace"):
+            return
+        time.sleep(0.05)
+    raise PeerUnavailable(_failed("the Mooncake holder", proc, log))
+
+
+def _failed(name: str, proc, log: Path) -> str:
+    tail = log.read_text(errors="replace").strip()[-400:]
+    return f"{name} did not start (exit code {proc.poll()}): {tail or 'no output'}"
+
+
+def _hold(metadata: str, master: str, segment_bytes: int) -> int:
+    """The holder process: mount ``segment_bytes`` until SIGTERM."""
+    for name, value in MOONCAKE_ENV.items():
+        os.environ.setdefault(name, value)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    from mooncake.store import MooncakeDistributedStore
+    store = MooncakeDistributedStore()
+    if store.setup(_HOST, metadata, segment_bytes, _LOCAL_BUFFER_BYTES, "tcp", "", master) != 0:
+        print("holder setup failed", flush=True)
+        return 1
+    print(_READY, flush=True)
+    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "holder":
+        sys.exit(_hold(sys.argv[2], sys.argv[3], int(sys.argv[4])))
+    sys.exit("usage: python -m kvpool.tools.bench_mooncake holder METADATA_URL MASTER BYTES")
