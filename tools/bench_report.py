@@ -178,6 +178,13 @@ def format_table(report: dict) -> str:
         met = {True: "yes", False: "NO", None: "-"}[t["met"]]
         lines.append(f"{t['name']:<30} {value:>12} {t['op'] + ' ' + format(t['target'], 'g'):>12}"
                      f"  {met}")
+    targeted = {t["name"] for t in report["targets"]}
+    others = [(name, value) for name, value in report["ratios"].items()
+              if name != "master" and name not in targeted and value is not None]
+    if others:
+        lines.append("")
+        lines.append(f"{'other ratio':<30} {'measured':>12}")
+        lines += [f"{name:<30} {value:>12.3f}" for name, value in others]
     return "\n".join(lines)
 
 

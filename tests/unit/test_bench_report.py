@@ -121,3 +121,19 @@ def test_table_shows_figures_targets_and_skips():
     assert "shm_get_vs_memcpy" in text and ">= 0.8" in text
     assert "skipped redis: redis-server is not installed" in text
     assert "450 bytes/object" in text
+
+
+def test_mooncake_ratios_are_computed_and_listed_apart_from_the_targets():
+    figures = [*all_figures(), fig("mooncake", "tcp", "prompt", "get", 0.75),
+               fig("mooncake", "tcp", "prompt", "put", 0.5)]
+    report = build_report(figures, MASTER, config={}, environment={}, skipped={})
+    assert report["ratios"]["tcp_get_vs_mooncake"] == pytest.approx(2.0)
+    assert report["ratios"]["tcp_put_vs_mooncake"] == pytest.approx(2.0)
+    assert report["ratios"]["mooncake_get_vs_raw_tcp"] == pytest.approx(0.375)
+    other = format_table(report).split("other ratio")[1]
+    assert "tcp_get_vs_mooncake" in other and "2.000" in other
+    assert "shm_get_vs_memcpy" not in other     # a target: in the target table only
+    without = build_report(all_figures(), MASTER, config={}, environment={},
+                           skipped={"mooncake": "not installed"})
+    assert without["ratios"]["tcp_get_vs_mooncake"] is None
+    assert "tcp_get_vs_mooncake" not in format_table(without)
