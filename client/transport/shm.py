@@ -16,6 +16,8 @@ or an error status with a utf-8 message of that length.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import ctypes
 import fcntl
 import mmap
@@ -52,7 +54,7 @@ _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)   # Linux 5.14+
 # the batch size from which a helper thread takes half of the copying (read_extents too).
 _SUM_CHUNK_BYTES = 512 << 10
 _SPLIT_MIN_BYTES = 8 << 20
-# read_at: the piece two threads take turns at (16 of a 32 MiB batch).
+# read_at: the pieces the helper thread's half is cut in (8 of a 32 MiB batch's half).
 _READ_PIECE_BYTES = 2 << 20
 # write_summed: runs at least this large on average are copied whole (one memcpy streams a
 # large run faster than cache-sized pieces do) while a helper thread checksums the source.
@@ -254,6 +256,20 @@ def _write_summed(link: _NodeLink, mapping: _Mapping, start: int, end: int,
         return crc
 
 
+def _halve(copies: list[tuple[int, int, memoryview]]
+           ) -> tuple[list[tuple[int, int, memoryview]], list[tuple[int, int, memoryview]]]:
+    """Split ``(start, end, buffer)`` copies into two lists of equal bytes, cutting the copy
+    that straddles the middle in two."""
+    half = sum(end - start for start, end, _ in copies) // 2
+    for k, (start, end, buf) in enumerate(copies):
+        if end - start < half:
+            half -= end - start
+            continue
+        return ([*copies[:k], (start, start + half, buf[:half])],
+                [(start + half, end, buf[half:]), *copies[k + 1:]])
+    return copies, []
+
+
 def _pieces(copies: list[tuple[int, int, memoryview]], piece_bytes: int
             ) -> list[tuple[int, int, memoryview]]:
     """``(start, end, buffer)`` copies cut into pieces of at most ``piece_bytes``."""
@@ -367,13 +383,28 @@ class SHMTransport(Transport):
             if int(ends.max() - offsets.min()) < _SPLIT_MIN_BYTES:   # cheap upper bound
                 read(copies)
             else:
-                # This thread and the helper take the next piece until none is left: a
-                # helper that wakes late (a sleeping core takes a while here) copies less
-                # instead of holding up the end. Not needed after all: not waited for.
-                pieces = iter(_pieces(copies, _READ_PIECE_BYTES))
-                helper = self._helper().submit(read, pieces)
+                # Half the bytes each, each half copied front to back (two streams far apart
+                # copy faster here than two threads taking turns at neighbouring pieces: 29
+                # against 37 ms for 512 MiB). The helper's half is cut in pieces, and this
+                # thread, once done with its own, takes them from the back: a helper that
+                # wakes late (a sleeping core takes a while here) copies less instead of
+                # holding up the end, and is not waited for if it never started.
+                first_half, second_half = _halve(copies)
+                theirs = collections.deque(_pieces(second_half, _READ_PIECE_BYTES))
+
+                def take_from_front() -> None:
+                    with contextlib.suppress(IndexError):
+                        while True:
+                            start, end, buf = theirs.popleft()
+                            _copy(link, mapping, start, end, buf, write=False)
+
+                helper = self._helper().submit(take_from_front)
                 try:
-                    read(pieces)
+                    read(first_half)
+                    with contextlib.suppress(IndexError):
+                        while True:
+                            start, end, buf = theirs.pop()
+                            _copy(link, mapping, start, end, buf, write=False)
                 finally:
                     if not helper.cancel():
                         helper.result()
