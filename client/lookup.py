@@ -1,4 +1,5 @@
-"""The client side of the master's lookup port (common/lookup.py): GetReplicas without gRPC.
+"""The client side of the master's lookup port (common/lookup.py): GetReplicas and Exists
+without gRPC.
 
 :class:`LookupChannel` keeps connections to one master's lookup port open, one per caller in
 flight. :class:`Lookups` decides when to use it: once a gRPC answer named the port, until it
@@ -12,11 +13,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import grpc
+from google.protobuf.message import Message
 from kvpool.common import lookup
 from kvpool.common.errors import KVPoolError, MasterUnavailable
-from kvpool.protos.kvpool.v1 import master_pb2 as pb
 
 # After a port failed: use gRPC alone this long before trying the same port again.
 RETRY_AFTER_S = 10.0
@@ -24,6 +26,7 @@ RETRY_AFTER_S = 10.0
 # unpublished port, a firewall that drops) must not hold up a read.
 _CONNECT_TIMEOUT_S = 1.0
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
+M = TypeVar("M", bound=Message)
 
 
 class LookupLost(Exception):
@@ -46,11 +49,12 @@ class LookupChannel:
         self._lock = threading.Lock()
         self._closed = False
 
-    def get_replicas(self, request: pb.KeysRequest) -> pb.GetReplicasResponse:
-        """The master's answer; LookupLost if the port cannot give one; the KVPoolError of a
-        refusal (InvalidArgument); MasterUnavailable if the master takes longer than the
-        timeout to answer (as a gRPC deadline)."""
-        frame = lookup.encode_request(lookup.GET_REPLICAS, request.SerializeToString())
+    def call(self, method: int, request: Message, response_type: type[M]) -> M:
+        """The master's answer to ``request`` (a ``method`` of common/lookup.py); LookupLost if
+        the port cannot give one; the KVPoolError of a refusal (InvalidArgument);
+        MasterUnavailable if the master takes longer than the timeout to answer (as a gRPC
+        deadline)."""
+        frame = lookup.encode_request(method, request.SerializeToString())
         while True:
             sock, reused = self._connection()
             try:
@@ -75,7 +79,7 @@ class LookupChannel:
                 raise
         self._release(sock)
         if status == 0:
-            return pb.GetReplicasResponse.FromString(body)
+            return response_type.FromString(body)
         code = _STATUS.get(status, grpc.StatusCode.UNKNOWN)
         message = body.decode(errors="replace")
         if code == grpc.StatusCode.UNAVAILABLE:   # e.g. a standby: gRPC finds the leader
@@ -130,12 +134,22 @@ class Lookups:
         self._timeout_s, self._refused, self._clock = timeout_s, refused, clock
         self._lock = threading.Lock()
         self._channel: LookupChannel | None = None
+        self._learned: tuple[str, int] | None = None      # the last (master, port) named
         self._failed: dict[tuple[str, int], float] = {}   # target -> when to try it again
         self._closed = False
 
     @property
     def channel(self) -> LookupChannel | None:
         return self._channel
+
+    def wants_port(self, master: str) -> bool:
+        """Whether to ask ``master`` for its lookup port (a client that only calls Exists
+        never hears it otherwise): no port in use, none named by this master, or the one it
+        named failed long enough ago to try again."""
+        learned = self._learned
+        return self._channel is None and not self._closed and (
+            learned is None or learned[0] != master
+            or (learned[1] != 0 and self._failed.get(learned, 0.0) <= self._clock()))
 
     def learn(self, master: str, port: int) -> None:
         """``master`` named its lookup ``port`` (0: it has none)."""
@@ -144,6 +158,7 @@ class Lookups:
             return
         target = (master, port)
         with self._lock:
+            self._learned = target
             if self._closed or self._failed.get(target, 0.0) > self._clock():
                 return
             old, self._channel = self._channel, LookupChannel(

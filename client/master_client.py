@@ -14,7 +14,7 @@ import numpy as np
 from kvpool.client.grpc_client import GrpcClient, map_rpc_error, map_status
 from kvpool.client.located import Located
 from kvpool.client.lookup import LookupLost, Lookups
-from kvpool.common import checksum, wire
+from kvpool.common import checksum, lookup, wire
 from kvpool.common.errors import (
     ClientClosed,
     KVPoolError,
@@ -166,7 +166,8 @@ class MasterClient(GrpcClient):
         return self._statuses("Remove", keys)
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        r = self._call("Exists", pb.KeysRequest(keys=keys))
+        r = self._lookup(lookup.EXISTS, "Exists", pb.KeysRequest(keys=keys),
+                         pb.StatusesResponse)
         return [s == pb.STATUS_OK for s in r.statuses]
 
     def get_replicas(self, keys: Sequence[str]) -> tuple[list[ObjectView | KVPoolError], float]:
@@ -187,18 +188,26 @@ class MasterClient(GrpcClient):
         return _located(keys, self._get_replicas(keys))
 
     def _get_replicas(self, keys: Sequence[str]) -> pb.GetReplicasResponse:
-        """GetReplicas on the master's lookup port where it has one we reach, else gRPC."""
-        request = pb.KeysRequest(keys=keys)
+        return self._lookup(lookup.GET_REPLICAS, "GetReplicas", pb.KeysRequest(keys=keys),
+                            pb.GetReplicasResponse)
+
+    def _lookup(self, method: int, rpc: str, request, response_type):
+        """``rpc`` on the master's lookup port where it has one we reach, else over gRPC."""
         if (channel := self._lookups.channel) is not None:
             try:
-                return channel.get_replicas(request)
+                return channel.call(method, request, response_type)
             except LookupLost:
                 self._lookups.lost(channel)
             except MasterUnavailable:
                 self._lookups.lost(channel)
                 raise
-        r = self._call("GetReplicas", request)
-        self._lookups.learn(self.address, r.lookup_port)
+        r = self._call(rpc, request)
+        if method == lookup.GET_REPLICAS:
+            self._lookups.learn(self.address, r.lookup_port)
+        elif self._lookups.wants_port(address := self.address):
+            # An empty GetReplicas names the port, for a client that only asks Exists.
+            port = self._call("GetReplicas", pb.KeysRequest()).lookup_port
+            self._lookups.learn(address, port)
         return r
 
     def close(self) -> None:

@@ -1,18 +1,20 @@
-"""The master's lookup port: GetReplicas, the one master call of every read, over a kept-open
-tcp connection with a fixed header instead of gRPC.
+"""The master's lookup port: the read path's master calls (GetReplicas, before every read;
+Exists, an engine's scheduler asking what is cached) over a kept-open tcp connection with a
+fixed header instead of gRPC.
 
-Why a second listener for one call: on these 2-core machines a gRPC unary call costs about
-0.5 ms between busy processes and about 1.3 ms when the master slept a few ms before it (each
-end crosses threads, each of which must wake), where this framing costs 0.13 and 0.4 ms
-(``kvpool bench``'s small batch: a read of 512 x 64 KiB over shm copies for about 2 ms, and its
-lookup was as long again). The messages stay the protobuf ones, so the master answers both ways
-with the same code; gRPC stays the contract, and a client that cannot reach this port (or finds
-it refusing) simply keeps using gRPC.
+Why a second listener: on these 2-core machines a gRPC unary call costs about 0.5 ms between
+busy processes and about 1.3 ms when the master slept a few ms before it (each end crosses
+threads, each of which must wake), where this framing costs 0.13 and 0.4 ms (``kvpool bench``'s
+small batch: a read of 512 x 64 KiB over shm copies for about 2 ms, and its lookup was as long
+again). The messages stay the protobuf ones, so the master answers both ways with the same
+code; gRPC stays the contract, and a client that cannot reach this port (or finds it refusing)
+simply keeps using gRPC.
 
 Request:  ``!4sB3xI`` = magic b"KVL1", method, pad, body length; then the body: the request
-          message (GET_REPLICAS: ``KeysRequest``).
+          message (GET_REPLICAS and EXISTS: ``KeysRequest``).
 Response: ``!B3xI`` = status (a gRPC status code's value, 0 = OK), pad, body length; then the
-          body: the response message (``GetReplicasResponse``) or a utf-8 error message.
+          body: the response message (``GetReplicasResponse``; ``StatusesResponse``) or a utf-8
+          error message.
 Requests on one connection are answered one at a time, in order. After a malformed header the
 master answers INVALID_ARGUMENT and closes the connection (it cannot know where the next frame
 starts). A master that does not lead (HA standby) answers UNAVAILABLE.
@@ -29,6 +31,7 @@ MAGIC = b"KVL1"
 REQUEST = struct.Struct("!4sB3xI")
 RESPONSE = struct.Struct("!B3xI")
 GET_REPLICAS = 1
+EXISTS = 2
 # As gRPC's message limit here (common/wire.py GRPC_OPTIONS).
 MAX_BODY_BYTES = 64 << 20
 

@@ -1,13 +1,14 @@
-"""The master's lookup port (common/lookup.py): GetReplicas on a plain tcp listener, served
-on the master's one event loop, like its gRPC handlers, so the state still needs no locks."""
+"""The master's lookup port (common/lookup.py): GetReplicas and Exists on a plain tcp listener,
+served on the master's one event loop, like its gRPC handlers, so the state still needs no
+locks."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 from kvpool.common import lookup
 from kvpool.common.logging import get_logger
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
@@ -21,14 +22,14 @@ _UNKNOWN = grpc.StatusCode.UNKNOWN.value[0]
 
 
 class LookupServer:
-    """Answers GET_REPLICAS frames with ``get_replicas(keys)``.
+    """Answers each method's frames with ``handlers[method](keys)``, a protobuf response.
 
     ``refusal()``: None while this master may answer, else why not (an HA standby: the client
     then asks over gRPC, which finds the leader). ``max_keys``: the batch limit, as on gRPC."""
 
-    def __init__(self, get_replicas: Callable[[Sequence[str]], pb.GetReplicasResponse],
+    def __init__(self, handlers: Mapping[int, Callable[[Sequence[str]], Message]],
                  max_keys: int, refusal: Callable[[], str | None] = lambda: None):
-        self._get_replicas, self._max_keys, self._refusal = get_replicas, max_keys, refusal
+        self._handlers, self._max_keys, self._refusal = dict(handlers), max_keys, refusal
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.StreamWriter] = set()
         self.port = 0
@@ -59,14 +60,14 @@ class LookupServer:
             while True:
                 magic, method, length = lookup.REQUEST.unpack(
                     await reader.readexactly(lookup.REQUEST.size))
-                if magic != lookup.MAGIC or method != lookup.GET_REPLICAS \
+                if magic != lookup.MAGIC or method not in self._handlers \
                         or length > lookup.MAX_BODY_BYTES:
                     writer.write(lookup.encode_response(_INVALID, (
                         f"malformed lookup request (magic {magic!r}, method {method}, "
                         f"{length} bytes)").encode()))
                     await writer.drain()
                     return
-                writer.write(self._answer(await reader.readexactly(length)))
+                writer.write(self._answer(method, await reader.readexactly(length)))
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass    # the client went away
@@ -74,7 +75,7 @@ class LookupServer:
             self._connections.discard(writer)
             writer.close()
 
-    def _answer(self, body: bytes) -> bytes:
+    def _answer(self, method: int, body: bytes) -> bytes:
         if (why := self._refusal()) is not None:
             return lookup.encode_response(_UNAVAILABLE, why.encode())
         try:
@@ -85,7 +86,7 @@ class LookupServer:
             return lookup.encode_response(_INVALID, (
                 f"batch of {len(keys)} keys; the limit is {self._max_keys}").encode())
         try:
-            return lookup.encode_response(_OK, self._get_replicas(keys).SerializeToString())
+            return lookup.encode_response(_OK, self._handlers[method](keys).SerializeToString())
         except Exception as e:   # a bug: answered as gRPC would (UNKNOWN), not a dead socket
             log.exception("lookup_failed", keys=len(keys))
             return lookup.encode_response(_UNKNOWN, f"{type(e).__name__}: {e}".encode())

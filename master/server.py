@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import grpc
+from kvpool.common import lookup
 from kvpool.common.config import MasterConfig
 from kvpool.common.logging import get_logger
 from kvpool.common.wire import GRPC_OPTIONS
@@ -68,8 +69,9 @@ class MasterServer:
             raise OSError(f"cannot listen on {self._host}:{self._port}: {e}") from None
         await self._server.start()
         if self._lookup_port is not None:
-            self._lookup = LookupServer(self._servicer.get_replicas, MAX_BATCH,
-                                        self._lookup_refusal)
+            self._lookup = LookupServer({lookup.GET_REPLICAS: self._servicer.get_replicas,
+                                         lookup.EXISTS: self._servicer.exists},
+                                        MAX_BATCH, self._lookup_refusal)
             try:
                 self._servicer.lookup_port = await self._lookup.start(self._host,
                                                                       self._lookup_port)

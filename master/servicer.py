@@ -203,9 +203,12 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
     async def Exists(self, request, context):
         await _check_batch(request.keys, context)
-        found = self._state.exists(list(request.keys))
-        return pb.StatusesResponse(
-            statuses=[pb.STATUS_OK if f else pb.STATUS_NOT_FOUND for f in found])
+        return self.exists(request.keys)
+
+    def exists(self, keys) -> pb.StatusesResponse:
+        """Exists' answer (also served on the lookup port: master/lookup_server.py)."""
+        return pb.StatusesResponse(statuses=[pb.STATUS_OK if f else pb.STATUS_NOT_FOUND
+                                             for f in self._state.exists(list(keys))])
 
     async def GetReplicas(self, request, context):
         await _check_batch(request.keys, context)

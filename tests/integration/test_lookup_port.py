@@ -89,6 +89,15 @@ def test_lookups_go_to_the_lookup_port_once_a_grpc_answer_named_it(master):
     assert [v.size for v in views] == [64] * 5
 
 
+def test_exists_goes_to_the_lookup_port_and_finds_it_by_itself(master):
+    with MasterClient(master.address) as mc:
+        _store(mc, ["a", "b"])
+        assert mc.exists(["a", "x", "b"]) == [True, False, True]   # gRPC; asks for the port
+        assert mc.exists(["b", "y"]) == [True, False]              # the lookup port
+        assert master.counter.calls["Exists"] == 1
+        assert master.counter.calls["GetReplicas"] == 1            # the empty one
+
+
 def test_a_batch_over_the_limit_is_invalid_on_the_lookup_port_too(master):
     with MasterClient(master.address) as mc:
         _store(mc, ["k"])
@@ -161,19 +170,24 @@ def test_a_lookup_port_that_failed_is_left_alone_for_a_while():
     now = [0.0]
     lookups = Lookups(1.0, lambda code, message, what: InvalidArgument(message),
                       clock=lambda: now[0])
+    assert lookups.wants_port("127.0.0.1:1234")
     lookups.learn("127.0.0.1:1234", dead)
     channel = lookups.channel
     assert isinstance(channel, LookupChannel)
     with pytest.raises(LookupLost):
-        channel.get_replicas(pb.KeysRequest(keys=["k"]))
+        channel.call(lookup.GET_REPLICAS, pb.KeysRequest(keys=["k"]), pb.GetReplicasResponse)
     lookups.lost(channel)
+    assert not lookups.wants_port("127.0.0.1:1234")
     lookups.learn("127.0.0.1:1234", dead)
     assert lookups.channel is None
     lookups.learn("127.0.0.1:1234", dead + 1)   # a new port (a restarted master): at once
     assert lookups.channel is not None
     lookups.learn("127.0.0.1:1234", 0)          # none
-    assert lookups.channel is None
+    assert lookups.channel is None and not lookups.wants_port("127.0.0.1:1234")
+    assert lookups.wants_port("127.0.0.1:5678")  # another master
+    lookups.learn("127.0.0.1:1234", dead)
     now[0] += RETRY_AFTER_S + 1
+    assert lookups.wants_port("127.0.0.1:1234")  # the failed port, after a while
     lookups.learn("127.0.0.1:1234", dead)
     assert lookups.channel is not None
     lookups.close()
