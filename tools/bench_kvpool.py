@@ -39,6 +39,12 @@ def random_rows(objects: int, value_bytes: int, seed: int = 0) -> np.ndarray:
     return rng.integers(0, 256, size=(objects, value_bytes), dtype=np.uint8)
 
 
+def _keys(prefix: str, repeat: int, shape: Shape) -> list[list[str]]:
+    """Fresh keys for one repeat: a list per call."""
+    return [[f"{prefix}/{repeat}/{c}/{j}" for j in range(shape.objects_per_call)]
+            for c in range(shape.calls)]
+
+
 def _timed(fn: Callable[..., object], *args: object) -> tuple[float, object]:
     t0 = time.perf_counter()
     result = fn(*args)
@@ -84,8 +90,7 @@ def redis_figures(peer, shape: Shape, repeats: int, src: np.ndarray, prefix: str
     rows = [memoryview(r) for r in src]
     put, get = [], []
     for r in range(repeats):
-        keys = [[f"{prefix}/{r}/{c}/{j}" for j in range(shape.objects_per_call)]
-                for c in range(shape.calls)]
+        keys = _keys(prefix, r, shape)
         put.append([_timed(peer.put, k, rows)[0] for k in keys])
         lat = []
         for k in keys:
@@ -109,8 +114,7 @@ def mooncake_figures(peer, shape: Shape, repeats: int, src: np.ndarray, prefix: 
     try:
         put, get = [], []
         for r in range(repeats):
-            keys = [[f"{prefix}/{r}/{c}/{j}" for j in range(shape.objects_per_call)]
-                    for c in range(shape.calls)]
+            keys = _keys(prefix, r, shape)
             lat = []
             for k in keys:
                 t, codes = _timed(peer.put, k, src)
@@ -147,8 +151,7 @@ def kvpool_figures(kv, transport: str, shape: Shape, repeats: int, src: np.ndarr
     single = shape.objects_per_call == 1
     put, get = [], []
     for r in range(repeats):
-        keys = [[f"{prefix}/{r}/{c}/{j}" for j in range(shape.objects_per_call)]
-                for c in range(shape.calls)]
+        keys = _keys(prefix, r, shape)
         lat = []
         for k in keys:
             if single:
