@@ -1,10 +1,13 @@
-"""Facts about the host this process runs on."""
+"""Facts about the host this process runs on, and mapping its shared memory."""
 
 from __future__ import annotations
 
 import functools
+import mmap
 
 _BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+# madvise: fault pages in writable now (Linux 5.14+; Python names it from 3.12 on).
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 @functools.cache
@@ -20,3 +23,20 @@ def local_boot_id() -> str:
             return f.read().strip()
     except OSError:
         return ""
+
+
+def map_populated(fd: int, length: int) -> mmap.mmap:
+    """A shared, writable mapping of ``fd`` with its page tables filled in now, rather than a
+    fault per 4 KiB page on first use. MAP_POPULATE alone maps the pages read-only, so the
+    first write to each still faults (a 512 MiB put into a part of a segment not written yet
+    took up to twice as long, through the client's mapping over shm as through the node's over
+    tcp); MADV_POPULATE_WRITE (Linux 5.14+) does both at MAP_POPULATE's cost. Older kernels
+    get MAP_POPULATE, the best there is."""
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    mm = mmap.mmap(fd, length, mmap.MAP_SHARED, prot)
+    try:
+        mm.madvise(_MADV_POPULATE_WRITE)
+        return mm
+    except OSError:
+        mm.close()
+    return mmap.mmap(fd, length, mmap.MAP_SHARED | mmap.MAP_POPULATE, prot)

@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 
 from kvpool.common.errors import InvalidArgument
 from kvpool.common.frames import MAX_SEGMENT_ID_BYTES
+from kvpool.common.host import map_populated
 from kvpool.common.logging import get_logger
 from kvpool.common.types import SegmentInfo
 
@@ -93,16 +94,22 @@ class Segment(ABC):
                              f"{self.info.segment_id!r} of {self.info.size_bytes} bytes")
 
 
+def _map(fd: int, length: int, populate: bool) -> mmap.mmap:
+    if populate:
+        return map_populated(fd, length)
+    return mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+
 class MappedSegment(Segment):
     """A segment that is one MAP_SHARED mapping of an fd (DRAM: a memfd; disk: a file)."""
 
-    def __init__(self, info: SegmentInfo, fd: int, flags: int = mmap.MAP_SHARED) -> None:
-        """Map ``fd``, which this segment owns from now on (closed here if mapping fails)."""
+    def __init__(self, info: SegmentInfo, fd: int, populate: bool = False) -> None:
+        """Map ``fd``, which this segment owns from now on (closed here if mapping fails);
+        ``populate``: with every page in place and writable now, not on first touch."""
         self._info = info
         self._lock = threading.Lock()
         try:
-            self._mmap: mmap.mmap | None = mmap.mmap(fd, info.size_bytes, flags,
-                                                     mmap.PROT_READ | mmap.PROT_WRITE)
+            self._mmap: mmap.mmap | None = _map(fd, info.size_bytes, populate)
         except BaseException:
             os.close(fd)
             raise
@@ -161,7 +168,7 @@ class DramSegment(MappedSegment):
         # (kernel zeroing) otherwise cut put throughput several-fold. Measured on 2 MiB
         # blocks over shm: ~0.7 GiB/s lazily, ~6 GiB/s populated.
         super().__init__(SegmentInfo(segment_id=segment_id, size_bytes=size_bytes, tier="dram"),
-                         fd, mmap.MAP_SHARED | mmap.MAP_POPULATE)
+                         fd, populate=True)
 
     @property
     def fd(self) -> int:

@@ -40,7 +40,7 @@ from kvpool.common.frames import (
     RESPONSE,
     FrameStatus,
 )
-from kvpool.common.host import local_boot_id
+from kvpool.common.host import local_boot_id, map_populated
 from kvpool.common.logging import get_logger
 from kvpool.common.types import NodeEndpoints, Replica
 
@@ -49,7 +49,6 @@ log = get_logger(__name__)
 
 # A node's fd must be sealed against shrinking: otherwise a truncated memfd would SIGBUS us.
 _REQUIRED_SEALS = fcntl.F_SEAL_SHRINK
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)   # Linux 5.14+
 # write_summed: bytes copied per step before they are checksummed (while still in L2), and
 # the batch size from which a helper thread takes half of the copying (read_extents too).
 _SUM_CHUNK_BYTES = 512 << 10
@@ -138,7 +137,7 @@ class _NodeLink:
                 raise TransportError("shm hand-off: fd smaller than the segment")
             if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _REQUIRED_SEALS != _REQUIRED_SEALS:
                 raise TransportError("shm hand-off: segment fd is not sealed against shrinking")
-            mm = _map_populated(fd, length)
+            mm = map_populated(fd, length)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -152,21 +151,6 @@ class _NodeLink:
             for m in mappings.values():
                 m.close()
             self.sock.close()
-
-
-def _map_populated(fd: int, length: int) -> mmap.mmap:
-    """Map a segment with its page tables filled in now, writable, rather than fault once per
-    4 KiB page on first use: MAP_POPULATE alone leaves each page's first write to fault (about
-    half again the time of a 512 MiB put into a part of the segment not written yet). On a
-    kernel without MADV_POPULATE_WRITE (before 5.14), MAP_POPULATE is the best there is."""
-    prot = mmap.PROT_READ | mmap.PROT_WRITE
-    mm = mmap.mmap(fd, length, mmap.MAP_SHARED, prot)
-    try:
-        mm.madvise(_MADV_POPULATE_WRITE)
-        return mm
-    except OSError:
-        mm.close()
-    return mmap.mmap(fd, length, mmap.MAP_SHARED | mmap.MAP_POPULATE, prot)
 
 
 def _address(view: memoryview) -> int:
