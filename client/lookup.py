@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import grpc
 from google.protobuf.message import Message
+from kvpool.client.transport.base import recv_exact
 from kvpool.common import lookup
 from kvpool.common.errors import KVPoolError, MasterUnavailable
 
@@ -59,10 +60,11 @@ class LookupChannel:
             sock, reused = self._connection()
             try:
                 sock.sendall(frame)
-                status, length = lookup.RESPONSE.unpack(_receive(sock, lookup.RESPONSE.size))
+                header = recv_exact(sock, lookup.RESPONSE.size, "the master")
+                status, length = lookup.RESPONSE.unpack(header)
                 if length > lookup.MAX_BODY_BYTES:
                     raise LookupLost(f"an answer of {length} bytes")
-                body = _receive(sock, length)
+                body = recv_exact(sock, length, "the master")
                 break
             except TimeoutError:
                 sock.close()
@@ -112,17 +114,6 @@ class LookupChannel:
                 self._idle.append(sock)
                 return
         sock.close()
-
-
-def _receive(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionResetError("the master closed the connection")
-        got += k
-    return buf
 
 
 class Lookups:
