@@ -15,8 +15,6 @@ from typing import Self
 
 import numpy as np
 from kvpool.client.buffers import byte_view, writable_rows
-from kvpool.client.located import Located
-from kvpool.client.master_client import MasterClient
 from kvpool.client.transport.base import IoOp, Transport
 from kvpool.client.transport.registry import TRANSPORT_PREFERENCE, create_transports
 from kvpool.common.checksum import Checksums, checksum
@@ -30,6 +28,8 @@ from kvpool.common.errors import (
     TransportError,
 )
 from kvpool.common.types import MAX_KEY_BYTES, ObjectView, Replica, validate_key
+from kvpool.rpc.located import Located
+from kvpool.rpc.master_client import MasterClient
 
 # A read that outlived its lease is checked against the master; if the object changed under
 # it, it is read again, at most this many times.

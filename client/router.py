@@ -14,17 +14,18 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Self
 
 import grpc
-from kvpool.client.grpc_client import GrpcClient, map_rpc_error
-from kvpool.common.errors import ClientClosed, InvalidArgument, MasterUnavailable
+from kvpool.common.errors import ClientClosed, MasterUnavailable
 from kvpool.common.hashing import HashSpec
-from kvpool.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvpool.common.kv_events import KVEvent
 from kvpool.protos.kvpool.v1 import routing_pb2 as pb
 from kvpool.protos.kvpool.v1 import routing_pb2_grpc
+from kvpool.rpc.grpc_client import GrpcClient, map_rpc_error
+from kvpool.rpc.routing_wire import batch_to_pb
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,20 +44,6 @@ class RouteChoice:
     hits: dict[str, int]          # expected prefix hits per tier, in blocks
     blocks: int                   # full blocks in the request
     estimated_ttft_s: float
-
-
-def batch_to_pb(instance_id: str, events: Iterable[KVEvent], ts: float = 0.0) -> pb.KVEventBatch:
-    out = pb.KVEventBatch(instance_id=instance_id, ts=ts)
-    for ev in events:
-        if isinstance(ev, BlockStored):
-            out.events.add(stored=pb.BlockStored(block_hashes=list(ev.hashes), medium=ev.tier))
-        elif isinstance(ev, BlockRemoved):
-            out.events.add(removed=pb.BlockRemoved(block_hashes=list(ev.hashes), medium=ev.tier))
-        elif isinstance(ev, AllBlocksCleared):
-            out.events.add(cleared=pb.AllBlocksCleared())
-        else:
-            raise InvalidArgument(f"not a KV event: {ev!r}")
-    return out
 
 
 class RouterClient(GrpcClient):

@@ -1,4 +1,4 @@
-"""The master's lookup port (common/lookup.py): GetReplicas and Exists on a plain tcp listener,
+"""The master's lookup port (net/lookup_port.py): GetReplicas and Exists on a plain tcp listener,
 served on the master's one event loop, like its gRPC handlers, so the state still needs no
 locks."""
 
@@ -9,8 +9,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 from google.protobuf.message import DecodeError, Message
-from kvpool.common import lookup
 from kvpool.common.logging import get_logger
+from kvpool.net import lookup_port
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
 
 log = get_logger(__name__)
@@ -58,11 +58,11 @@ class LookupServer:
         self._connections.add(writer)
         try:
             while True:
-                magic, method, length = lookup.REQUEST.unpack(
-                    await reader.readexactly(lookup.REQUEST.size))
-                if magic != lookup.MAGIC or method not in self._handlers \
-                        or length > lookup.MAX_BODY_BYTES:
-                    writer.write(lookup.encode_response(_INVALID, (
+                magic, method, length = lookup_port.REQUEST.unpack(
+                    await reader.readexactly(lookup_port.REQUEST.size))
+                if magic != lookup_port.MAGIC or method not in self._handlers \
+                        or length > lookup_port.MAX_BODY_BYTES:
+                    writer.write(lookup_port.encode_response(_INVALID, (
                         f"malformed lookup request (magic {magic!r}, method {method}, "
                         f"{length} bytes)").encode()))
                     await writer.drain()
@@ -77,16 +77,16 @@ class LookupServer:
 
     def _answer(self, method: int, body: bytes) -> bytes:
         if (why := self._refusal()) is not None:
-            return lookup.encode_response(_UNAVAILABLE, why.encode())
+            return lookup_port.encode_response(_UNAVAILABLE, why.encode())
         try:
             keys = pb.KeysRequest.FromString(body).keys
         except DecodeError:
-            return lookup.encode_response(_INVALID, b"malformed KeysRequest")
+            return lookup_port.encode_response(_INVALID, b"malformed KeysRequest")
         if len(keys) > self._max_keys:
-            return lookup.encode_response(_INVALID, (
+            return lookup_port.encode_response(_INVALID, (
                 f"batch of {len(keys)} keys; the limit is {self._max_keys}").encode())
         try:
-            return lookup.encode_response(_OK, self._handlers[method](keys).SerializeToString())
+            return lookup_port.encode_response(_OK, self._handlers[method](keys).SerializeToString())
         except Exception as e:   # a bug: answered as gRPC would (UNKNOWN), not a dead socket
             log.exception("lookup_failed", keys=len(keys))
-            return lookup.encode_response(_UNKNOWN, f"{type(e).__name__}: {e}".encode())
+            return lookup_port.encode_response(_UNKNOWN, f"{type(e).__name__}: {e}".encode())

@@ -11,21 +11,17 @@ from kvpool.common.errors import InvalidArgument
 from kvpool.common.hashing import SPEC_NAME, HashSpec, block_key
 from kvpool.common.logging import get_logger
 from kvpool.master.routing import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
     Candidate,
-    KVEvent,
     RouteQuery,
     RoutingIndex,
     RoutingPolicy,
     StoreLookup,
     make_policy,
-    tier_of_medium,
 )
 from kvpool.master.state import MasterState
 from kvpool.protos.kvpool.v1 import routing_pb2 as pb
 from kvpool.protos.kvpool.v1 import routing_pb2_grpc
+from kvpool.rpc.routing_wire import events_from_pb
 
 log = get_logger(__name__)
 _MAX_BLOCKS = 65536
@@ -34,20 +30,6 @@ _MAX_BLOCKS = 65536
 def store_lookup(state: MasterState) -> StoreLookup:
     """The store tier of the routing index: whether the object index holds each block."""
     return lambda hashes: state.exists([block_key(h) for h in hashes])
-
-
-def events_from_pb(batch: pb.KVEventBatch) -> list[KVEvent]:
-    out: list[KVEvent] = []
-    for ev in batch.events:
-        kind = ev.WhichOneof("event")
-        if kind == "stored":
-            out.append(BlockStored(tuple(ev.stored.block_hashes), tier_of_medium(ev.stored.medium)))
-        elif kind == "removed":
-            out.append(BlockRemoved(tuple(ev.removed.block_hashes),
-                                    tier_of_medium(ev.removed.medium)))
-        elif kind == "cleared":
-            out.append(AllBlocksCleared())
-    return out
 
 
 class RouterServicer(routing_pb2_grpc.RouterServicer):

@@ -8,16 +8,16 @@ import time
 from collections.abc import Callable, Sequence
 
 import grpc
-from kvpool.common import lookup
 from kvpool.common.config import MasterConfig
 from kvpool.common.logging import get_logger
-from kvpool.common.wire import GRPC_OPTIONS
 from kvpool.master.lookup_server import LookupServer
 from kvpool.master.routing import RoutingIndex
 from kvpool.master.routing_servicer import RouterServicer, store_lookup
 from kvpool.master.servicer import MAX_BATCH, MasterServicer
 from kvpool.master.state import MasterState
+from kvpool.net import lookup_port
 from kvpool.protos.kvpool.v1 import master_pb2_grpc, routing_pb2_grpc
+from kvpool.rpc.wire import GRPC_OPTIONS
 
 log = get_logger(__name__)
 
@@ -69,8 +69,8 @@ class MasterServer:
             raise OSError(f"cannot listen on {self._host}:{self._port}: {e}") from None
         await self._server.start()
         if self._lookup_port is not None:
-            self._lookup = LookupServer({lookup.GET_REPLICAS: self._servicer.get_replicas,
-                                         lookup.EXISTS: self._servicer.exists},
+            self._lookup = LookupServer({lookup_port.GET_REPLICAS: self._servicer.get_replicas,
+                                         lookup_port.EXISTS: self._servicer.exists},
                                         MAX_BATCH, self._lookup_refusal)
             try:
                 self._servicer.lookup_port = await self._lookup.start(self._host,

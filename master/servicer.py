@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 
 import grpc
-from kvpool.common import checksum, wire
+from kvpool.common import checksum
 from kvpool.common.errors import (
     InvalidArgument,
     KVPoolError,
@@ -20,6 +20,7 @@ from kvpool.master.manifest_watch import ManifestWatchers
 from kvpool.master.state import ManifestDelta, MasterState
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
 from kvpool.protos.kvpool.v1 import master_pb2_grpc
+from kvpool.rpc import wire
 
 log = get_logger(__name__)
 MAX_BATCH = 65536

@@ -2,10 +2,10 @@
 
 tcp: one thread per connection, blocking sockets (the GIL is released in recv/send). READ sends
 the response header and then the segment slice straight from the mapping; WRITE receives
-straight into the segment slice. Framing: :mod:`kvpool.common.frames`.
+straight into the segment slice. Framing: :mod:`kvpool.net.data_port`.
 
 shm hand-off: a listening unix stream socket in the Linux abstract namespace. A same-host client
-sends a segment id (``!H`` length + utf-8, :data:`kvpool.common.frames.HANDOFF_REQUEST`);
+sends a segment id (``!H`` length + utf-8, :data:`kvpool.net.data_port.HANDOFF_REQUEST`);
 the reply is a ``frames.RESPONSE`` header: status OK with the segment size as its length field and
 the segment's memfd attached (SCM_RIGHTS), or an error status followed by a utf-8 message. The
 client keeps the connection open: it may ask for more segments on it, and its EOF tells the
@@ -29,8 +29,8 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Self
 
-from kvpool.client.transport.base import send_all
-from kvpool.common.frames import (
+from kvpool.common.logging import get_logger
+from kvpool.net.data_port import (
     HANDOFF_REQUEST,
     MAGIC,
     MAX_SEGMENT_ID_BYTES,
@@ -40,7 +40,7 @@ from kvpool.common.frames import (
     Op,
     encode_response,
 )
-from kvpool.common.logging import get_logger
+from kvpool.net.sockets import PeerClosed, recv_exact_into, send_all
 from kvpool.store_node.memory import Segment
 
 log = get_logger(__name__)
@@ -60,12 +60,10 @@ class _Disconnected(Exception):
 
 def _recv_exact(sock: socket.socket, view: memoryview, *, frame_started: bool) -> None:
     """Fill ``view`` from ``sock``; raise _Disconnected on EOF."""
-    got, size = 0, len(view)
-    while got < size:
-        n = sock.recv_into(view[got:], size - got)
-        if n == 0:
-            raise _Disconnected(mid_frame=frame_started or got > 0)
-        got += n
+    try:
+        recv_exact_into(sock, view, "client")
+    except PeerClosed as exc:
+        raise _Disconnected(mid_frame=frame_started or exc.received > 0) from None
 
 
 class DataServer:

@@ -17,10 +17,10 @@ import threading
 from abc import ABC, abstractmethod
 
 from kvpool.common.errors import InvalidArgument
-from kvpool.common.frames import MAX_SEGMENT_ID_BYTES
 from kvpool.common.host import map_populated
 from kvpool.common.logging import get_logger
 from kvpool.common.types import SegmentInfo
+from kvpool.net.data_port import MAX_SEGMENT_ID_BYTES
 
 log = get_logger(__name__)
 

@@ -11,12 +11,12 @@ import time
 import uuid
 from collections.abc import Sequence
 
-from kvpool.client.master_client import MasterClient
 from kvpool.common.config import format_size
 from kvpool.common.errors import Conflict, KVPoolError, MasterUnavailable, NoSpace, UnknownNode
 from kvpool.common.host import local_boot_id
 from kvpool.common.logging import get_logger
 from kvpool.common.types import Move, NodeEndpoints, SegmentInfo
+from kvpool.rpc.master_client import MasterClient
 from kvpool.store_node.data_server import DataServer
 from kvpool.store_node.disk import DiskTier
 from kvpool.store_node.manifest import Manifest

@@ -108,7 +108,7 @@ class NodeRDMA:
         and written. Returns our QP_INFO payload and a handle whose ``close()`` destroys the
         queue pair (the data server calls it when the handshake connection ends).
         ValueError for a malformed payload."""
-        from kvpool.common.frames import decode_qp_info, encode_qp_info
+        from kvpool.net.data_port import decode_qp_info, encode_qp_info
         remote = self._verbs.QPInfo(*decode_qp_info(client_info))
         qp, cq = self._dev.create_qp(_RESPONDER_DEPTH)
         try:
@@ -151,14 +151,14 @@ def open_node_rdma(device: str | None = None, *, required: bool = False) -> Node
     Without RDMA here (no pyverbs, no device), return None and say so once in the log; unless
     ``required`` (the operator named a device), then raise InvalidArgument with the reason.
     """
-    from kvpool.client.transport.rdma import unavailable_reason
+    from kvpool.net.rdma_probe import unavailable_reason
     reason = unavailable_reason()
     if reason:
         if required:
             raise InvalidArgument(f"--rdma-device {device}: {reason}")
         log.info("rdma_disabled", reason=reason)
         return None
-    from kvpool.client.transport import verbs
+    from kvpool.net import verbs
     dev = verbs.Device(device)
     log.info("rdma_enabled", device=dev.name, gid=dev.gid, port=dev.port, mtu_enum=dev.mtu)
     return NodeRDMA(dev, verbs)

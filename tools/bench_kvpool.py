@@ -202,7 +202,7 @@ def master_figures(address: str, master_pid: int | None, objects: int, batch: in
     there): mount a segment that no store node backs, large enough for every object at its
     real size (a million 2 MiB blocks), and heartbeat for it; the master never touches bytes.
     """
-    from kvpool.client.master_client import MasterClient
+    from kvpool.rpc.master_client import MasterClient
     keys = [os.urandom(32).hex() for _ in range(objects)]
     sizes = [value_bytes] * batch
     put_rates = []

@@ -308,7 +308,7 @@ def _cmd_up(args) -> int:
 
 
 def _cmd_stat(args) -> int:
-    from kvpool.client.master_client import MasterClient
+    from kvpool.rpc.master_client import MasterClient
     mc = MasterClient(args.master, timeout_s=5.0, retries=1)
     try:
         s = mc.stats()
@@ -336,7 +336,7 @@ def _cmd_stat(args) -> int:
 def _print_tiers(segments) -> None:
     """Usage per tier per node (a node demotes from a full tier to the next one down)."""
     from kvpool.common.types import TIERS
-    from kvpool.common.wire import segment_from_pb
+    from kvpool.rpc.wire import segment_from_pb
     rows: dict[tuple[str, str], list[int]] = {}
     for g in segments:
         row = rows.setdefault((g.node_id, segment_from_pb(g.segment).tier), [0, 0, 0])

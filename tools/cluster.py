@@ -205,8 +205,8 @@ class LocalCluster:
 
     def leader(self, timeout_s: float = READY_TIMEOUT_S) -> str:
         """With ``ha``: the address of the master that leads now, once one does."""
-        from kvpool.client.leader import read_leader
         from kvpool.common.addresses import parse_etcd_url
+        from kvpool.rpc.leader import read_leader
         url = parse_etcd_url(str(self.ha))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -125,7 +125,7 @@ def run_demo(args) -> int:
 
 
 def _run(args, master: str) -> int:
-    from kvpool.client.master_client import MasterClient
+    from kvpool.rpc.master_client import MasterClient
     workload = make_workload(args.instances, args.requests, args.prefixes, args.prefix_tokens,
                              args.seed)
     print(f"{args.instances} instances x {args.requests} requests, {args.prefixes} shared "

@@ -328,7 +328,7 @@ class Soak:
 
     def _audit(self, work: Path, log_dir: Path) -> None:
         from kvpool.client.kv_client import KVClient
-        from kvpool.client.master_client import MasterClient
+        from kvpool.rpc.master_client import MasterClient
         results = [json.loads(p.read_text()) for p in sorted(work.glob("worker*.json"))]
         counts: dict[str, int] = {}
         for r in results:

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 from kvpool.client.kv_client import KVClient
-from kvpool.client.master_client import MasterClient
 from kvpool.client.transport.tcp import TCPTransport
 from kvpool.common.errors import KVPoolError, NoSpace, ObjectNotFound
+from kvpool.rpc.master_client import MasterClient
 
 # Counters shared with the launcher (a multiprocessing Array, N_COUNTERS per worker), read for
 # the progress lines while the run goes on.

@@ -7,7 +7,6 @@ The client asks the registry for the first transport (in preference order shm, r
 
 from __future__ import annotations
 
-import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -80,34 +79,3 @@ def group_by(ops: Sequence[IoOp], key: Callable[[IoOp], K]) -> dict[K, list[int]
     for i, op in enumerate(ops):
         groups.setdefault(key(op), []).append(i)
     return groups
-
-
-def recv_exact_into(sock: socket.socket, view: memoryview, what: str = "node") -> None:
-    """Fill ``view`` from ``sock``; TransportError if the peer closes first."""
-    got, size = 0, len(view)
-    while got < size:
-        n = sock.recv_into(view[got:], size - got)
-        if n == 0:
-            raise TransportError(f"{what} closed the connection")
-        got += n
-
-
-def recv_exact(sock: socket.socket, size: int, what: str = "node") -> bytes:
-    buf = bytearray(size)
-    recv_exact_into(sock, memoryview(buf), what)
-    return bytes(buf)
-
-
-def send_all(sock: socket.socket, buffers: Sequence[memoryview | bytes]) -> None:
-    """sendmsg (scatter-gather, no joining copy) until every buffer is sent."""
-    views = [memoryview(b) for b in buffers if len(b)]
-    while views:
-        sent = sock.sendmsg(views)
-        while sent:
-            head = views[0]
-            if sent >= head.nbytes:
-                sent -= head.nbytes
-                views.pop(0)
-            else:
-                views[0] = head[sent:]
-                sent = 0

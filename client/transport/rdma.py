@@ -5,7 +5,7 @@ region (its address and rkey travel in every descriptor, see ``Replica.rdma_*``)
 client's RC queue pair reads and writes that memory directly.
 
 Connection setup: one RC queue pair per (client transport, node), created on first use through
-the CONNECT_QP handshake on the node's tcp data port (:mod:`kvpool.common.frames`), then reused.
+the CONNECT_QP handshake on the node's tcp data port (:mod:`kvpool.net.data_port`), then reused.
 The handshake connection stays open for the queue pair's life: the node tears its queue pair
 down when it closes, and its EOF tells us at once that the node died (RC retries alone would
 take seconds to notice).
@@ -26,7 +26,6 @@ TransportError, so the client moves on to another replica.
 from __future__ import annotations
 
 import bisect
-import functools
 import mmap
 import select
 import socket
@@ -36,9 +35,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvpool.client.buffers import byte_view
-from kvpool.client.transport.base import IoOp, Transport, byte_views, group_by, recv_exact
+from kvpool.client.transport.base import IoOp, Transport, byte_views, group_by
 from kvpool.common.errors import ClientClosed, KVPoolError, SegmentBoundsError, TransportError
-from kvpool.common.frames import (
+from kvpool.common.logging import get_logger
+from kvpool.common.types import NodeEndpoints
+from kvpool.net.data_port import (
     MAX_ERROR_BYTES,
     QP_INFO,
     RESPONSE,
@@ -48,8 +49,8 @@ from kvpool.common.frames import (
     encode_qp_info,
     encode_request,
 )
-from kvpool.common.logging import get_logger
-from kvpool.common.types import NodeEndpoints
+from kvpool.net.rdma_probe import unavailable_reason
+from kvpool.net.sockets import recv_exact
 
 log = get_logger(__name__)
 
@@ -61,16 +62,6 @@ _POLL_SLEEP_S = 0.0002
 _LIVENESS_EVERY_S = 0.02
 # The handshake connection carries nothing after the handshake: readable or hung up = node gone.
 _GONE = select.POLLIN | select.POLLHUP | select.POLLERR | select.POLLNVAL
-
-
-@functools.cache
-def unavailable_reason() -> str:
-    """"" if this host can use the rdma transport, else why not (probed once per process)."""
-    try:
-        from kvpool.client.transport import verbs
-    except ImportError:
-        return "pyverbs is not installed (Debian/Ubuntu: apt install python3-pyverbs)"
-    return verbs.probe()
 
 
 class _Link:
@@ -146,7 +137,7 @@ class RDMATransport(Transport):
         reason = unavailable_reason()
         if reason:
             raise TransportError(f"rdma transport unavailable: {reason}")
-        from kvpool.client.transport import verbs
+        from kvpool.net import verbs
         self._verbs = verbs
         self._timeout_s = timeout_s
         self._connect_timeout_s = timeout_s if connect_timeout_s is None else connect_timeout_s

@@ -29,7 +29,7 @@ _FACTORIES: dict[str, str | TransportFactory] = {
 # used, else why not. By default such a transport is enabled only where it can be used; asked
 # for explicitly where it cannot, its constructor raises TransportError with the reason.
 _PROBES: dict[str, str] = {
-    "rdma": "kvpool.client.transport.rdma:unavailable_reason",
+    "rdma": "kvpool.net.rdma_probe:unavailable_reason",
 }
 
 # Known schemes without an implementation yet: skipped by default, refused when asked for.

@@ -30,19 +30,20 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from kvpool.client.transport.base import IoOp, Transport, byte_views, group_by, recv_exact
+from kvpool.client.transport.base import IoOp, Transport, byte_views, group_by
 from kvpool.common.checksum import Checksums, checksum
 from kvpool.common.errors import ClientClosed, InvalidArgument, SegmentBoundsError, TransportError
-from kvpool.common.frames import (
+from kvpool.common.host import local_boot_id, map_populated
+from kvpool.common.logging import get_logger
+from kvpool.common.types import NodeEndpoints, Replica
+from kvpool.net.data_port import (
     HANDOFF_REQUEST,
     MAX_ERROR_BYTES,
     MAX_SEGMENT_ID_BYTES,
     RESPONSE,
     FrameStatus,
 )
-from kvpool.common.host import local_boot_id, map_populated
-from kvpool.common.logging import get_logger
-from kvpool.common.types import NodeEndpoints, Replica
+from kvpool.net.sockets import recv_exact
 
 log = get_logger(__name__)
 

@@ -3,7 +3,7 @@
 Ops are grouped by endpoint and pipelined on one pooled connection per group: a window of
 requests goes out, responses are read in order, and more requests go out as responses come
 back. Reads ``recv_into`` the caller's buffer; writes ``sendmsg`` the caller's buffer; no copy
-in Python either way. Framing: :mod:`kvpool.common.frames`.
+in Python either way. Framing: :mod:`kvpool.net.data_port`.
 
 Failures map to TransportError at one boundary (``_pipeline``'s caller): connection refused,
 reset, timed out, or a malformed reply discard that connection and fail the op in progress and
@@ -25,8 +25,6 @@ from kvpool.client.transport.base import (
     Transport,
     byte_views,
     group_by,
-    recv_exact_into,
-    send_all,
 )
 from kvpool.common.errors import (
     ClientClosed,
@@ -34,7 +32,9 @@ from kvpool.common.errors import (
     SegmentBoundsError,
     TransportError,
 )
-from kvpool.common.frames import (
+from kvpool.common.logging import get_logger
+from kvpool.common.types import NodeEndpoints
+from kvpool.net.data_port import (
     MAX_ERROR_BYTES,
     MAX_SEGMENT_ID_BYTES,
     RESPONSE,
@@ -42,8 +42,7 @@ from kvpool.common.frames import (
     Op,
     encode_request,
 )
-from kvpool.common.logging import get_logger
-from kvpool.common.types import NodeEndpoints
+from kvpool.net.sockets import recv_exact_into, send_all
 
 log = get_logger(__name__)
 

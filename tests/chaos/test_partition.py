@@ -21,10 +21,10 @@ import time
 
 import pytest
 from kvpool.client.kv_client import KVClient
-from kvpool.client.master_client import MasterClient
 from kvpool.client.transport.base import IoOp
 from kvpool.client.transport.tcp import TCPTransport
 from kvpool.common.errors import KVPoolError
+from kvpool.rpc.master_client import MasterClient
 
 from .conftest import NODE_TTL_S, wait_for
 

@@ -15,12 +15,12 @@ import time
 import numpy as np
 import pytest
 from kvpool.client import KVClient
-from kvpool.client.master_client import MasterClient
 from kvpool.client.router import Candidate, RouterClient
 from kvpool.client.transport.base import IoOp
 from kvpool.client.transport.tcp import TCPTransport
 from kvpool.client.vllm_events import ZMQEventBridge
 from kvpool.common.hashing import HashSpec
+from kvpool.rpc.master_client import MasterClient
 
 BLOCK = 32
 # The first build of the venv (~3 min on 2 cores) lands in whichever test runs first.

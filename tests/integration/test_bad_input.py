@@ -7,7 +7,6 @@ import socket
 import numpy as np
 import pytest
 from kvpool.client import KVClient
-from kvpool.client.master_client import MasterClient
 from kvpool.common.errors import (
     AlreadyExists,
     ClientClosed,
@@ -15,7 +14,7 @@ from kvpool.common.errors import (
     ObjectNotFound,
     ValueTooLarge,
 )
-from kvpool.common.frames import (
+from kvpool.net.data_port import (
     MAGIC,
     REQUEST,
     RESPONSE,
@@ -23,6 +22,7 @@ from kvpool.common.frames import (
     Op,
     encode_request,
 )
+from kvpool.rpc.master_client import MasterClient
 
 
 @pytest.fixture

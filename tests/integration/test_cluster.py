@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from kvpool.client import KVClient
-from kvpool.client.master_client import MasterClient
 from kvpool.client.transport.tcp import TCPTransport
 from kvpool.common.errors import KVPoolError, NodeUnavailable, ObjectNotFound
+from kvpool.rpc.master_client import MasterClient
 
 WORKLOAD = str(Path(__file__).with_name("workload.py"))
 

@@ -14,8 +14,8 @@ import time
 
 import pytest
 from kvpool.client import KVClient
-from kvpool.client.master_client import MasterClient
 from kvpool.common.errors import KVPoolError, MasterUnavailable
+from kvpool.rpc.master_client import MasterClient
 from kvpool.tools.etcd_server import EtcdServer, etcd_binary
 
 from .conftest import run_cluster

@@ -9,11 +9,11 @@ import time
 
 import pytest
 from kvpool.client import KVClient
-from kvpool.client.master_client import MasterClient
 from kvpool.client.transport.base import IoOp
 from kvpool.client.transport.tcp import TCPTransport
 from kvpool.common.checksum import checksum
 from kvpool.common.errors import CorruptObject, ObjectNotFound
+from kvpool.rpc.master_client import MasterClient
 
 
 def damage(replica) -> None:

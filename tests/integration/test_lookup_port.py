@@ -1,4 +1,4 @@
-"""The master's lookup port (common/lookup.py): a real master in this process, real sockets."""
+"""The master's lookup port (net/lookup_port.py): a real master in this process, real sockets."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ import threading
 
 import grpc
 import pytest
-from kvpool.client.lookup import RETRY_AFTER_S, LookupChannel, LookupLost, Lookups
-from kvpool.client.master_client import MasterClient
-from kvpool.common import lookup
 from kvpool.common.config import MasterConfig
 from kvpool.common.errors import InvalidArgument
 from kvpool.common.types import NodeEndpoints, SegmentInfo
 from kvpool.master.server import MasterServer
 from kvpool.master.servicer import MAX_BATCH
+from kvpool.net import lookup_port
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
+from kvpool.rpc.lookup import RETRY_AFTER_S, LookupChannel, LookupLost, Lookups
+from kvpool.rpc.master_client import MasterClient
 
 
 class CountCalls(grpc.aio.ServerInterceptor):
@@ -110,13 +110,13 @@ def test_a_batch_over_the_limit_is_invalid_on_the_lookup_port_too(master):
 
 def test_a_malformed_frame_is_answered_invalid_and_the_connection_closed(master):
     with socket.create_connection(("127.0.0.1", master.server._servicer.lookup_port), 5) as s:
-        s.sendall(b"HTTP" + bytes(lookup.REQUEST.size - 4))
+        s.sendall(b"HTTP" + bytes(lookup_port.REQUEST.size - 4))
         data = b""
         while chunk := s.recv(4096):
             data += chunk
-    status, length = lookup.RESPONSE.unpack(data[:lookup.RESPONSE.size])
+    status, length = lookup_port.RESPONSE.unpack(data[:lookup_port.RESPONSE.size])
     assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-    assert b"malformed" in data[lookup.RESPONSE.size:] and len(data) == 8 + length
+    assert b"malformed" in data[lookup_port.RESPONSE.size:] and len(data) == 8 + length
 
 
 def test_a_refusing_lookup_port_sends_lookups_back_to_grpc():
@@ -175,7 +175,7 @@ def test_a_lookup_port_that_failed_is_left_alone_for_a_while():
     channel = lookups.channel
     assert isinstance(channel, LookupChannel)
     with pytest.raises(LookupLost):
-        channel.call(lookup.GET_REPLICAS, pb.KeysRequest(keys=["k"]), pb.GetReplicasResponse)
+        channel.call(lookup_port.GET_REPLICAS, pb.KeysRequest(keys=["k"]), pb.GetReplicasResponse)
     lookups.lost(channel)
     assert not lookups.wants_port("127.0.0.1:1234")
     lookups.learn("127.0.0.1:1234", dead)

@@ -11,10 +11,10 @@ import time
 
 import pytest
 from kvpool.client import KVClient
-from kvpool.client.master_client import MasterClient
 from kvpool.client.transport.base import IoOp
 from kvpool.client.transport.tcp import TCPTransport
 from kvpool.common.errors import KVPoolError, MasterUnavailable, NoSpace, ObjectNotFound
+from kvpool.rpc.master_client import MasterClient
 
 from .conftest import run_cluster
 

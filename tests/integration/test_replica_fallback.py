@@ -5,9 +5,9 @@ unreachable node is simulated by a tcp transport that refuses it)."""
 from __future__ import annotations
 
 from kvpool.client import KVClient
-from kvpool.client.master_client import MasterClient
 from kvpool.client.transport.tcp import TCPTransport
 from kvpool.common.errors import TransportError
+from kvpool.rpc.master_client import MasterClient
 
 
 class _CutOff(TCPTransport):

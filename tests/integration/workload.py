@@ -18,7 +18,7 @@ def value(seed: int, i: int, max_size: int) -> bytes:
 
 def main() -> int:
     from kvpool.client import KVClient
-    from kvpool.client.master_client import MasterClient
+    from kvpool.rpc.master_client import MasterClient
     mode, master = sys.argv[1], sys.argv[2]
     if mode == "put-start-and-hang":   # a client that dies between PutStart and PutEnd
         mc = MasterClient(master)

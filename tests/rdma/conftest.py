@@ -10,7 +10,7 @@ import json
 import os
 
 import pytest
-from kvpool.client.transport.rdma import unavailable_reason
+from kvpool.net.rdma_probe import unavailable_reason
 from kvpool.tools.cluster import LocalCluster
 
 FAST_MASTER = ["--node-ttl", "3s", "--put-timeout", "60s", "--lease-ttl", "30s"]

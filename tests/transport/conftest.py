@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 from kvpool.client.transport.base import Transport
-from kvpool.client.transport.rdma import unavailable_reason
 from kvpool.client.transport.registry import create_transports
 from kvpool.common.types import Extent, NodeEndpoints, Replica, SegmentInfo
+from kvpool.net.rdma_probe import unavailable_reason
 
 SERVE_NODE = Path(__file__).with_name("serve_node.py")
 STARTUP_TIMEOUT_S = 30.0

@@ -10,11 +10,11 @@ import time
 
 import pytest
 from kvpool.client.transport.base import IoOp
-from kvpool.client.transport.rdma import unavailable_reason as no_rdma_reason
 from kvpool.client.transport.tcp import TCPTransport
 from kvpool.common.errors import InvalidArgument
 from kvpool.common.host import local_boot_id
 from kvpool.common.types import Extent, NodeEndpoints, Replica
+from kvpool.net.rdma_probe import unavailable_reason as no_rdma_reason
 from kvpool.store_node.data_server import DataServer
 from kvpool.store_node.hbm import (
     STAGING_BYTES,

@@ -13,8 +13,8 @@ import time
 
 import pytest
 from kvpool.client.transport.base import IoOp
-from kvpool.client.transport.rdma import unavailable_reason
 from kvpool.common.errors import SegmentBoundsError, TransportError
+from kvpool.net.rdma_probe import unavailable_reason
 
 pytestmark = pytest.mark.rdma
 MiB = 1 << 20

@@ -8,7 +8,8 @@ import socket
 import pytest
 from kvpool.client.transport.base import IoOp
 from kvpool.client.transport.tcp import TCPTransport
-from kvpool.common.frames import (
+from kvpool.common.types import Extent, NodeEndpoints, Replica
+from kvpool.net.data_port import (
     QP_INFO,
     RESPONSE,
     FrameStatus,
@@ -17,7 +18,6 @@ from kvpool.common.frames import (
     encode_qp_info,
     encode_request,
 )
-from kvpool.common.types import Extent, NodeEndpoints, Replica
 from kvpool.store_node.data_server import DataServer
 from kvpool.store_node.memory import create_dram_segment
 

@@ -12,7 +12,7 @@ import struct
 import pytest
 from kvpool.client.transport.base import IoOp
 from kvpool.client.transport.tcp import TCPTransport
-from kvpool.common.frames import (
+from kvpool.net.data_port import (
     MAGIC,
     REQUEST,
     RESPONSE,

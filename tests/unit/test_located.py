@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
-from kvpool.client.located import Located
-from kvpool.common import checksum, wire
+from kvpool.common import checksum
 from kvpool.common.errors import ObjectNotFound
 from kvpool.common.types import Extent, NodeEndpoints, ObjectView, Replica
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
+from kvpool.rpc import wire
+from kvpool.rpc.located import Located
 
 A = NodeEndpoints("a", "boot", "127.0.0.1:1", "shm-a")
 B = NodeEndpoints("b", "boot", "127.0.0.1:2", "", rdma_device="rxe0", rdma_gid="fe80::1",

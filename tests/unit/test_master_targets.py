@@ -1,11 +1,11 @@
-"""How a ``--master`` value is read, and which master a client tries next (client/leader.py)."""
+"""How a ``--master`` value is read, and which master a client tries next (rpc/leader.py)."""
 
 from __future__ import annotations
 
 import pytest
-from kvpool.client.leader import MasterTargets
 from kvpool.common.addresses import leader_key, parse_address, parse_etcd_url
 from kvpool.common.errors import InvalidArgument, MasterUnavailable
+from kvpool.rpc.leader import MasterTargets
 
 
 def test_one_address_does_not_fail_over():

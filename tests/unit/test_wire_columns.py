@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvpool.common import wire
 from kvpool.common.types import Extent, NodeEndpoints, Replica
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
+from kvpool.rpc import wire
 
 A = NodeEndpoints("a", "boot", "127.0.0.1:1", "shm-a")
 B = NodeEndpoints("b", "boot", "127.0.0.1:2", "", rdma_device="rxe0", rdma_gid="fe80::1",

@@ -9,7 +9,6 @@ import time
 from collections.abc import Callable
 
 import grpc
-from kvpool.client.leader import MasterTargets
 from kvpool.common.addresses import LEADER_METADATA, parse_address
 from kvpool.common.errors import (
     ClientClosed,
@@ -18,7 +17,8 @@ from kvpool.common.errors import (
     KVPoolError,
     MasterUnavailable,
 )
-from kvpool.common.wire import GRPC_OPTIONS
+from kvpool.rpc.leader import MasterTargets
+from kvpool.rpc.wire import GRPC_OPTIONS
 
 __all__ = ["GrpcClient", "map_rpc_error", "map_status", "parse_address"]
 
@@ -48,7 +48,7 @@ def map_rpc_error(e: grpc.RpcError, what: str) -> KVPoolError:
 
 def map_status(code: grpc.StatusCode, details: str, what: str) -> KVPoolError:
     """The kvpool exception for a call that ended with ``code`` (a gRPC call's, or the lookup
-    port's: client/lookup.py)."""
+    port's: rpc/lookup.py)."""
     if code in _REFUSALS:
         return _REFUSALS[code](details)
     return MasterUnavailable(f"{what} failed: {code.name}: {details}")
@@ -58,7 +58,7 @@ class GrpcClient:
     """A blocking, thread-safe client of one master service; a context manager.
 
     ``address``: one master (``host:port``), standby masters (``a:1,b:2``) or
-    ``etcd://HOST:PORT[/CLUSTER]`` (client/leader.py). With one address an UNAVAILABLE call is
+    ``etcd://HOST:PORT[/CLUSTER]`` (rpc/leader.py). With one address an UNAVAILABLE call is
     retried ``retries`` times; with standbys it is retried, on whichever master leads, until
     ``timeout_s`` has passed since the call began (each try under what is left of it)."""
 

@@ -13,8 +13,8 @@ import numpy as np
 from kvpool.common import checksum
 from kvpool.common.errors import KVPoolError, error_for_status
 from kvpool.common.types import Extent, ObjectView, Replica
-from kvpool.common.wire import ReplicaArrays
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
+from kvpool.rpc.wire import ReplicaArrays
 
 
 @dataclass(frozen=True, slots=True)

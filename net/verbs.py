@@ -76,7 +76,7 @@ def buffer_address(view: memoryview) -> int:
 
 @dataclass(frozen=True, slots=True)
 class QPInfo:
-    """One side of the queue-pair handshake (see kvpool.common.frames CONNECT_QP)."""
+    """One side of the queue-pair handshake (see kvpool.net.data_port CONNECT_QP)."""
 
     qp_num: int
     psn: int

@@ -32,7 +32,7 @@ REQUEST = struct.Struct("!4sB3xI")
 RESPONSE = struct.Struct("!B3xI")
 GET_REPLICAS = 1
 EXISTS = 2
-# As gRPC's message limit here (common/wire.py GRPC_OPTIONS).
+# As gRPC's message limit here (rpc/wire.py GRPC_OPTIONS).
 MAX_BODY_BYTES = 64 << 20
 
 

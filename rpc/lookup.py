@@ -1,4 +1,4 @@
-"""The client side of the master's lookup port (common/lookup.py): GetReplicas and Exists
+"""The client side of the master's lookup port (net/lookup_port.py): GetReplicas and Exists
 without gRPC.
 
 :class:`LookupChannel` keeps connections to one master's lookup port open, one per caller in
@@ -17,9 +17,9 @@ from typing import TypeVar
 
 import grpc
 from google.protobuf.message import Message
-from kvpool.client.transport.base import recv_exact
-from kvpool.common import lookup
 from kvpool.common.errors import KVPoolError, MasterUnavailable
+from kvpool.net import lookup_port
+from kvpool.net.sockets import recv_exact
 
 # After a port failed: use gRPC alone this long before trying the same port again.
 RETRY_AFTER_S = 10.0
@@ -51,18 +51,18 @@ class LookupChannel:
         self._closed = False
 
     def call(self, method: int, request: Message, response_type: type[M]) -> M:
-        """The master's answer to ``request`` (a ``method`` of common/lookup.py); LookupLost if
+        """The master's answer to ``request`` (a ``method`` of net/lookup_port.py); LookupLost if
         the port cannot give one; the KVPoolError of a refusal (InvalidArgument);
         MasterUnavailable if the master takes longer than the timeout to answer (as a gRPC
         deadline)."""
-        frame = lookup.encode_request(method, request.SerializeToString())
+        frame = lookup_port.encode_request(method, request.SerializeToString())
         while True:
             sock, reused = self._connection()
             try:
                 sock.sendall(frame)
-                header = recv_exact(sock, lookup.RESPONSE.size, "the master")
-                status, length = lookup.RESPONSE.unpack(header)
-                if length > lookup.MAX_BODY_BYTES:
+                header = recv_exact(sock, lookup_port.RESPONSE.size, "the master")
+                status, length = lookup_port.RESPONSE.unpack(header)
+                if length > lookup_port.MAX_BODY_BYTES:
                     raise LookupLost(f"an answer of {length} bytes")
                 body = recv_exact(sock, length, "the master")
                 break

@@ -11,10 +11,7 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 import numpy as np
-from kvpool.client.grpc_client import GrpcClient, map_rpc_error, map_status
-from kvpool.client.located import Located
-from kvpool.client.lookup import LookupLost, Lookups
-from kvpool.common import checksum, lookup, wire
+from kvpool.common import checksum
 from kvpool.common.errors import (
     ClientClosed,
     KVPoolError,
@@ -32,8 +29,13 @@ from kvpool.common.types import (
     Reservation,
     SegmentInfo,
 )
+from kvpool.net import lookup_port
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
 from kvpool.protos.kvpool.v1 import master_pb2_grpc
+from kvpool.rpc import wire
+from kvpool.rpc.grpc_client import GrpcClient, map_rpc_error, map_status
+from kvpool.rpc.located import Located
+from kvpool.rpc.lookup import LookupLost, Lookups
 
 
 class MasterClient(GrpcClient):
@@ -166,7 +168,7 @@ class MasterClient(GrpcClient):
         return self._statuses("Remove", keys)
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        r = self._lookup(lookup.EXISTS, "Exists", pb.KeysRequest(keys=keys),
+        r = self._lookup(lookup_port.EXISTS, "Exists", pb.KeysRequest(keys=keys),
                          pb.StatusesResponse)
         return [s == pb.STATUS_OK for s in r.statuses]
 
@@ -188,7 +190,7 @@ class MasterClient(GrpcClient):
         return _located(keys, self._get_replicas(keys))
 
     def _get_replicas(self, keys: Sequence[str]) -> pb.GetReplicasResponse:
-        return self._lookup(lookup.GET_REPLICAS, "GetReplicas", pb.KeysRequest(keys=keys),
+        return self._lookup(lookup_port.GET_REPLICAS, "GetReplicas", pb.KeysRequest(keys=keys),
                             pb.GetReplicasResponse)
 
     def _lookup(self, method: int, rpc: str, request, response_type):
@@ -202,7 +204,7 @@ class MasterClient(GrpcClient):
                 self._lookups.lost(channel)
                 raise
         r = self._call(rpc, request)
-        if method == lookup.GET_REPLICAS:
+        if method == lookup_port.GET_REPLICAS:
             self._lookups.learn(self.address, r.lookup_port)
         elif self._lookups.wants_port(address := self.address):
             # An empty GetReplicas names the port, for a client that only asks Exists.
