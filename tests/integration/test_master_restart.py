@@ -139,7 +139,7 @@ def test_a_late_writer_from_before_the_kill_overwrites_nothing_stored_after(slow
             assert time.monotonic() < deadline, f"the new master took no put: {results}"
             time.sleep(0.1 if todo else 0)
         held = {(r.node.node_id, r.extent.offset) for r in late}
-        found, _ = mc.get_replicas(list(values))
+        found = mc.locate(list(values)).views()
         for obj in found:
             for r in obj.replicas:
                 assert (r.node.node_id, r.extent.offset) not in held, "reserved space reused"
