@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import threading
 from functools import partial
 from types import SimpleNamespace
@@ -38,11 +39,14 @@ def segment_io(request, tmp_path):
 
 @pytest.fixture
 def pair():
-    a, b = socket.socketpair()
-    with a, b:
-        a.settimeout(10)   # a short send or receive fails the test instead of hanging it
-        b.settimeout(10)
-        yield a, b
+    """The segment's end (blocking, as the data server's are: sendfile needs it) and the
+    peer's; a short send or receive fails the test in 10 s instead of hanging it."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+            ours.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", 10, 0))
+        theirs.settimeout(10)
+        yield ours, theirs
 
 
 def test_recv_from_then_send_to_move_the_bytes(segment_io, pair):
