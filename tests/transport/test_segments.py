@@ -14,24 +14,30 @@ from types import SimpleNamespace
 import pytest
 from kvpool.net.sockets import recv_exact, recv_exact_into
 from kvpool.store_node.disk import DiskSegment
+from kvpool.store_node.hbm import HbmSegment, hbm_unavailable_reason
 from kvpool.store_node.memory import Segment, create_dram_segment
 
 SIZE = 1 << 20
 
 
-# Segment's defaults go through a host view, which device memory (hbm) has not.
-@pytest.fixture(params=["dram-own", "dram-default", "disk-own", "disk-default", "hbm-own"])
+NO_GPU = hbm_unavailable_reason(0)
+
+
+# Segment's defaults go through a host view, which device memory (hbm) has not. hbm runs on
+# torch's CPU device (the same calls) and, where there is one, on a GPU.
+@pytest.fixture(params=["dram-own", "dram-default", "disk-own", "disk-default", "hbm-own-cpu",
+                        pytest.param("hbm-own-cuda:0", marks=[pytest.mark.gpu, pytest.mark.skipif(
+                            bool(NO_GPU), reason=f"gpu: {NO_GPU}")])])
 def segment_io(request, tmp_path):
     """A segment of each kind, and its own send_to / recv_from or Segment's defaults on it."""
-    kind, impl = request.param.split("-")
+    kind, impl, *device = request.param.split("-")
     if kind == "dram":
         seg = create_dram_segment("n1", 0, SIZE)
     elif kind == "disk":
         seg = DiskSegment("n1/1-test", SIZE, tmp_path / "segment")
     else:
         pytest.importorskip("torch")
-        from kvpool.store_node.hbm import HbmSegment
-        seg = HbmSegment("n1/2-test", SIZE, "cpu")   # the same calls as on a GPU
+        seg = HbmSegment("n1/2-test", SIZE, device[0])
     yield seg, seg if impl == "own" else SimpleNamespace(
         send_to=partial(Segment.send_to, seg), recv_from=partial(Segment.recv_from, seg))
     seg.close()
