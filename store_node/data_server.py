@@ -32,15 +32,18 @@ from typing import Self
 from kvpool.common.logging import get_logger
 from kvpool.net.data_port import (
     HANDOFF_REQUEST,
-    MAGIC,
     MAX_SEGMENT_ID_BYTES,
     QP_INFO,
     REQUEST,
     FrameStatus,
     Op,
+    check_segment_id_length,
     encode_response,
+    malformed_request,
+    send_refusal,
+    send_reply,
 )
-from kvpool.net.sockets import PeerClosed, recv_exact_into, send_all
+from kvpool.net.sockets import PeerClosed, recv_exact_into
 from kvpool.store_node.memory import Segment
 
 log = get_logger(__name__)
@@ -259,20 +262,13 @@ class DataServer:
         while not self._stopping.is_set():
             _recv_exact(conn, header_view, frame_started=False)
             magic, op, sid_len, offset, length = REQUEST.unpack(header)
-            if magic != MAGIC:
-                return self._refuse_malformed(conn, peer, f"bad magic {bytes(magic)!r}")
+            if reason := malformed_request(magic, op, sid_len, offset, length):
+                return self._refuse_malformed(conn, peer, reason)
             if op == Op.CONNECT_QP:
-                if sid_len or offset or length != QP_INFO.size:
-                    return self._refuse_malformed(conn, peer, "malformed CONNECT_QP")
                 self._count(Op.CONNECT_QP.name)
                 if not self._connect_qp(conn, peer, queue_pairs):
                     return
                 continue
-            if op not in (Op.READ, Op.WRITE):
-                return self._refuse_malformed(conn, peer, f"unknown op {op}")
-            if sid_len > MAX_SEGMENT_ID_BYTES:
-                return self._refuse_malformed(
-                    conn, peer, f"segment id of {sid_len} bytes (limit {MAX_SEGMENT_ID_BYTES})")
             sid_view = memoryview(sid_buf)[:sid_len]
             _recv_exact(conn, sid_view, frame_started=True)
             try:
@@ -287,15 +283,14 @@ class DataServer:
             if view is None:
                 log.warning("request_refused", peer=peer, op=op.name, segment=segment_id,
                             offset=offset, length=length, status=status.name)
-                payload = message.encode()
-                send_all(conn, [encode_response(status, len(payload)), payload])
+                send_refusal(conn, status, message)
                 if op is Op.WRITE:
                     # The payload follows on the stream; we will not consume it frame by frame.
                     return _linger_close(conn)
                 continue
             try:
                 if op is Op.READ:
-                    send_all(conn, [encode_response(FrameStatus.OK, length), view])
+                    send_reply(conn, FrameStatus.OK, view)
                 else:
                     _recv_exact(conn, view, frame_started=True)
                     conn.sendall(encode_response(FrameStatus.OK, 0))
@@ -320,7 +315,7 @@ class DataServer:
                 log.warning("queue_pair_refused", peer=peer, error=str(exc))
                 reply = f"queue pair setup failed: {exc}".encode()
                 status = FrameStatus.UNSUPPORTED
-        send_all(conn, [encode_response(status, len(reply)), reply])
+        send_reply(conn, status, reply)
         if status == FrameStatus.OK:
             log.debug("queue_pair_connected", peer=peer)
         return True
@@ -371,8 +366,7 @@ class DataServer:
 
     def _refuse_malformed(self, conn: socket.socket, peer: str, reason: str) -> None:
         log.warning("malformed_frame", peer=peer, reason=reason)
-        payload = reason.encode()
-        send_all(conn, [encode_response(FrameStatus.BAD_REQUEST, len(payload)), payload])
+        send_refusal(conn, FrameStatus.BAD_REQUEST, reason)
         _linger_close(conn)
 
     # ---------------------------------------------------------------- shm hand-off
@@ -382,9 +376,9 @@ class DataServer:
         while not self._stopping.is_set():
             _recv_exact(conn, memoryview(length_buf), frame_started=False)
             (sid_len,) = HANDOFF_REQUEST.unpack(length_buf)
-            if sid_len > MAX_SEGMENT_ID_BYTES:
-                return self._refuse_handoff(conn, peer, FrameStatus.BAD_REQUEST,
-                                            f"segment id of {sid_len} bytes", close=True)
+            if reason := check_segment_id_length(sid_len):
+                return self._refuse_handoff(conn, peer, FrameStatus.BAD_REQUEST, reason,
+                                            close=True)
             sid_buf = bytearray(sid_len)
             _recv_exact(conn, memoryview(sid_buf), frame_started=True)
             try:
@@ -417,8 +411,7 @@ class DataServer:
     def _refuse_handoff(self, conn: socket.socket, peer: str, status: FrameStatus, message: str,
                         close: bool = False) -> None:
         log.warning("handoff_refused", peer=peer, status=status.name, reason=message)
-        payload = message.encode()
-        send_all(conn, [encode_response(status, len(payload)), payload])
+        send_refusal(conn, status, message)
         if close:
             _linger_close(conn)
 
