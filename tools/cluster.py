@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,6 +42,14 @@ def die_with_launcher() -> None:
     """In a kvpool process: if Proc started it, end with the process that did."""
     if os.environ.pop(_DIE_WITH_PARENT_ENV, None):
         _die_with_parent()
+
+
+def wait_for_signal() -> None:
+    """Block until SIGINT or SIGTERM: how a command that runs until Ctrl-C waits."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
 
 
 class ClusterError(RuntimeError):
