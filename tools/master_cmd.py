@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from kvpool.common.config import EVICTION_POLICIES, ConfigError, MasterConfig, load
 from kvpool.tools.argtypes import count_type, duration_type, fraction_type, log_arg, port_type
@@ -66,6 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import asyncio
+
     from kvpool.common.logging import configure
     from kvpool.master.server import serve
     configure(args.log_level, component="master")
