@@ -8,7 +8,7 @@ reached, a client that went away); anything else is a bug, and then, instead of 
 ending while the rest of the process goes on as if nothing happened:
 
 - the exception is logged once with its traceback (``loop_crashed``); the same crash again
-  (same type, same place) is one short line at most every ``quiet_s`` with a count
+  (same type raised at the same place) is one short line at most every ``quiet_s`` with a count
   (``loop_crashed_again``), so a loop that fails at every turn cannot flood the log;
 - the loop's :class:`OnCrash` decides what comes next: a restart after a back-off (doubling
   from ``first_backoff_s`` to ``max_backoff_s``, so a loop that fails at once does not spin),
@@ -161,8 +161,10 @@ class _Crashes:
 
     def _log(self, error: Exception, now: float, backoff_s: float | None) -> None:
         then = "stop" if backoff_s is None else "restart"
-        signature = (type(error), tuple((f.filename, f.lineno)
-                                        for f in traceback.extract_tb(error.__traceback__)))
+        # The same crash: the same type raised at the same place (the innermost frame; the
+        # whole traceback would differ for one exception object raised again and again).
+        where = traceback.extract_tb(error.__traceback__)[-1:]
+        signature = (type(error), tuple((f.filename, f.lineno) for f in where))
         seen = self._logged.get(signature)
         if seen is None:
             self._logged[signature] = [now, 0]
