@@ -47,8 +47,9 @@ VITAL = OnCrash(restarts=5, why="a store node that cannot heartbeat or follow it
 class StoreNode:
     """Pools DRAM segments into the cluster. ``start()`` returns once every segment is mounted."""
 
-    def __init__(self, master: str | MasterClient, segment_sizes: Sequence[int], *, host: str = "127.0.0.1",
-                 port: int = 0, node_id: str | None = None, heartbeat_interval_s: float = 1.0,
+    def __init__(self, master: str | MasterClient, segment_sizes: Sequence[int], *,
+                 host: str = "127.0.0.1", port: int = 0, node_id: str | None = None,
+                 heartbeat_interval_s: float = 1.0,
                  shm: bool = True, advertise_host: str | None = None,
                  rdma_device: str | bool | None = None,
                  scrub_bytes_per_s: int = DEFAULT_SCRUB_BYTES_PER_S,
