@@ -26,7 +26,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterable
 
-from kvpool.master.state import ManifestDelta, MasterState
+from kvpool.master.manifest_log import ManifestDelta
+from kvpool.master.state import MasterState
 
 # Changes nobody waits for (evictions by the master's tick) go out at least this often.
 PUSH_INTERVAL_S = 0.5

@@ -16,8 +16,9 @@ from kvpool.common.errors import (
     status_for_error,
 )
 from kvpool.common.logging import get_logger
+from kvpool.master.manifest_log import ManifestDelta
 from kvpool.master.manifest_watch import ManifestWatchers
-from kvpool.master.state import ManifestDelta, MasterState
+from kvpool.master.state import MasterState
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
 from kvpool.protos.kvpool.v1 import master_pb2_grpc
 from kvpool.rpc import wire

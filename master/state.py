@@ -44,6 +44,7 @@ from kvpool.common.types import (
 )
 from kvpool.master.allocator import RangeAllocator
 from kvpool.master.eviction import EvictionPolicy, make_eviction_policy
+from kvpool.master.manifest_log import ManifestDelta, ManifestLog, NodeManifest, Removal
 from kvpool.master.placement import choose_segments
 
 PENDING, COMPLETE = ObjectState.PENDING, ObjectState.COMPLETE
@@ -95,25 +96,11 @@ class LocatedColumns:
     offsets: list[int]
 
 
-@dataclass(frozen=True, slots=True)
-class ManifestDelta:
-    """What changed in one node's segments since its last heartbeat: objects committed there,
-    ``(key, version)`` of objects dropped from there (applied after the commits), and space a
-    restarted master must not reuse for a while (``Reservation``, on this master's clock)."""
-
-    committed: list[ObjectRecord]
-    removed: list[tuple[str, int]]
-    reserved: list[Reservation] = ()
-
-
 @dataclass(eq=False, slots=True)
 class _Node:
     endpoints: NodeEndpoints
     last_seen: float
     segment_ids: set[str] = field(default_factory=set)
-    # For a node that keeps a manifest: ObjectRecords committed and (key, version) dropped in
-    # its segments, in order, until its next heartbeat takes them. None: it keeps none.
-    manifest_log: list | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -123,7 +110,7 @@ class _Segment:
     allocator: RangeAllocator
     keys: set[str] = field(default_factory=set)   # indexed objects with a replica here
     quarantined_bytes: int = 0
-    manifest_log: list | None = None   # its node's (shared), to append to without a lookup
+    manifest: NodeManifest | None = None   # its node's, to append to without a lookup
     moving_out_bytes: int = 0   # aligned bytes of in-flight moves out of here (leaving soon)
     draining: bool = False      # passed the high watermark, not yet down to the low one
 
@@ -198,6 +185,7 @@ class MasterState:
         self._waiting: dict[str, list[str]] = {}
         self._waiting_for: dict[str, str] = {}
         self._on_evict = on_evict
+        self._manifests = ManifestLog()
         self._nodes: dict[str, _Node] = {}
         self._segments: dict[str, _Segment] = {}
         self._objects: dict[str, _Object] = {}
@@ -291,8 +279,8 @@ class MasterState:
             n = self._nodes[node.node_id] = _Node(node, now)
         n.endpoints, n.last_seen = node, now
         self._silent.discard(node.node_id)
-        if keeps_manifest and n.manifest_log is None:
-            n.manifest_log = []
+        if keeps_manifest:
+            self._manifests.keep(node.node_id)
         if seg is None:
             alloc = RangeAllocator(segment.size_bytes, self._config.alignment_bytes)
             seg = self._segments[segment.segment_id] = _Segment(node.node_id, segment, alloc)
@@ -301,7 +289,7 @@ class MasterState:
                 self._disk_segments.add(segment.segment_id)
             if recovering:
                 self._recovering.add(segment.segment_id)
-        seg.manifest_log = n.manifest_log
+        seg.manifest = self._manifests.queue(node.node_id)
 
     def unmount_segment(self, node_id: str, segment_id: str) -> None:
         """Drop a segment and every replica in it; a no-op if it is not mounted (retries)."""
@@ -322,24 +310,21 @@ class MasterState:
     def take_manifest(self, node_id: str) -> ManifestDelta | None:
         """What was committed in and dropped from the node's segments since the last take;
         None for an unknown node or one that keeps no manifest."""
-        n = self._nodes.get(node_id)
-        if n is None or n.manifest_log is None:
-            return None
-        log, n.manifest_log[:] = list(n.manifest_log), []
-        return ManifestDelta([e for e in log if type(e) is ObjectRecord],
-                             [e for e in log if type(e) is tuple],
-                             [e for e in log if type(e) is Reservation])
+        return self._manifests.take(node_id)
 
     def requeue_manifest(self, node_id: str, delta: ManifestDelta) -> None:
         """Put a taken delta back in front of the node's queue (its stream broke before the
         node acknowledged it): the next take sends it again, before anything newer."""
-        n = self._nodes.get(node_id)
-        if n is not None and n.manifest_log is not None:
-            n.manifest_log[:0] = [*delta.reserved, *delta.committed, *delta.removed]
+        self._manifests.requeue(node_id, delta)
 
     def nodes_with_changes(self) -> list[str]:
         """The nodes whose manifest changes have not been taken yet."""
-        return [nid for nid, n in self._nodes.items() if n.manifest_log]
+        return self._manifests.nodes_with_changes()
+
+    def manifest_mark(self) -> int:
+        """How many manifest changes were recorded so far: a call that moved it changed what
+        some node's manifest must hold (the servicer then waits for the nodes to apply it)."""
+        return self._manifests.recorded
 
     def heard_from(self, node_id: str) -> bool:
         """Whether ``node_id`` is known and was heard from within a third of node_ttl_s (not
@@ -612,8 +597,8 @@ class MasterState:
         for e in extents:
             seg = self._segments[e.segment_id]
             seg.keys.add(key)
-            if seg.manifest_log is not None:
-                seg.manifest_log.append(Reservation(key, e.segment_id, e.offset, e.length, until))
+            if seg.manifest is not None:
+                seg.manifest.append(Reservation(key, e.segment_id, e.offset, e.length, until))
         self._pending += 1
         started.append(obj)
         return self._replicas(obj)
@@ -699,7 +684,7 @@ class MasterState:
         # the index does not: the records go to the nodes with the next heartbeat.
         named, obj.parent = obj.parent, None
         for e in obj.replicas:
-            log = self._segments[e.segment_id].manifest_log
+            log = self._segments[e.segment_id].manifest
             if log is not None:
                 log.append(ObjectRecord(obj.key, e.segment_id, e.offset, obj.size, checksum,
                                         obj.version, named))
@@ -764,8 +749,8 @@ class MasterState:
         seg = self._segments[segment_id]
         obj.replicas = [e for e in obj.replicas if e.segment_id != segment_id]
         seg.keys.discard(key)
-        if seg.manifest_log is not None:
-            seg.manifest_log.append((key, version))
+        if seg.manifest is not None:
+            seg.manifest.append(Removal(key, version))
         # Other readers may be copying it under their lease: reuse only after that.
         self._free_later(bad, max(now, obj.lease_until))
         if not obj.replicas:
@@ -823,7 +808,7 @@ class MasterState:
         supersedes the one their manifests hold, by key."""
         parent = self._parent_of(obj.key, obj.segment_id in self._disk_segments)
         for e in obj.replicas:
-            log = self._segments[e.segment_id].manifest_log
+            log = self._segments[e.segment_id].manifest
             if log is not None:
                 log.append(ObjectRecord(obj.key, e.segment_id, e.offset, obj.size,
                                         obj.checksum, obj.version, parent, obj.pinned))
@@ -878,6 +863,7 @@ class MasterState:
             expired.append((node_id, now - self._nodes[node_id].last_seen,
                             before - len(self._objects)))
             del self._nodes[node_id]
+            self._manifests.forget(node_id)
             self._outbox.pop(node_id, None)
         return expired
 
@@ -1039,8 +1025,8 @@ class MasterState:
             obj.version = next(self._versions)
             m.src_seg.keys.discard(obj.key)
             m.dst_seg.keys.add(obj.key)
-            if m.dst_seg.manifest_log is not None:   # supersedes the source's record (by key)
-                m.dst_seg.manifest_log.append(ObjectRecord(
+            if m.dst_seg.manifest is not None:   # supersedes the source's record (by key)
+                m.dst_seg.manifest.append(ObjectRecord(
                     obj.key, m.dst.segment_id, m.dst.offset, obj.size, obj.checksum,
                     obj.version, self._parent_of(obj.key, obj.segment_id in self._disk_segments),
                     obj.pinned))
@@ -1213,8 +1199,8 @@ class MasterState:
         for e in obj.replicas:
             seg = self._segments[e.segment_id]
             seg.keys.discard(obj.key)
-            if seg.manifest_log is not None and obj.state is COMPLETE:
-                seg.manifest_log.append((obj.key, obj.version))
+            if seg.manifest is not None and obj.state is COMPLETE:
+                seg.manifest.append(Removal(obj.key, obj.version))
 
     def _free_now(self, extents: list[Extent]) -> None:
         for e in extents:
@@ -1224,8 +1210,8 @@ class MasterState:
         entries = [(self._segments[e.segment_id], e) for e in extents]
         for seg, e in entries:
             seg.quarantined_bytes += seg.allocator.aligned_size(e.length)
-            if seg.manifest_log is not None:   # so that a restarted master waits as well
-                seg.manifest_log.append(Reservation("", e.segment_id, e.offset, e.length,
+            if seg.manifest is not None:   # so that a restarted master waits as well
+                seg.manifest.append(Reservation("", e.segment_id, e.offset, e.length,
                                                     free_at))
         heapq.heappush(self._deferred, (free_at, next(self._seq), entries))
 
