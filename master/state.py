@@ -24,7 +24,6 @@ from kvpool.common.errors import (
     InvalidArgument,
     KVPoolError,
     NoSpace,
-    NotPending,
     ObjectNotFound,
     UnknownNode,
     ValueTooLarge,
@@ -35,7 +34,6 @@ from kvpool.common.types import (
     Move,
     NodeEndpoints,
     ObjectRecord,
-    ObjectState,
     ObjectView,
     Replica,
     Reservation,
@@ -44,11 +42,10 @@ from kvpool.common.types import (
 )
 from kvpool.master.allocator import RangeAllocator
 from kvpool.master.eviction import EvictionPolicy, make_eviction_policy
+from kvpool.master.index import COMPLETE, PENDING, LocatedColumns, ObjectEntry, ObjectIndex
 from kvpool.master.manifest_log import ManifestDelta, ManifestLog, NodeManifest, Removal
 from kvpool.master.placement import choose_segments
 
-PENDING, COMPLETE = ObjectState.PENDING, ObjectState.COMPLETE
-_MAX_SHARED_SIZES = 1024
 # Children waiting for a parent that is not stored yet (see _put_end_one); past this many,
 # new ones are plain chain heads. Bounds the master's memory against parents that never come.
 _MAX_WAITING = 1 << 16
@@ -81,21 +78,6 @@ class MasterStats:
     promotions: int = 0      # moves one tier up completed
 
 
-@dataclass(frozen=True, slots=True)
-class LocatedColumns:
-    """:meth:`MasterState.locate_columns`' answer: per key (in request order) its size,
-    version, encoded checksum (common/checksum.py) and replica count, all 0 for a key in
-    ``errors``; then per replica, key by key, its segment id and offset."""
-
-    errors: dict[int, KVPoolError]   # position in the request -> why that key was not found
-    sizes: list[int]
-    versions: list[int]
-    checksums: list[int]
-    counts: list[int]
-    segment_ids: list[str]
-    offsets: list[int]
-
-
 @dataclass(eq=False, slots=True)
 class _Node:
     endpoints: NodeEndpoints
@@ -119,46 +101,12 @@ class _Segment:
 class _MoveInFlight:
     """A copy a node was told to make; the index switches to ``dst`` when it reports done."""
 
-    obj: _Object
+    obj: ObjectEntry
     src: Extent
     dst: Extent
     src_seg: _Segment
     dst_seg: _Segment
     deadline: float
-
-
-@dataclass(eq=False, slots=True)
-class _Object:
-    """One index entry, kept small: a master indexes millions of them. The first replica lives
-    inline (segment id and offset; every replica is ``size`` bytes long), further ones in
-    ``more``; ``replicas`` builds the Extents on demand."""
-
-    key: str
-    size: int
-    version: int
-    segment_id: str          # the first replica's segment ("" once every replica is gone)
-    offset: int
-    more: tuple[Extent, ...] = ()
-    state: ObjectState = PENDING
-    lease_until: float = 0.0
-    pinned: bool = False
-    checksum: int | None = None   # CRC-32C of the bytes, as the writer computed it
-    # The block this one extends (None: none), from PutStart until PutEnd hands it to the
-    # policy, then cleared: the request's copy of the parent's key would cost a str per object.
-    parent: str | None = None
-
-    @property
-    def replicas(self) -> list[Extent]:
-        """Extents in mounted segments only: dropped segments are stripped."""
-        if not self.segment_id:
-            return []
-        first = Extent(self.segment_id, self.offset, self.size)
-        return [first, *self.more] if self.more else [first]
-
-    @replicas.setter
-    def replicas(self, extents: Sequence[Extent]) -> None:
-        first = extents[0] if extents else Extent("", 0, self.size)
-        self.segment_id, self.offset, self.more = first.segment_id, first.offset, tuple(extents[1:])
 
 
 class MasterState:
@@ -188,18 +136,15 @@ class MasterState:
         self._manifests = ManifestLog()
         self._nodes: dict[str, _Node] = {}
         self._segments: dict[str, _Segment] = {}
-        self._objects: dict[str, _Object] = {}
+        self._index = ObjectIndex()
+        # The table every operation reads (the index owns it).
+        self._objects = self._index.objects
         # (free_at, seq, [(segment, extent)]): lease-deferred removals and put quarantine alike.
         self._deferred: list[tuple[float, int, list[tuple[_Segment, Extent]]]] = []
         # (deadline, seq, objects): one entry per PutStart batch, not per object.
-        self._put_deadlines: list[tuple[float, int, list[_Object]]] = []
-        self._versions = itertools.count(1)
+        self._put_deadlines: list[tuple[float, int, list[ObjectEntry]]] = []
         self._seq = itertools.count()
-        self._pending = 0
-        # One int object per distinct object size, shared by every entry of that size (KV
-        # blocks mostly have one size): 28 bytes less per indexed object.
-        self._sizes: dict[int, int] = {}
-        self._hits = self._misses = self._evictions = 0
+        self._evictions = 0
         self._demotions = self._promotions = 0
         # Tiers (see "-- tiers"): copies handed to nodes and not reported yet, by move id; the
         # key of each object with one in flight; instructions not yet taken, per node; disk
@@ -388,7 +333,7 @@ class MasterState:
         n = self._config.default_replicas if replicas is None else replicas
         now = self._clock()
         seen: set[str] = set()
-        started: list[_Object] = []
+        started: list[ObjectEntry] = []
         out = [_attempt(self._put_one, key, size, n, now, seen, started,
                         parents[i] if parents is not None else None)
                for i, (key, size) in enumerate(zip(keys, sizes))]
@@ -436,8 +381,7 @@ class MasterState:
     def locate_columns(self, keys: Sequence[str]) -> LocatedColumns:
         """Where each complete object lives, in columns (GetReplicas' form): each one found is
         leased for ``lease_ttl_s``, touched in the eviction order and counted as a hit; a miss
-        is counted and explained in ``errors``. The per-key work is done by comprehensions
-        over the objects found, not a tuple per key: a lookup of a prompt is hundreds."""
+        is counted and explained in ``errors``."""
         now = self._clock()
         lease_until = now + self._config.lease_ttl_s
         get, touch = self._objects.get, self._policy.on_access
@@ -445,7 +389,7 @@ class MasterState:
         # None: a miss, explained in ``errors``. Keys are strs, the index's keys too: any
         # other hashable key finds nothing (and an unhashable one is looked at alone).
         try:
-            objs: list[_Object | None] = list(map(get, keys))
+            objs: list[ObjectEntry | None] = list(map(get, keys))
         except TypeError:
             objs = [get(k) if isinstance(k, str) else None for k in keys]
         errors: dict[int, KVPoolError] = {}
@@ -463,30 +407,8 @@ class MasterState:
         found = [o for o in objs if o is not None] if errors else objs
         if not disk:   # the indexed strs, not the request's equal copies
             self._policy.on_access_many([o.key for o in found])
-        self._hits += len(found)
-        present = checksum.PRESENT   # checksum.encode, inlined
-        if errors:   # a miss holds zeros (and no replica) in its slot
-            sizes = [0 if o is None else o.size for o in objs]
-            versions = [0 if o is None else o.version for o in objs]
-            sums = [0 if o is None or o.checksum is None else present | o.checksum
-                    for o in objs]
-        else:
-            sizes = [o.size for o in found]
-            versions = [o.version for o in found]
-            sums = [0 if o.checksum is None else present | o.checksum for o in found]
-        if any(o.more for o in found):   # extra replicas (rare): built key by key
-            counts = [0 if o is None else 1 + len(o.more) for o in objs]
-            segment_ids, offsets = [], []
-            for o in found:
-                segment_ids.append(o.segment_id)
-                offsets.append(o.offset)
-                segment_ids += [e.segment_id for e in o.more]
-                offsets += [e.offset for e in o.more]
-        else:
-            counts = [0 if o is None else 1 for o in objs] if errors else [1] * len(found)
-            segment_ids = [o.segment_id for o in found]
-            offsets = [o.offset for o in found]
-        return LocatedColumns(errors, sizes, versions, sums, counts, segment_ids, offsets)
+        self._index.hits += len(found)
+        return self._index.columns(objs, found, errors)
 
     def replica_in(self, segment_id: str, offset: int = 0, length: int = 0) -> Replica:
         """The descriptor of ``[offset, offset + length)`` in a mounted segment."""
@@ -494,8 +416,7 @@ class MasterState:
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is a complete object (no lease, no LRU touch, no hit counted)."""
-        return [isinstance(k, str) and (o := self._objects.get(k)) is not None
-                and o.state is COMPLETE for k in keys]
+        return self._index.exists(keys)
 
     def remove(self, keys: Sequence[str]) -> list[KVPoolError | None]:
         """Remove complete objects; a leased one vanishes now but its space waits for the lease."""
@@ -532,8 +453,9 @@ class MasterState:
                          s.quarantined_bytes, len(s.keys), self._nodes[s.node_id].endpoints,
                          indexed_bytes=indexed(s))
             for s in self._segments.values())
-        return MasterStats(segs, len(self._objects) - self._pending, self._pending,
-                           self._hits, self._misses, self._evictions, len(self._nodes),
+        idx = self._index
+        return MasterStats(segs, len(self._objects) - idx.pending, idx.pending,
+                           idx.hits, idx.misses, self._evictions, len(self._nodes),
                            self._demotions, self._promotions)
 
     def tick(self) -> list[tuple[str, float, int]]:
@@ -553,7 +475,7 @@ class MasterState:
     # -- per-key operations -----------------------------------------------------------------
 
     def _put_one(self, key: str, size: int, n: int, now: float, seen: set[str],
-                 started: list[_Object], parent: str | None = None) -> tuple[Replica, ...]:
+                 started: list[ObjectEntry], parent: str | None = None) -> tuple[Replica, ...]:
         validate_key(key)
         # Before any other check, so a repeated key is refused whatever happened to the first.
         if key in seen:
@@ -586,11 +508,7 @@ class MasterState:
         if extents is None:
             raise NoSpace(f"{key!r}: no room for {size} bytes x{n}, even after eviction: "
                           + self._space_summary(segments))
-        if len(self._sizes) < _MAX_SHARED_SIZES:
-            size = self._sizes.setdefault(size, size)
-        obj = _Object(key, size, next(self._versions), extents[0].segment_id, extents[0].offset,
-                      tuple(extents[1:]), parent=parent or None)
-        self._objects[key] = obj
+        obj = self._index.add(key, size, extents, parent=parent or None)
         # Until its writer is surely done (its put reclaimed, then quarantined), a restarted
         # master must not hand this space out: the nodes keep a reservation of it.
         until = now + self._config.put_timeout_s + self._config.quarantine_s
@@ -599,7 +517,6 @@ class MasterState:
             seg.keys.add(key)
             if seg.manifest is not None:
                 seg.manifest.append(Reservation(key, e.segment_id, e.offset, e.length, until))
-        self._pending += 1
         started.append(obj)
         return self._replicas(obj)
 
@@ -615,7 +532,7 @@ class MasterState:
         # What is left is held by pending, pinned or leased objects, which are never evicted.
         return (f"the cluster has {free} of {total} bytes free in {len(segments)} segments "
                 f"(largest free range {largest} bytes), the rest held by objects that are "
-                f"pending, pinned or leased ({self._pending} pending)")
+                f"pending, pinned or leased ({self._index.pending} pending)")
 
     def _open_segments(self, replicas: int = 1):
         """The segments new objects may go to: all but those still being announced, and
@@ -640,7 +557,7 @@ class MasterState:
             return None
         for key in self._victims(now, fit_ids):
             obj = self._objects.get(key)
-            if obj is None or not self._evictable(obj, now):
+            if obj is None or not obj.evictable(now):
                 continue
             if not any(e.segment_id in fit_ids for e in obj.replicas):
                 continue
@@ -653,11 +570,11 @@ class MasterState:
     def _get_one(self, key: str, now: float
                  ) -> tuple[int, int, tuple[tuple[str, int], ...], int | None]:
         try:
-            obj = self._complete(key)
+            obj = self._index.complete(key)
         except ObjectNotFound:
-            self._misses += 1
+            self._index.misses += 1
             raise
-        self._hits += 1
+        self._index.hits += 1
         obj.lease_until = max(obj.lease_until, now + self._config.lease_ttl_s)
         self._policy.on_access(obj.key)   # the indexed str, not the request's equal copy
         where = ((obj.segment_id, obj.offset),)
@@ -666,10 +583,8 @@ class MasterState:
         return obj.size, obj.version, where, obj.checksum
 
     def _put_end_one(self, key: str, checksum: int | None) -> None:
-        obj = self._pending_object(key)
-        obj.state = COMPLETE
-        obj.checksum = checksum
-        self._pending -= 1
+        obj = self._index.pending_entry(key)
+        self._index.commit(obj, checksum)
         # The indexed strs, not the request's equal copies. A parent not stored yet (still
         # pending, or put later) is waited for, up to _MAX_WAITING children: linked when it
         # comes; meanwhile this block is a chain head to the policy (it can go first).
@@ -716,22 +631,16 @@ class MasterState:
             obj.replicas = [*obj.replicas, extent]
             self._announce_pin(obj, r)
             return
-        size = self._sizes.setdefault(r.size, r.size) if len(self._sizes) < _MAX_SHARED_SIZES \
-            else r.size
-        obj = _Object(r.key, size, r.version, r.segment_id, r.offset, state=COMPLETE,
-                      checksum=r.checksum)
-        self._objects[r.key] = obj
+        obj = self._index.add(r.key, r.size, [extent], r.version, state=COMPLETE,
+                              checksum=r.checksum)
         # Linked to its parent as before the restart; a parent not announced yet (on another
         # node, later in the batch) links its children when it comes.
         parent = self._objects.get(r.parent) if r.parent else None
         self._track(obj.key, parent.key if parent is not None else r.parent,
                     r.segment_id in self._disk_segments)
-        # Versions stay unique per key across the restart: new ones come after every announced.
-        nxt = next(self._versions)
-        self._versions = itertools.count(max(nxt, r.version + 1))
         self._announce_pin(obj, r)
 
-    def _announce_pin(self, obj: _Object, r: ObjectRecord) -> None:
+    def _announce_pin(self, obj: ObjectEntry, r: ObjectRecord) -> None:
         """Hard-pin an announced object recorded as pinned. Not checked against the quota:
         it was granted within it, and after a master restart the quota counts only the
         segments mounted so far (the rest come with nodes still to announce)."""
@@ -758,12 +667,12 @@ class MasterState:
             self._unindex(obj)
 
     def _put_revoke_one(self, key: str) -> None:
-        obj = self._pending_object(key)
+        obj = self._index.pending_entry(key)
         self._unindex(obj)
         self._free_now(obj.replicas)
 
     def _remove_one(self, key: str, now: float) -> None:
-        obj = self._complete(key)
+        obj = self._index.complete(key)
         self._tombstone(obj)
         self._unindex(obj)
         if obj.lease_until > now:
@@ -773,7 +682,7 @@ class MasterState:
             self._free_now(obj.replicas)
 
     def _pin_one(self, key: str, ttl_s: float | None, now: float, quota: bool = True) -> None:
-        obj = self._complete(key)
+        obj = self._index.complete(key)
         if ttl_s is not None:
             if not obj.pinned:
                 until = max(now + ttl_s, self._soft_pins.get(obj.key, 0.0))
@@ -796,14 +705,14 @@ class MasterState:
         self._log_records(obj)
 
     def _unpin_one(self, key: str) -> None:
-        obj = self._complete(key)
+        obj = self._index.complete(key)
         if obj.pinned:
             obj.pinned = False
             self._hard_pinned_bytes -= self._pin_size(obj)
             self._log_records(obj)
         self._soft_pins.pop(obj.key, None)
 
-    def _log_records(self, obj: _Object) -> None:
+    def _log_records(self, obj: ObjectEntry) -> None:
         """Tell the nodes holding ``obj`` its record again (a hard pin came or went): it
         supersedes the one their manifests hold, by key."""
         parent = self._parent_of(obj.key, obj.segment_id in self._disk_segments)
@@ -813,7 +722,7 @@ class MasterState:
                 log.append(ObjectRecord(obj.key, e.segment_id, e.offset, obj.size,
                                         obj.checksum, obj.version, parent, obj.pinned))
 
-    def _pin_size(self, obj: _Object) -> int:
+    def _pin_size(self, obj: ObjectEntry) -> int:
         """What a hard pin of ``obj`` counts against the quota: its size (replicas come and
         go with nodes; the count must not drift)."""
         return obj.size
@@ -918,7 +827,7 @@ class MasterState:
                 segs = [self._segments[e.segment_id] for e in touched]
                 lower = [self._lower_tier(seg) for seg in segs]
                 if None in lower:   # a last tier: the object goes (all of it, as before)
-                    if self._evictable(obj, now):
+                    if obj.evictable(now):
                         self._evict(obj)
                 # One move per object at a time: its first hot replica goes first.
                 elif key not in self._moving and not self._start_move(
@@ -958,7 +867,7 @@ class MasterState:
                 if m is not None and m.src_seg.node_id == node_id:
                     self._finish_move(move_id, ok, now)
 
-    def _note_disk_read(self, obj: _Object, now: float) -> None:
+    def _note_disk_read(self, obj: ObjectEntry, now: float) -> None:
         """``obj`` was read and may have replicas on disk: the second read within the window
         promotes one of them (the first whose node has room above it)."""
         on_disk = [e for e in obj.replicas if e.segment_id in self._disk_segments]
@@ -986,7 +895,7 @@ class MasterState:
                     self._start_move(obj, src, src_seg, upper, now):
                 return
 
-    def _start_move(self, obj: _Object, src: Extent, src_seg: _Segment, dst_seg: _Segment,
+    def _start_move(self, obj: ObjectEntry, src: Extent, src_seg: _Segment, dst_seg: _Segment,
                     now: float) -> bool:
         """Allocate the destination and queue the instruction; False if it has no room."""
         offset = dst_seg.allocator.allocate(obj.size)
@@ -1022,7 +931,7 @@ class MasterState:
                 self._track(obj.key, parent, not was_on_disk)
             # A new version: a reader whose read outlived its lease checks the version it read
             # against the index's, and the source may be reused by then.
-            obj.version = next(self._versions)
+            obj.version = self._index.new_version()
             m.src_seg.keys.discard(obj.key)
             m.dst_seg.keys.add(obj.key)
             if m.dst_seg.manifest is not None:   # supersedes the source's record (by key)
@@ -1131,24 +1040,7 @@ class MasterState:
         self._silent.discard(node_id)
         return n
 
-    def _complete(self, key: str) -> _Object:
-        validate_key(key)
-        obj = self._objects.get(key)
-        if obj is None or obj.state is not COMPLETE:   # readers never see PENDING objects
-            raise ObjectNotFound(f"{key!r} not found")
-        return obj
-
-    def _pending_object(self, key: str) -> _Object:
-        validate_key(key)
-        obj = self._objects.get(key)
-        if obj is None or obj.state is not PENDING:
-            raise NotPending(f"{key!r} is not being put (timed out, revoked or complete)")
-        return obj
-
-    def _evictable(self, obj: _Object, now: float) -> bool:
-        return obj.state is COMPLETE and not obj.pinned and obj.lease_until <= now
-
-    def _evict(self, obj: _Object) -> None:
+    def _evict(self, obj: ObjectEntry) -> None:
         self._tombstone(obj)
         self._unindex(obj)
         self._free_now(obj.replicas)   # not leased, so no reader can be in flight
@@ -1156,7 +1048,7 @@ class MasterState:
         if self._on_evict is not None:
             self._on_evict(obj.key, obj.version)
 
-    def _replicas(self, obj: _Object) -> tuple[Replica, ...]:
+    def _replicas(self, obj: ObjectEntry) -> tuple[Replica, ...]:
         # Endpoints are looked up now, so a node that re-mounted with new ones is reached there.
         return tuple(self._replica(e) for e in obj.replicas)
 
@@ -1167,7 +1059,7 @@ class MasterState:
                        rdma_rkey=info.rdma_rkey,
                        rdma_length=info.size_bytes if info.rdma_rkey else 0, tier=info.tier)
 
-    def _tombstone(self, obj: _Object) -> None:
+    def _tombstone(self, obj: ObjectEntry) -> None:
         """Remember ``obj`` gone while nodes may still announce it (see _tombstones)."""
         if self._recovering or (self._announcing_until is not None
                                 and self._clock() < self._announcing_until):
@@ -1178,12 +1070,10 @@ class MasterState:
                 and now >= self._announcing_until:
             self._tombstones.clear()
 
-    def _unindex(self, obj: _Object) -> None:
+    def _unindex(self, obj: ObjectEntry) -> None:
         """Forget ``obj``; its extents stay allocated until the caller frees them."""
-        del self._objects[obj.key]
-        if obj.state is PENDING:
-            self._pending -= 1
-        else:
+        self._index.discard(obj)
+        if obj.state is COMPLETE:
             self._policy.on_remove(obj.key)
             self._disk_policy.on_remove(obj.key)
             if self._waiting_for:
