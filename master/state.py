@@ -13,7 +13,7 @@ import heapq
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
 from kvpool.common import checksum
@@ -25,7 +25,6 @@ from kvpool.common.errors import (
     KVPoolError,
     NoSpace,
     ObjectNotFound,
-    UnknownNode,
     ValueTooLarge,
 )
 from kvpool.common.types import (
@@ -40,10 +39,10 @@ from kvpool.common.types import (
     SegmentInfo,
     validate_key,
 )
-from kvpool.master.allocator import RangeAllocator
 from kvpool.master.eviction import EvictionPolicy, make_eviction_policy
 from kvpool.master.index import COMPLETE, PENDING, LocatedColumns, ObjectEntry, ObjectIndex
-from kvpool.master.manifest_log import ManifestDelta, ManifestLog, NodeManifest, Removal
+from kvpool.master.manifest_log import ManifestDelta, ManifestLog, Removal
+from kvpool.master.membership import Membership, Segment
 from kvpool.master.placement import choose_segments
 
 # Children waiting for a parent that is not stored yet (see _put_end_one); past this many,
@@ -79,33 +78,14 @@ class MasterStats:
 
 
 @dataclass(eq=False, slots=True)
-class _Node:
-    endpoints: NodeEndpoints
-    last_seen: float
-    segment_ids: set[str] = field(default_factory=set)
-
-
-@dataclass(eq=False, slots=True)
-class _Segment:
-    node_id: str
-    info: SegmentInfo
-    allocator: RangeAllocator
-    keys: set[str] = field(default_factory=set)   # indexed objects with a replica here
-    quarantined_bytes: int = 0
-    manifest: NodeManifest | None = None   # its node's, to append to without a lookup
-    moving_out_bytes: int = 0   # aligned bytes of in-flight moves out of here (leaving soon)
-    draining: bool = False      # passed the high watermark, not yet down to the low one
-
-
-@dataclass(eq=False, slots=True)
 class _MoveInFlight:
     """A copy a node was told to make; the index switches to ``dst`` when it reports done."""
 
     obj: ObjectEntry
     src: Extent
     dst: Extent
-    src_seg: _Segment
-    dst_seg: _Segment
+    src_seg: Segment
+    dst_seg: Segment
     deadline: float
 
 
@@ -134,13 +114,14 @@ class MasterState:
         self._waiting_for: dict[str, str] = {}
         self._on_evict = on_evict
         self._manifests = ManifestLog()
-        self._nodes: dict[str, _Node] = {}
-        self._segments: dict[str, _Segment] = {}
+        self._members = Membership(config)
+        # The table every operation reads (membership owns it).
+        self._segments = self._members.segments
         self._index = ObjectIndex()
         # The table every operation reads (the index owns it).
         self._objects = self._index.objects
         # (free_at, seq, [(segment, extent)]): lease-deferred removals and put quarantine alike.
-        self._deferred: list[tuple[float, int, list[tuple[_Segment, Extent]]]] = []
+        self._deferred: list[tuple[float, int, list[tuple[Segment, Extent]]]] = []
         # (deadline, seq, objects): one entry per PutStart batch, not per object.
         self._put_deadlines: list[tuple[float, int, list[ObjectEntry]]] = []
         self._seq = itertools.count()
@@ -152,7 +133,6 @@ class MasterState:
         self._moves: dict[int, _MoveInFlight] = {}
         self._moving: dict[str, int] = {}
         self._outbox: dict[str, list[Move]] = {}
-        self._disk_segments: set[str] = set()
         self._disk_reads: dict[str, float] = {}
         # Pins (see ``pin``): soft ones by key with their end (and a heap of ends to expire
         # them), and the bytes hard pins hold against their quota.
@@ -172,10 +152,6 @@ class MasterState:
         # replica announced later must not bring such an object back.
         self._tombstones: dict[str, int] = {}
         self._announcing_until: float | None = None
-        # Nodes silent for a third of node_ttl_s (as of the last tick): probably dead, so new
-        # objects go elsewhere while the TTL runs out, instead of failing their writes there.
-        # Their next heartbeat clears them; if every node is silent, none is avoided.
-        self._silent: set[str] = set()
 
     @property
     def config(self) -> MasterConfig:
@@ -199,46 +175,21 @@ class MasterState:
         Idempotent for the same (node, segment). InvalidArgument for a segment id mounted by
         another node or with another size/tier, an empty id, or a segment below the alignment.
         """
-        if not node.node_id or not segment.segment_id:
-            raise InvalidArgument("node_id and segment_id must not be empty")
-        if segment.size_bytes < self._config.alignment_bytes:
-            raise InvalidArgument(f"segment {segment.segment_id!r} has {segment.size_bytes} "
-                                  f"bytes; at least {self._config.alignment_bytes} are needed")
-        seg = self._segments.get(segment.segment_id)
-        if seg is not None and seg.node_id != node.node_id:
-            raise InvalidArgument(f"segment {segment.segment_id!r} is mounted by node "
-                                  f"{seg.node_id!r}")
-        if seg is not None and seg.info != segment:
-            raise InvalidArgument(f"segment {segment.segment_id!r} is mounted as {seg.info}")
+        self._members.check_mount(node, segment)
         now = self._clock()
         if self._announcing_until is None:
             self._announcing_until = now + 2 * self._config.node_ttl_s
-        n = self._nodes.get(node.node_id)
-        if n is not None and n.endpoints != node:
-            # Endpoints are fixed for a node process's life: new ones mean the node restarted
-            # (within node_ttl_s, so it never looked dead). Its old segments are gone with it.
-            for sid in list(n.segment_ids):
-                self._drop_segment(self._segments[sid])
-            seg = None
-        if n is None:
-            n = self._nodes[node.node_id] = _Node(node, now)
-        n.endpoints, n.last_seen = node, now
-        self._silent.discard(node.node_id)
+        for old in self._members.restarted(node):
+            self._drop_segment(old)
         if keeps_manifest:
             self._manifests.keep(node.node_id)
-        if seg is None:
-            alloc = RangeAllocator(segment.size_bytes, self._config.alignment_bytes)
-            seg = self._segments[segment.segment_id] = _Segment(node.node_id, segment, alloc)
-            n.segment_ids.add(segment.segment_id)
-            if segment.tier == "disk":
-                self._disk_segments.add(segment.segment_id)
-            if recovering:
-                self._recovering.add(segment.segment_id)
-        seg.manifest = self._manifests.queue(node.node_id)
+        if self._members.mount(node, segment, now, self._manifests.queue(node.node_id)) \
+                and recovering:
+            self._recovering.add(segment.segment_id)
 
     def unmount_segment(self, node_id: str, segment_id: str) -> None:
         """Drop a segment and every replica in it; a no-op if it is not mounted (retries)."""
-        self._live_node(node_id)
+        self._members.touch(node_id, self._clock())
         seg = self._segments.get(segment_id)
         if seg is not None and seg.node_id != node_id:
             raise InvalidArgument(f"segment {segment_id!r} is mounted by node {seg.node_id!r}")
@@ -249,7 +200,7 @@ class MasterState:
         """Keep ``node_id`` alive; UnknownNode tells the node to mount its segments again.
         For a node that keeps a manifest, what changed in its segments since it was last taken
         (unless ``take_manifest`` is False: the changes go another way, ``take_manifest``)."""
-        self._live_node(node_id)
+        self._members.touch(node_id, self._clock())
         return self.take_manifest(node_id) if take_manifest else None
 
     def take_manifest(self, node_id: str) -> ManifestDelta | None:
@@ -274,8 +225,7 @@ class MasterState:
     def heard_from(self, node_id: str) -> bool:
         """Whether ``node_id`` is known and was heard from within a third of node_ttl_s (not
         probably dead)."""
-        n = self._nodes.get(node_id)
-        return n is not None and self._clock() - n.last_seen <= self._config.node_ttl_s / 3
+        return self._members.heard_from(node_id, self._clock())
 
     def announce_objects(self, node_id: str, records: Sequence[ObjectRecord],
                          done: bool = False, reserved: Sequence[Reservation] = ()
@@ -287,7 +237,7 @@ class MasterState:
         put or freed under a lease, kept out of reuse until each one's end (``until``, on this
         master's clock); one overlapping an object is stale and ignored. ``done``: the node has
         announced everything; its recovering segments take new objects from now on."""
-        n = self._live_node(node_id)
+        n = self._members.touch(node_id, self._clock())
         out = [_attempt(self._announce_one, node_id, r) for r in records]
         for r in reserved:
             seg = self._segments.get(r.segment_id)
@@ -359,7 +309,7 @@ class MasterState:
     def get_replicas(self, keys: Sequence[str]) -> list[ObjectView | KVPoolError]:
         """Where each complete object lives; each one found is leased for ``lease_ttl_s``."""
         return [r if isinstance(r, KVPoolError) else
-                ObjectView(key, r[0], r[1], tuple(self._replica(Extent(sid, offset, r[0]))
+                ObjectView(key, r[0], r[1], tuple(self._members.replica(Extent(sid, offset, r[0]))
                                                   for sid, offset in r[2]), r[3])
                 for key, r in zip(keys, self.locate(keys))]
 
@@ -385,7 +335,7 @@ class MasterState:
         now = self._clock()
         lease_until = now + self._config.lease_ttl_s
         get, touch = self._objects.get, self._policy.on_access
-        disk = self._disk_segments
+        disk = self._members.disk_segments
         # None: a miss, explained in ``errors``. Keys are strs, the index's keys too: any
         # other hashable key finds nothing (and an unhashable one is looked at alone).
         try:
@@ -412,7 +362,7 @@ class MasterState:
 
     def replica_in(self, segment_id: str, offset: int = 0, length: int = 0) -> Replica:
         """The descriptor of ``[offset, offset + length)`` in a mounted segment."""
-        return self._replica(Extent(segment_id, offset, length))
+        return self._members.replica(Extent(segment_id, offset, length))
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is a complete object (no lease, no LRU touch, no hit counted)."""
@@ -443,19 +393,20 @@ class MasterState:
     def stats(self, audit: bool = False) -> MasterStats:
         """Exact accounting of segments, objects and counters. ``audit``: also sum each
         segment's indexed objects one by one (``indexed_bytes``; O(objects), for checkers)."""
-        def indexed(s: _Segment) -> int | None:
+        def indexed(s: Segment) -> int | None:
             if not audit:
                 return None
             return sum(s.allocator.aligned_size(self._objects[k].size) for k in s.keys)
 
         segs = tuple(
             SegmentStats(s.node_id, s.info, s.allocator.used_bytes - s.quarantined_bytes,
-                         s.quarantined_bytes, len(s.keys), self._nodes[s.node_id].endpoints,
+                         s.quarantined_bytes, len(s.keys),
+                         self._members.nodes[s.node_id].endpoints,
                          indexed_bytes=indexed(s))
             for s in self._segments.values())
         idx = self._index
         return MasterStats(segs, len(self._objects) - idx.pending, idx.pending,
-                           idx.hits, idx.misses, self._evictions, len(self._nodes),
+                           idx.hits, idx.misses, self._evictions, len(self._members.nodes),
                            self._demotions, self._promotions)
 
     def tick(self) -> list[tuple[str, float, int]]:
@@ -491,7 +442,7 @@ class MasterState:
                 raise InvalidArgument(f"{key!r} names itself as its parent")
         if key in self._objects:
             raise AlreadyExists(f"{key!r} already exists")
-        segments = self._open_segments(n)
+        segments = self._members.open_segments(n, self._recovering)
         nodes = {s.node_id for s in segments}
         if len(nodes) < n:
             raise NoSpace(f"{key!r}: {n} replicas asked but only {len(nodes)} live nodes "
@@ -518,11 +469,11 @@ class MasterState:
             if seg.manifest is not None:
                 seg.manifest.append(Reservation(key, e.segment_id, e.offset, e.length, until))
         started.append(obj)
-        return self._replicas(obj)
+        return tuple(map(self._members.replica, obj.replicas))
 
     def space_summary(self) -> str:
         """How much room the cluster has for new objects, for a NoSpace message."""
-        return self._space_summary(self._open_segments())
+        return self._space_summary(self._members.open_segments(closed=self._recovering))
 
     def _space_summary(self, segments) -> str:
         segments = list(segments)
@@ -534,20 +485,8 @@ class MasterState:
                 f"(largest free range {largest} bytes), the rest held by objects that are "
                 f"pending, pinned or leased ({self._index.pending} pending)")
 
-    def _open_segments(self, replicas: int = 1):
-        """The segments new objects may go to: all but those still being announced, and
-        those of nodes gone silent unless ``replicas`` distinct nodes need them."""
-        if not self._recovering and not self._silent:
-            return self._segments.values()
-        open_ = [s for sid, s in self._segments.items() if sid not in self._recovering]
-        if self._silent:
-            fresh = [s for s in open_ if s.node_id not in self._silent]
-            if len({s.node_id for s in fresh}) >= replicas:
-                return fresh
-        return open_
-
-    def _place(self, size: int, n: int, fits: list[_Segment], now: float) -> list[Extent] | None:
-        extents = choose_segments(self._open_segments(n), size, n)
+    def _place(self, size: int, n: int, fits: list[Segment], now: float) -> list[Extent] | None:
+        extents = choose_segments(self._members.open_segments(n, self._recovering), size, n)
         if extents is not None:
             return extents
         # Only objects with a replica in a segment that could hold this one make room for it,
@@ -562,7 +501,7 @@ class MasterState:
             if not any(e.segment_id in fit_ids for e in obj.replicas):
                 continue
             self._evict(obj)
-            extents = choose_segments(self._open_segments(n), size, n)
+            extents = choose_segments(self._members.open_segments(n, self._recovering), size, n)
             if extents is not None:
                 return extents
         return None
@@ -594,7 +533,7 @@ class MasterState:
         else:
             link = obj.parent if obj.parent and self._may_wait() else None
         # Put straight to disk (DRAM was full), the block waits there for its parent.
-        self._track(obj.key, link, obj.segment_id in self._disk_segments)
+        self._track(obj.key, link, obj.segment_id in self._members.disk_segments)
         # The manifest records keep the parent named (linked again after a master restart);
         # the index does not: the records go to the nodes with the next heartbeat.
         named, obj.parent = obj.parent, None
@@ -637,7 +576,7 @@ class MasterState:
         # node, later in the batch) links its children when it comes.
         parent = self._objects.get(r.parent) if r.parent else None
         self._track(obj.key, parent.key if parent is not None else r.parent,
-                    r.segment_id in self._disk_segments)
+                    r.segment_id in self._members.disk_segments)
         self._announce_pin(obj, r)
 
     def _announce_pin(self, obj: ObjectEntry, r: ObjectRecord) -> None:
@@ -715,7 +654,7 @@ class MasterState:
     def _log_records(self, obj: ObjectEntry) -> None:
         """Tell the nodes holding ``obj`` its record again (a hard pin came or went): it
         supersedes the one their manifests hold, by key."""
-        parent = self._parent_of(obj.key, obj.segment_id in self._disk_segments)
+        parent = self._parent_of(obj.key, obj.segment_id in self._members.disk_segments)
         for e in obj.replicas:
             log = self._segments[e.segment_id].manifest
             if log is not None:
@@ -731,7 +670,7 @@ class MasterState:
         """Candidates with a replica in ``segment_ids`` possibly: those on disk (if any of
         them is a disk segment) by LRU, then the policy's; soft-pinned ones (still within their
         TTL) after all others: a soft pin is evicted last, not never."""
-        disk = self._disk_segments
+        disk = self._members.disk_segments
         walks = []
         if any(sid in disk for sid in segment_ids):
             walks.append(self._disk_policy.candidates())
@@ -759,19 +698,15 @@ class MasterState:
     # -- tick steps -------------------------------------------------------------------------
 
     def _expire_nodes(self, now: float) -> list[tuple[str, float, int]]:
-        ttl = self._config.node_ttl_s
-        silent = {k for k, n in self._nodes.items() if now - n.last_seen > ttl / 3}
-        self._silent = silent if len(silent) < len(self._nodes) else set()
         expired = []
-        for node_id in [k for k, n in self._nodes.items() if now - n.last_seen > ttl]:
-            self._silent.discard(node_id)
-            self._expired_segments.update(self._nodes[node_id].segment_ids)
+        for node_id in self._members.expired(now):
+            n = self._members.nodes[node_id]
+            self._expired_segments.update(n.segment_ids)
             before = len(self._objects)
-            for seg_id in list(self._nodes[node_id].segment_ids):
+            for seg_id in list(n.segment_ids):
                 self._drop_segment(self._segments[seg_id])
-            expired.append((node_id, now - self._nodes[node_id].last_seen,
-                            before - len(self._objects)))
-            del self._nodes[node_id]
+            expired.append((node_id, now - n.last_seen, before - len(self._objects)))
+            self._members.forget(node_id)
             self._manifests.forget(node_id)
             self._outbox.pop(node_id, None)
         return expired
@@ -800,7 +735,7 @@ class MasterState:
         """Bring every segment above its high watermark down to its low one, in policy order:
         a segment with a lower tier on its node demotes (a move); a node's last tier drops.
         Objects being moved count as gone from their source already."""
-        def fuller_than(seg: _Segment, mark: float) -> bool:
+        def fuller_than(seg: Segment, mark: float) -> bool:
             used = seg.allocator.used_bytes - seg.moving_out_bytes
             return used > mark * seg.allocator.capacity_bytes
 
@@ -870,7 +805,7 @@ class MasterState:
     def _note_disk_read(self, obj: ObjectEntry, now: float) -> None:
         """``obj`` was read and may have replicas on disk: the second read within the window
         promotes one of them (the first whose node has room above it)."""
-        on_disk = [e for e in obj.replicas if e.segment_id in self._disk_segments]
+        on_disk = [e for e in obj.replicas if e.segment_id in self._members.disk_segments]
         if not on_disk:
             return
         self._disk_policy.on_access(obj.key)
@@ -895,7 +830,7 @@ class MasterState:
                     self._start_move(obj, src, src_seg, upper, now):
                 return
 
-    def _start_move(self, obj: ObjectEntry, src: Extent, src_seg: _Segment, dst_seg: _Segment,
+    def _start_move(self, obj: ObjectEntry, src: Extent, src_seg: Segment, dst_seg: Segment,
                     now: float) -> bool:
         """Allocate the destination and queue the instruction; False if it has no room."""
         offset = dst_seg.allocator.allocate(obj.size)
@@ -919,9 +854,9 @@ class MasterState:
         m.src_seg.moving_out_bytes -= m.src_seg.allocator.aligned_size(m.src.length)
         dst_live = self._segments.get(m.dst.segment_id) is m.dst_seg
         if ok and dst_live and self._objects.get(obj.key) is obj and m.src in obj.replicas:
-            was_on_disk = obj.segment_id in self._disk_segments
+            was_on_disk = obj.segment_id in self._members.disk_segments
             obj.replicas = [m.dst if e == m.src else e for e in obj.replicas]
-            if (obj.segment_id in self._disk_segments) != was_on_disk:
+            if (obj.segment_id in self._members.disk_segments) != was_on_disk:
                 # Down to disk: its parent may become demotable; there it links to its parent
                 # once that comes down too (a chain is dropped from disk tail first). Back up:
                 # linked again to its parent in DRAM.
@@ -937,7 +872,7 @@ class MasterState:
             if m.dst_seg.manifest is not None:   # supersedes the source's record (by key)
                 m.dst_seg.manifest.append(ObjectRecord(
                     obj.key, m.dst.segment_id, m.dst.offset, obj.size, obj.checksum,
-                    obj.version, self._parent_of(obj.key, obj.segment_id in self._disk_segments),
+                    obj.version, self._parent_of(obj.key, obj.segment_id in self._members.disk_segments),
                     obj.pinned))
             # Readers granted the source may still be copying from it: reuse after the lease.
             self._free_later([m.src], max(now, obj.lease_until))
@@ -1009,36 +944,14 @@ class MasterState:
             return linked
         return self._waiting_for.get(key) if self._waiting_for else None
 
-    def _lower_tier(self, seg: _Segment) -> _Segment | None:
+    def _lower_tier(self, seg: Segment) -> Segment | None:
         """The roomiest segment of the next tier down on ``seg``'s node; None: a last tier."""
-        return self._neighbour_tier(seg, +1)
+        return self._members.neighbour_tier(seg, +1, self._recovering)
 
-    def _upper_tier(self, seg: _Segment) -> _Segment | None:
-        return self._neighbour_tier(seg, -1)
-
-    def _neighbour_tier(self, seg: _Segment, step: int) -> _Segment | None:
-        rank = TIER_RANK[seg.info.tier]
-        best: _Segment | None = None
-        best_rank = 0
-        for sid in self._nodes[seg.node_id].segment_ids:
-            other = self._segments[sid]
-            r = TIER_RANK[other.info.tier]
-            if (r - rank) * step <= 0 or sid in self._recovering:
-                continue
-            if best is None or (r - best_rank) * step < 0 or (
-                    r == best_rank and other.allocator.free_bytes > best.allocator.free_bytes):
-                best, best_rank = other, r
-        return best
+    def _upper_tier(self, seg: Segment) -> Segment | None:
+        return self._members.neighbour_tier(seg, -1, self._recovering)
 
     # -- helpers ----------------------------------------------------------------------------
-
-    def _live_node(self, node_id: str) -> _Node:
-        n = self._nodes.get(node_id)
-        if n is None:
-            raise UnknownNode(f"node {node_id!r} is not known; mount its segments again")
-        n.last_seen = self._clock()
-        self._silent.discard(node_id)
-        return n
 
     def _evict(self, obj: ObjectEntry) -> None:
         self._tombstone(obj)
@@ -1047,17 +960,6 @@ class MasterState:
         self._evictions += 1
         if self._on_evict is not None:
             self._on_evict(obj.key, obj.version)
-
-    def _replicas(self, obj: ObjectEntry) -> tuple[Replica, ...]:
-        # Endpoints are looked up now, so a node that re-mounted with new ones is reached there.
-        return tuple(self._replica(e) for e in obj.replicas)
-
-    def _replica(self, e: Extent) -> Replica:
-        seg = self._segments[e.segment_id]
-        info = seg.info   # carries the segment's RDMA region (rkey 0 = none) into the descriptor
-        return Replica(self._nodes[seg.node_id].endpoints, e, rdma_addr=info.rdma_addr,
-                       rdma_rkey=info.rdma_rkey,
-                       rdma_length=info.size_bytes if info.rdma_rkey else 0, tier=info.tier)
 
     def _tombstone(self, obj: ObjectEntry) -> None:
         """Remember ``obj`` gone while nodes may still announce it (see _tombstones)."""
@@ -1105,13 +1007,11 @@ class MasterState:
                                                     free_at))
         heapq.heappush(self._deferred, (free_at, next(self._seq), entries))
 
-    def _drop_segment(self, seg: _Segment) -> None:
+    def _drop_segment(self, seg: Segment) -> None:
         """Forget a segment: its replicas go, and objects left without replicas vanish."""
         sid = seg.info.segment_id
-        del self._segments[sid]
+        self._members.remove_segment(seg)
         self._recovering.discard(sid)
-        self._disk_segments.discard(sid)
-        self._nodes[seg.node_id].segment_ids.discard(sid)
         for key in seg.keys:
             obj = self._objects[key]
             obj.replicas = [e for e in obj.replicas if e.segment_id != sid]
