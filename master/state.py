@@ -44,6 +44,7 @@ from kvpool.master.index import COMPLETE, PENDING, LocatedColumns, ObjectEntry, 
 from kvpool.master.manifest_log import ManifestDelta, ManifestLog, Removal
 from kvpool.master.membership import Membership, Segment
 from kvpool.master.placement import choose_segments
+from kvpool.master.space import Space
 
 # Children waiting for a parent that is not stored yet (see _put_end_one); past this many,
 # new ones are plain chain heads. Bounds the master's memory against parents that never come.
@@ -120,11 +121,8 @@ class MasterState:
         self._index = ObjectIndex()
         # The table every operation reads (the index owns it).
         self._objects = self._index.objects
-        # (free_at, seq, [(segment, extent)]): lease-deferred removals and put quarantine alike.
-        self._deferred: list[tuple[float, int, list[tuple[Segment, Extent]]]] = []
-        # (deadline, seq, objects): one entry per PutStart batch, not per object.
-        self._put_deadlines: list[tuple[float, int, list[ObjectEntry]]] = []
-        self._seq = itertools.count()
+        self._space = Space(self._segments)
+        self._move_ids = itertools.count()
         self._evictions = 0
         self._demotions = self._promotions = 0
         # Tiers (see "-- tiers"): copies handed to nodes and not reported yet, by move id; the
@@ -243,7 +241,7 @@ class MasterState:
             seg = self._segments.get(r.segment_id)
             if seg is not None and seg.node_id == node_id and r.size > 0 \
                     and seg.allocator.allocate_at(r.offset, r.size):
-                self._free_later([Extent(r.segment_id, r.offset, r.size)], r.until)
+                self._space.free_later([Extent(r.segment_id, r.offset, r.size)], r.until)
         if done:
             self._recovering.difference_update(n.segment_ids)
             if not self._recovering:   # every node announced: parents not indexed never come
@@ -288,8 +286,7 @@ class MasterState:
                         parents[i] if parents is not None else None)
                for i, (key, size) in enumerate(zip(keys, sizes))]
         if started:
-            heapq.heappush(self._put_deadlines,
-                           (now + self._config.put_timeout_s, next(self._seq), started))
+            self._space.put_deadline(now + self._config.put_timeout_s, started)
         return out
 
     def put_end(self, keys: Sequence[str], checksums: Sequence[int | None] | None = None
@@ -419,7 +416,7 @@ class MasterState:
         self._reclaim_pending(now)
         self._expire_moves(now)
         self._expire_soft_pins(now)
-        self._release_deferred(now)
+        self._space.release_due(now)
         self._evict_above_watermark(now)
         return expired
 
@@ -458,7 +455,7 @@ class MasterState:
         extents = self._place(size, n, fits, now)
         if extents is None:
             raise NoSpace(f"{key!r}: no room for {size} bytes x{n}, even after eviction: "
-                          + self._space_summary(segments))
+                          + Space.summary(segments, self._index.pending))
         obj = self._index.add(key, size, extents, parent=parent or None)
         # Until its writer is surely done (its put reclaimed, then quarantined), a restarted
         # master must not hand this space out: the nodes keep a reservation of it.
@@ -473,17 +470,8 @@ class MasterState:
 
     def space_summary(self) -> str:
         """How much room the cluster has for new objects, for a NoSpace message."""
-        return self._space_summary(self._members.open_segments(closed=self._recovering))
-
-    def _space_summary(self, segments) -> str:
-        segments = list(segments)
-        free = sum(s.allocator.free_bytes - s.quarantined_bytes for s in segments)
-        total = sum(s.allocator.capacity_bytes for s in segments)
-        largest = max((s.allocator.largest_free_bytes for s in segments), default=0)
-        # What is left is held by pending, pinned or leased objects, which are never evicted.
-        return (f"the cluster has {free} of {total} bytes free in {len(segments)} segments "
-                f"(largest free range {largest} bytes), the rest held by objects that are "
-                f"pending, pinned or leased ({self._index.pending} pending)")
+        return Space.summary(self._members.open_segments(closed=self._recovering),
+                             self._index.pending)
 
     def _place(self, size: int, n: int, fits: list[Segment], now: float) -> list[Extent] | None:
         extents = choose_segments(self._members.open_segments(n, self._recovering), size, n)
@@ -600,7 +588,7 @@ class MasterState:
         if seg.manifest is not None:
             seg.manifest.append(Removal(key, version))
         # Other readers may be copying it under their lease: reuse only after that.
-        self._free_later(bad, max(now, obj.lease_until))
+        self._space.free_later(bad, max(now, obj.lease_until))
         if not obj.replicas:
             self._tombstone(obj)
             self._unindex(obj)
@@ -608,7 +596,7 @@ class MasterState:
     def _put_revoke_one(self, key: str) -> None:
         obj = self._index.pending_entry(key)
         self._unindex(obj)
-        self._free_now(obj.replicas)
+        self._space.free_now(obj.replicas)
 
     def _remove_one(self, key: str, now: float) -> None:
         obj = self._index.complete(key)
@@ -616,9 +604,9 @@ class MasterState:
         self._unindex(obj)
         if obj.lease_until > now:
             # A reader may still be copying these bytes: reuse only after its lease.
-            self._free_later(obj.replicas, obj.lease_until)
+            self._space.free_later(obj.replicas, obj.lease_until)
         else:
-            self._free_now(obj.replicas)
+            self._space.free_now(obj.replicas)
 
     def _pin_one(self, key: str, ttl_s: float | None, now: float, quota: bool = True) -> None:
         obj = self._index.complete(key)
@@ -712,24 +700,12 @@ class MasterState:
         return expired
 
     def _reclaim_pending(self, now: float) -> None:
-        while self._put_deadlines and self._put_deadlines[0][0] <= now:
-            _, _, started = heapq.heappop(self._put_deadlines)
-            for obj in started:
-                if self._objects.get(obj.key) is not obj or obj.state is not PENDING:
-                    continue   # committed, revoked or lost since: nothing to reclaim
-                self._unindex(obj)
-                # The writer may still be writing into these extents: keep them out of reuse.
-                self._free_later(obj.replicas, now + self._config.quarantine_s)
-
-    def _release_deferred(self, now: float) -> None:
-        while self._deferred and self._deferred[0][0] <= now:
-            _, _, entries = heapq.heappop(self._deferred)
-            for seg, ext in entries:
-                # A dropped segment took its space with it (a re-mount of its id is a new
-                # segment with a new allocator); only its quarantine count would change.
-                if self._segments.get(ext.segment_id) is seg:
-                    seg.quarantined_bytes -= seg.allocator.aligned_size(ext.length)
-                    seg.allocator.free(ext.offset, ext.length)
+        for obj in self._space.puts_due(now):
+            if self._objects.get(obj.key) is not obj or obj.state is not PENDING:
+                continue   # committed, revoked or lost since: nothing to reclaim
+            self._unindex(obj)
+            # The writer may still be writing into these extents: keep them out of reuse.
+            self._space.free_later(obj.replicas, now + self._config.quarantine_s)
 
     def _evict_above_watermark(self, now: float) -> None:
         """Bring every segment above its high watermark down to its low one, in policy order:
@@ -837,7 +813,7 @@ class MasterState:
         if offset is None:
             return False
         dst = Extent(dst_seg.info.segment_id, offset, obj.size)
-        move_id = next(self._seq)
+        move_id = next(self._move_ids)
         self._moves[move_id] = _MoveInFlight(obj, src, dst, src_seg, dst_seg,
                                              now + self._config.put_timeout_s)
         self._moving[obj.key] = move_id
@@ -875,14 +851,14 @@ class MasterState:
                     obj.version, self._parent_of(obj.key, obj.segment_id in self._members.disk_segments),
                     obj.pinned))
             # Readers granted the source may still be copying from it: reuse after the lease.
-            self._free_later([m.src], max(now, obj.lease_until))
+            self._space.free_later([m.src], max(now, obj.lease_until))
             if TIER_RANK[m.dst_seg.info.tier] > TIER_RANK[m.src_seg.info.tier]:
                 self._demotions += 1
             else:
                 self._promotions += 1
                 self._disk_reads.pop(obj.key, None)
         elif dst_live:   # the node is done with the destination either way
-            self._free_now([m.dst])
+            self._space.free_now([m.dst])
 
     def _expire_moves(self, now: float) -> None:
         """Give up on moves not reported within ``put_timeout_s`` (a node that died or
@@ -899,7 +875,7 @@ class MasterState:
                 del self._moving[m.obj.key]
             m.src_seg.moving_out_bytes -= m.src_seg.allocator.aligned_size(m.src.length)
             if self._segments.get(m.dst.segment_id) is m.dst_seg:
-                self._free_later([m.dst], now + self._config.quarantine_s)
+                self._space.free_later([m.dst], now + self._config.quarantine_s)
 
     def _track(self, key: str, parent: str | None, disk: bool) -> None:
         """Hand a complete object to its tier's policy, linked to ``parent`` if that one is
@@ -956,7 +932,7 @@ class MasterState:
     def _evict(self, obj: ObjectEntry) -> None:
         self._tombstone(obj)
         self._unindex(obj)
-        self._free_now(obj.replicas)   # not leased, so no reader can be in flight
+        self._space.free_now(obj.replicas)   # not leased, so no reader can be in flight
         self._evictions += 1
         if self._on_evict is not None:
             self._on_evict(obj.key, obj.version)
@@ -993,19 +969,6 @@ class MasterState:
             seg.keys.discard(obj.key)
             if seg.manifest is not None and obj.state is COMPLETE:
                 seg.manifest.append(Removal(obj.key, obj.version))
-
-    def _free_now(self, extents: list[Extent]) -> None:
-        for e in extents:
-            self._segments[e.segment_id].allocator.free(e.offset, e.length)
-
-    def _free_later(self, extents: list[Extent], free_at: float) -> None:
-        entries = [(self._segments[e.segment_id], e) for e in extents]
-        for seg, e in entries:
-            seg.quarantined_bytes += seg.allocator.aligned_size(e.length)
-            if seg.manifest is not None:   # so that a restarted master waits as well
-                seg.manifest.append(Reservation("", e.segment_id, e.offset, e.length,
-                                                    free_at))
-        heapq.heappush(self._deferred, (free_at, next(self._seq), entries))
 
     def _drop_segment(self, seg: Segment) -> None:
         """Forget a segment: its replicas go, and objects left without replicas vanish."""
