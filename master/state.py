@@ -39,6 +39,7 @@ from kvpool.common.types import (
     SegmentInfo,
     validate_key,
 )
+from kvpool.master.chains import Chains
 from kvpool.master.eviction import EvictionPolicy, make_eviction_policy
 from kvpool.master.index import COMPLETE, PENDING, LocatedColumns, ObjectEntry, ObjectIndex
 from kvpool.master.manifest_log import ManifestDelta, ManifestLog, Removal
@@ -46,9 +47,6 @@ from kvpool.master.membership import Membership, Segment
 from kvpool.master.placement import choose_segments
 from kvpool.master.space import Space
 
-# Children waiting for a parent that is not stored yet (see _put_end_one); past this many,
-# new ones are plain chain heads. Bounds the master's memory against parents that never come.
-_MAX_WAITING = 1 << 16
 T = TypeVar("T")
 
 
@@ -102,17 +100,9 @@ class MasterState:
         (the server logs it, so an auditor can tell evictions from losses)."""
         self._config = config
         self._clock = clock
-        self._policy = policy if policy is not None else make_eviction_policy(config.eviction)
-        # Objects on a disk tier are ordered apart, by a policy of the same kind: there they
-        # can only be dropped, and a chain block whose children all went down to disk must
-        # become demotable itself (to the main policy, a child on disk is still a child).
-        self._disk_policy = make_eviction_policy(config.eviction)
-        # Chain links waiting for their parent to enter the child's policy (a child announced
-        # before its parent after a restart, a block on another tier than its parent): parent
-        # key -> children, and child -> parent. Linked when the parent arrives there; dropped
-        # with the parent (or the child) leaving the index, and once recovery ends.
-        self._waiting: dict[str, list[str]] = {}
-        self._waiting_for: dict[str, str] = {}
+        self._chains = Chains(policy if policy is not None else
+                              make_eviction_policy(config.eviction),
+                              make_eviction_policy(config.eviction))
         self._on_evict = on_evict
         self._manifests = ManifestLog()
         self._members = Membership(config)
@@ -245,10 +235,7 @@ class MasterState:
         if done:
             self._recovering.difference_update(n.segment_ids)
             if not self._recovering:   # every node announced: parents not indexed never come
-                for parent in [p for p in self._waiting if p not in self._objects]:
-                    for child in self._waiting.pop(parent):
-                        if self._waiting_for.get(child) == parent:
-                            del self._waiting_for[child]
+                self._chains.stop_waiting_for_absent(self._objects)
         return out
 
     def report_corrupt(self, keys: Sequence[str], versions: Sequence[int],
@@ -331,7 +318,7 @@ class MasterState:
         is counted and explained in ``errors``."""
         now = self._clock()
         lease_until = now + self._config.lease_ttl_s
-        get, touch = self._objects.get, self._policy.on_access
+        get, touch = self._objects.get, self._chains.policy.on_access
         disk = self._members.disk_segments
         # None: a miss, explained in ``errors``. Keys are strs, the index's keys too: any
         # other hashable key finds nothing (and an unhashable one is looked at alone).
@@ -353,7 +340,7 @@ class MasterState:
                     self._note_disk_read(obj, now)
         found = [o for o in objs if o is not None] if errors else objs
         if not disk:   # the indexed strs, not the request's equal copies
-            self._policy.on_access_many([o.key for o in found])
+            self._chains.policy.on_access_many([o.key for o in found])
         self._index.hits += len(found)
         return self._index.columns(objs, found, errors)
 
@@ -503,7 +490,7 @@ class MasterState:
             raise
         self._index.hits += 1
         obj.lease_until = max(obj.lease_until, now + self._config.lease_ttl_s)
-        self._policy.on_access(obj.key)   # the indexed str, not the request's equal copy
+        self._chains.policy.on_access(obj.key)   # the indexed str, not the request's equal copy
         where = ((obj.segment_id, obj.offset),)
         if obj.more:
             where += tuple((e.segment_id, e.offset) for e in obj.more)
@@ -513,15 +500,15 @@ class MasterState:
         obj = self._index.pending_entry(key)
         self._index.commit(obj, checksum)
         # The indexed strs, not the request's equal copies. A parent not stored yet (still
-        # pending, or put later) is waited for, up to _MAX_WAITING children: linked when it
+        # pending, or put later) is waited for, up to a bound: linked when it
         # comes; meanwhile this block is a chain head to the policy (it can go first).
         parent = self._objects.get(obj.parent) if obj.parent else None
         if parent is not None and parent.state is COMPLETE:
             link: str | None = parent.key
         else:
-            link = obj.parent if obj.parent and self._may_wait() else None
+            link = obj.parent if obj.parent and self._chains.may_wait() else None
         # Put straight to disk (DRAM was full), the block waits there for its parent.
-        self._track(obj.key, link, obj.segment_id in self._members.disk_segments)
+        self._chains.track(obj.key, link, obj.segment_id in self._members.disk_segments)
         # The manifest records keep the parent named (linked again after a master restart);
         # the index does not: the records go to the nodes with the next heartbeat.
         named, obj.parent = obj.parent, None
@@ -563,7 +550,7 @@ class MasterState:
         # Linked to its parent as before the restart; a parent not announced yet (on another
         # node, later in the batch) links its children when it comes.
         parent = self._objects.get(r.parent) if r.parent else None
-        self._track(obj.key, parent.key if parent is not None else r.parent,
+        self._chains.track(obj.key, parent.key if parent is not None else r.parent,
                     r.segment_id in self._members.disk_segments)
         self._announce_pin(obj, r)
 
@@ -642,7 +629,7 @@ class MasterState:
     def _log_records(self, obj: ObjectEntry) -> None:
         """Tell the nodes holding ``obj`` its record again (a hard pin came or went): it
         supersedes the one their manifests hold, by key."""
-        parent = self._parent_of(obj.key, obj.segment_id in self._members.disk_segments)
+        parent = self._chains.parent_of(obj.key, obj.segment_id in self._members.disk_segments)
         for e in obj.replicas:
             log = self._segments[e.segment_id].manifest
             if log is not None:
@@ -659,12 +646,8 @@ class MasterState:
         them is a disk segment) by LRU, then the policy's; soft-pinned ones (still within their
         TTL) after all others: a soft pin is evicted last, not never."""
         disk = self._members.disk_segments
-        walks = []
-        if any(sid in disk for sid in segment_ids):
-            walks.append(self._disk_policy.candidates())
-        if any(sid not in disk for sid in segment_ids):
-            walks.append(self._policy.candidates())
-        candidates = itertools.chain.from_iterable(walks)
+        candidates = self._chains.candidates(any(sid in disk for sid in segment_ids),
+                                             any(sid not in disk for sid in segment_ids))
         if not self._soft_pins:
             yield from candidates
             return
@@ -784,7 +767,7 @@ class MasterState:
         on_disk = [e for e in obj.replicas if e.segment_id in self._members.disk_segments]
         if not on_disk:
             return
-        self._disk_policy.on_access(obj.key)
+        self._chains.disk_policy.on_access(obj.key)
         seen = self._disk_reads.pop(obj.key, None)
         if seen is None or now - seen > self._config.promote_window_s:
             if len(self._disk_reads) > 65536:   # bounded: forget reads older than the window
@@ -836,10 +819,7 @@ class MasterState:
                 # Down to disk: its parent may become demotable; there it links to its parent
                 # once that comes down too (a chain is dropped from disk tail first). Back up:
                 # linked again to its parent in DRAM.
-                parent = self._parent_of(obj.key, was_on_disk)
-                (self._disk_policy if was_on_disk else self._policy).on_remove(obj.key)
-                self._waiting_for.pop(obj.key, None)
-                self._track(obj.key, parent, not was_on_disk)
+                self._chains.moved(obj.key, was_on_disk)
             # A new version: a reader whose read outlived its lease checks the version it read
             # against the index's, and the source may be reused by then.
             obj.version = self._index.new_version()
@@ -848,7 +828,7 @@ class MasterState:
             if m.dst_seg.manifest is not None:   # supersedes the source's record (by key)
                 m.dst_seg.manifest.append(ObjectRecord(
                     obj.key, m.dst.segment_id, m.dst.offset, obj.size, obj.checksum,
-                    obj.version, self._parent_of(obj.key, obj.segment_id in self._members.disk_segments),
+                    obj.version, self._chains.parent_of(obj.key, obj.segment_id in self._members.disk_segments),
                     obj.pinned))
             # Readers granted the source may still be copying from it: reuse after the lease.
             self._space.free_later([m.src], max(now, obj.lease_until))
@@ -876,49 +856,6 @@ class MasterState:
             m.src_seg.moving_out_bytes -= m.src_seg.allocator.aligned_size(m.src.length)
             if self._segments.get(m.dst.segment_id) is m.dst_seg:
                 self._space.free_later([m.dst], now + self._config.quarantine_s)
-
-    def _track(self, key: str, parent: str | None, disk: bool) -> None:
-        """Hand a complete object to its tier's policy, linked to ``parent`` if that one is
-        there, else waiting for it; children waiting for ``key`` there are linked now."""
-        policy = self._disk_policy if disk else self._policy
-        if parent is not None and parent in policy:
-            policy.on_insert(key, parent)
-        else:
-            policy.on_insert(key)
-            if parent is not None:
-                kids = self._waiting.setdefault(parent, [])
-                if key not in kids:
-                    kids.append(key)
-                self._waiting_for[key] = parent
-        kids = self._waiting.pop(key, None) if self._waiting else None
-        if kids:
-            left = []
-            for child in kids:
-                if self._waiting_for.get(child) != key:
-                    continue   # gone, or linked since
-                if policy.link(child, key) or child in policy:
-                    del self._waiting_for[child]
-                else:   # on the other tier: waits for this block to come there
-                    left.append(child)
-            if left:
-                self._waiting[key] = left
-
-    def _may_wait(self) -> bool:
-        """Room for one more child waiting for its parent (entries of children that left
-        are pruned first when the table is full)."""
-        if len(self._waiting_for) < _MAX_WAITING and len(self._waiting) < _MAX_WAITING:
-            return True
-        waiting_for = self._waiting_for
-        self._waiting = {p: live for p, kids in self._waiting.items()
-                         if (live := [c for c in kids if waiting_for.get(c) == p])}
-        return len(waiting_for) < _MAX_WAITING and len(self._waiting) < _MAX_WAITING
-
-    def _parent_of(self, key: str, disk: bool) -> str | None:
-        """The parent ``key`` is linked to or waits for, in its tier's policy."""
-        linked = (self._disk_policy if disk else self._policy).parent_of(key)
-        if linked is not None:
-            return linked
-        return self._waiting_for.get(key) if self._waiting_for else None
 
     def _lower_tier(self, seg: Segment) -> Segment | None:
         """The roomiest segment of the next tier down on ``seg``'s node; None: a last tier."""
@@ -952,14 +889,7 @@ class MasterState:
         """Forget ``obj``; its extents stay allocated until the caller frees them."""
         self._index.discard(obj)
         if obj.state is COMPLETE:
-            self._policy.on_remove(obj.key)
-            self._disk_policy.on_remove(obj.key)
-            if self._waiting_for:
-                self._waiting_for.pop(obj.key, None)   # its entry in _waiting: dropped lazily
-            if self._waiting:
-                for child in self._waiting.pop(obj.key, ()):
-                    if self._waiting_for.get(child) == obj.key:
-                        del self._waiting_for[child]
+            self._chains.forget(obj.key)
             if obj.pinned:
                 self._hard_pinned_bytes -= self._pin_size(obj)
             if self._soft_pins:
