@@ -9,7 +9,6 @@ in the result list, never raised, so one bad key fails only its own slot.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -44,6 +43,7 @@ from kvpool.master.eviction import EvictionPolicy, make_eviction_policy
 from kvpool.master.index import COMPLETE, PENDING, LocatedColumns, ObjectEntry, ObjectIndex
 from kvpool.master.manifest_log import ManifestDelta, ManifestLog, Removal
 from kvpool.master.membership import Membership, Segment
+from kvpool.master.pins import Pins
 from kvpool.master.placement import choose_segments
 from kvpool.master.space import Space
 
@@ -124,9 +124,7 @@ class MasterState:
         self._disk_reads: dict[str, float] = {}
         # Pins (see ``pin``): soft ones by key with their end (and a heap of ends to expire
         # them), and the bytes hard pins hold against their quota.
-        self._soft_pins: dict[str, float] = {}
-        self._soft_pin_expiry: list[tuple[float, str]] = []
-        self._hard_pinned_bytes = 0
+        self._pins = Pins(config, self._segments)
         # Segments whose node is still announcing what they hold: no new object goes there.
         self._recovering: set[str] = set()
         # Segments this master dropped because their node went silent (partition, crash). If
@@ -402,7 +400,7 @@ class MasterState:
         self._end_tombstones(now)
         self._reclaim_pending(now)
         self._expire_moves(now)
-        self._expire_soft_pins(now)
+        self._pins.expire(now)
         self._space.release_due(now)
         self._evict_above_watermark(now)
         return expired
@@ -597,34 +595,12 @@ class MasterState:
 
     def _pin_one(self, key: str, ttl_s: float | None, now: float, quota: bool = True) -> None:
         obj = self._index.complete(key)
-        if ttl_s is not None:
-            if not obj.pinned:
-                until = max(now + ttl_s, self._soft_pins.get(obj.key, 0.0))
-                self._soft_pins[obj.key] = until
-                heapq.heappush(self._soft_pin_expiry, (until, obj.key))
-            return
-        if obj.pinned:
-            return
-        size = self._pin_size(obj)
-        limit = self._config.pin_quota_fraction * sum(
-            s.allocator.capacity_bytes for s in self._segments.values())
-        if quota and self._hard_pinned_bytes + size > limit:
-            raise NoSpace(f"{key!r}: hard pins would hold {self._hard_pinned_bytes + size} "
-                          f"bytes, over the quota of {int(limit)} (pin_quota_fraction "
-                          f"{self._config.pin_quota_fraction} of the capacity); unpin some, "
-                          "or pin with a ttl_s (a soft pin)")
-        obj.pinned = True
-        self._hard_pinned_bytes += size
-        self._soft_pins.pop(obj.key, None)
-        self._log_records(obj)
+        if self._pins.pin(obj, ttl_s, now, quota):
+            self._log_records(obj)
 
     def _unpin_one(self, key: str) -> None:
-        obj = self._index.complete(key)
-        if obj.pinned:
-            obj.pinned = False
-            self._hard_pinned_bytes -= self._pin_size(obj)
+        if self._pins.unpin(obj := self._index.complete(key)):
             self._log_records(obj)
-        self._soft_pins.pop(obj.key, None)
 
     def _log_records(self, obj: ObjectEntry) -> None:
         """Tell the nodes holding ``obj`` its record again (a hard pin came or went): it
@@ -636,11 +612,6 @@ class MasterState:
                 log.append(ObjectRecord(obj.key, e.segment_id, e.offset, obj.size,
                                         obj.checksum, obj.version, parent, obj.pinned))
 
-    def _pin_size(self, obj: ObjectEntry) -> int:
-        """What a hard pin of ``obj`` counts against the quota: its size (replicas come and
-        go with nodes; the count must not drift)."""
-        return obj.size
-
     def _victims(self, now: float, segment_ids):
         """Candidates with a replica in ``segment_ids`` possibly: those on disk (if any of
         them is a disk segment) by LRU, then the policy's; soft-pinned ones (still within their
@@ -648,23 +619,7 @@ class MasterState:
         disk = self._members.disk_segments
         candidates = self._chains.candidates(any(sid in disk for sid in segment_ids),
                                              any(sid not in disk for sid in segment_ids))
-        if not self._soft_pins:
-            yield from candidates
-            return
-        deferred = []
-        for key in candidates:
-            if self._soft_pins.get(key, 0.0) > now:
-                deferred.append(key)
-            else:
-                yield key
-        yield from deferred
-
-    def _expire_soft_pins(self, now: float) -> None:
-        heap = self._soft_pin_expiry
-        while heap and heap[0][0] <= now:
-            until, key = heapq.heappop(heap)
-            if self._soft_pins.get(key) == until:   # not extended since
-                del self._soft_pins[key]
+        return self._pins.soft_last(candidates, now)
 
     # -- tick steps -------------------------------------------------------------------------
 
@@ -890,10 +845,7 @@ class MasterState:
         self._index.discard(obj)
         if obj.state is COMPLETE:
             self._chains.forget(obj.key)
-            if obj.pinned:
-                self._hard_pinned_bytes -= self._pin_size(obj)
-            if self._soft_pins:
-                self._soft_pins.pop(obj.key, None)
+            self._pins.forget(obj)
         for e in obj.replicas:
             seg = self._segments[e.segment_id]
             seg.keys.discard(obj.key)
