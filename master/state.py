@@ -45,6 +45,7 @@ from kvpool.master.manifest_log import ManifestDelta, ManifestLog, Removal
 from kvpool.master.membership import Membership, Segment
 from kvpool.master.pins import Pins
 from kvpool.master.placement import choose_segments
+from kvpool.master.recovery import Recovery
 from kvpool.master.space import Space
 
 T = TypeVar("T")
@@ -125,19 +126,7 @@ class MasterState:
         # Pins (see ``pin``): soft ones by key with their end (and a heap of ends to expire
         # them), and the bytes hard pins hold against their quota.
         self._pins = Pins(config, self._segments)
-        # Segments whose node is still announcing what they hold: no new object goes there.
-        self._recovering: set[str] = set()
-        # Segments this master dropped because their node went silent (partition, crash). If
-        # the node comes back and announces what they hold, this index stays authoritative for
-        # them: only replicas of objects still indexed are taken back, so an object removed
-        # or evicted meanwhile does not return (a restarted master, knowing none, takes all).
-        self._expired_segments: set[str] = set()
-        # Objects removed, evicted or dropped as corrupt while nodes may still be announcing
-        # (key -> version): until twice node_ttl_s after the first mount (every live node has
-        # re-mounted and announced by then) and while a segment recovers. Another node's
-        # replica announced later must not bring such an object back.
-        self._tombstones: dict[str, int] = {}
-        self._announcing_until: float | None = None
+        self._recovery = Recovery(config.node_ttl_s)
 
     @property
     def config(self) -> MasterConfig:
@@ -163,15 +152,14 @@ class MasterState:
         """
         self._members.check_mount(node, segment)
         now = self._clock()
-        if self._announcing_until is None:
-            self._announcing_until = now + 2 * self._config.node_ttl_s
+        self._recovery.mounted(now)
         for old in self._members.restarted(node):
             self._drop_segment(old)
         if keeps_manifest:
             self._manifests.keep(node.node_id)
         if self._members.mount(node, segment, now, self._manifests.queue(node.node_id)) \
                 and recovering:
-            self._recovering.add(segment.segment_id)
+            self._recovery.recovering.add(segment.segment_id)
 
     def unmount_segment(self, node_id: str, segment_id: str) -> None:
         """Drop a segment and every replica in it; a no-op if it is not mounted (retries)."""
@@ -230,10 +218,9 @@ class MasterState:
             if seg is not None and seg.node_id == node_id and r.size > 0 \
                     and seg.allocator.allocate_at(r.offset, r.size):
                 self._space.free_later([Extent(r.segment_id, r.offset, r.size)], r.until)
-        if done:
-            self._recovering.difference_update(n.segment_ids)
-            if not self._recovering:   # every node announced: parents not indexed never come
-                self._chains.stop_waiting_for_absent(self._objects)
+        if done and self._recovery.announced(n.segment_ids):
+            # Every node announced: parents not indexed by now never come.
+            self._chains.stop_waiting_for_absent(self._objects)
         return out
 
     def report_corrupt(self, keys: Sequence[str], versions: Sequence[int],
@@ -397,7 +384,7 @@ class MasterState:
         replica and so dropped with it)."""
         now = self._clock()
         expired = self._expire_nodes(now)
-        self._end_tombstones(now)
+        self._recovery.end_tombstones(now)
         self._reclaim_pending(now)
         self._expire_moves(now)
         self._pins.expire(now)
@@ -424,7 +411,7 @@ class MasterState:
                 raise InvalidArgument(f"{key!r} names itself as its parent")
         if key in self._objects:
             raise AlreadyExists(f"{key!r} already exists")
-        segments = self._members.open_segments(n, self._recovering)
+        segments = self._open_segments(n)
         nodes = {s.node_id for s in segments}
         if len(nodes) < n:
             raise NoSpace(f"{key!r}: {n} replicas asked but only {len(nodes)} live nodes "
@@ -455,11 +442,15 @@ class MasterState:
 
     def space_summary(self) -> str:
         """How much room the cluster has for new objects, for a NoSpace message."""
-        return Space.summary(self._members.open_segments(closed=self._recovering),
+        return Space.summary(self._open_segments(),
                              self._index.pending)
 
+    def _open_segments(self, replicas: int = 1):
+        """Where new objects may go: not to segments still being announced."""
+        return self._members.open_segments(replicas, self._recovery.recovering)
+
     def _place(self, size: int, n: int, fits: list[Segment], now: float) -> list[Extent] | None:
-        extents = choose_segments(self._members.open_segments(n, self._recovering), size, n)
+        extents = choose_segments(self._open_segments(n), size, n)
         if extents is not None:
             return extents
         # Only objects with a replica in a segment that could hold this one make room for it,
@@ -474,7 +465,7 @@ class MasterState:
             if not any(e.segment_id in fit_ids for e in obj.replicas):
                 continue
             self._evict(obj)
-            extents = choose_segments(self._members.open_segments(n, self._recovering), size, n)
+            extents = choose_segments(self._open_segments(n), size, n)
             if extents is not None:
                 return extents
         return None
@@ -526,11 +517,8 @@ class MasterState:
         if obj is not None and (obj.state is not COMPLETE or obj.version != r.version
                                 or obj.size != r.size or obj.checksum != r.checksum):
             raise Conflict(f"{r.key!r}: indexed as another object")
-        if obj is None and self._tombstones.get(r.key) == r.version:
-            raise Conflict(f"{r.key!r}: removed or evicted since this master started")
-        if obj is None and r.segment_id in self._expired_segments:
-            raise Conflict(f"{r.key!r}: not indexed since its node was declared dead (removed, "
-                           "evicted, or it had no other replica)")
+        if obj is None:
+            self._recovery.check_unindexed(r)
         if obj is not None and extent in obj.replicas:
             return   # announced again (a node retrying a batch whose answer it lost)
         if obj is not None and any(e.segment_id == r.segment_id for e in obj.replicas):
@@ -575,7 +563,7 @@ class MasterState:
         # Other readers may be copying it under their lease: reuse only after that.
         self._space.free_later(bad, max(now, obj.lease_until))
         if not obj.replicas:
-            self._tombstone(obj)
+            self._recovery.tombstone(obj, self._clock())
             self._unindex(obj)
 
     def _put_revoke_one(self, key: str) -> None:
@@ -585,7 +573,7 @@ class MasterState:
 
     def _remove_one(self, key: str, now: float) -> None:
         obj = self._index.complete(key)
-        self._tombstone(obj)
+        self._recovery.tombstone(obj, self._clock())
         self._unindex(obj)
         if obj.lease_until > now:
             # A reader may still be copying these bytes: reuse only after its lease.
@@ -627,7 +615,7 @@ class MasterState:
         expired = []
         for node_id in self._members.expired(now):
             n = self._members.nodes[node_id]
-            self._expired_segments.update(n.segment_ids)
+            self._recovery.expired_segments.update(n.segment_ids)
             before = len(self._objects)
             for seg_id in list(n.segment_ids):
                 self._drop_segment(self._segments[seg_id])
@@ -814,31 +802,20 @@ class MasterState:
 
     def _lower_tier(self, seg: Segment) -> Segment | None:
         """The roomiest segment of the next tier down on ``seg``'s node; None: a last tier."""
-        return self._members.neighbour_tier(seg, +1, self._recovering)
+        return self._members.neighbour_tier(seg, +1, self._recovery.recovering)
 
     def _upper_tier(self, seg: Segment) -> Segment | None:
-        return self._members.neighbour_tier(seg, -1, self._recovering)
+        return self._members.neighbour_tier(seg, -1, self._recovery.recovering)
 
     # -- helpers ----------------------------------------------------------------------------
 
     def _evict(self, obj: ObjectEntry) -> None:
-        self._tombstone(obj)
+        self._recovery.tombstone(obj, self._clock())
         self._unindex(obj)
         self._space.free_now(obj.replicas)   # not leased, so no reader can be in flight
         self._evictions += 1
         if self._on_evict is not None:
             self._on_evict(obj.key, obj.version)
-
-    def _tombstone(self, obj: ObjectEntry) -> None:
-        """Remember ``obj`` gone while nodes may still announce it (see _tombstones)."""
-        if self._recovering or (self._announcing_until is not None
-                                and self._clock() < self._announcing_until):
-            self._tombstones[obj.key] = obj.version
-
-    def _end_tombstones(self, now: float) -> None:
-        if self._tombstones and not self._recovering and self._announcing_until is not None \
-                and now >= self._announcing_until:
-            self._tombstones.clear()
 
     def _unindex(self, obj: ObjectEntry) -> None:
         """Forget ``obj``; its extents stay allocated until the caller frees them."""
@@ -856,7 +833,7 @@ class MasterState:
         """Forget a segment: its replicas go, and objects left without replicas vanish."""
         sid = seg.info.segment_id
         self._members.remove_segment(seg)
-        self._recovering.discard(sid)
+        self._recovery.recovering.discard(sid)
         for key in seg.keys:
             obj = self._objects[key]
             obj.replicas = [e for e in obj.replicas if e.segment_id != sid]
