@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from kvpool.common import checksum
 from kvpool.common.errors import KVPoolError, NotPending, ObjectNotFound
-from kvpool.common.types import Extent, ObjectState, validate_key
+from kvpool.common.types import Extent, ObjectRecord, ObjectState, validate_key
 
 PENDING, COMPLETE = ObjectState.PENDING, ObjectState.COMPLETE
 _MAX_SHARED_SIZES = 1024
@@ -47,6 +47,12 @@ class ObjectEntry:
     def replicas(self, extents: Sequence[Extent]) -> None:
         first = extents[0] if extents else Extent("", 0, self.size)
         self.segment_id, self.offset, self.more = first.segment_id, first.offset, tuple(extents[1:])
+
+    def record(self, e: Extent, parent: str | None) -> ObjectRecord:
+        """What the manifest of ``e``'s node holds of this object (``parent``: the key it
+        extends, named so that a restarted master links the chain again)."""
+        return ObjectRecord(self.key, e.segment_id, e.offset, self.size, self.checksum,
+                            self.version, parent, self.pinned)
 
     def evictable(self, now: float) -> bool:
         return self.state is COMPLETE and not self.pinned and self.lease_until <= now

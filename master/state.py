@@ -27,7 +27,6 @@ from kvpool.common.errors import (
     ValueTooLarge,
 )
 from kvpool.common.types import (
-    TIER_RANK,
     Extent,
     Move,
     NodeEndpoints,
@@ -44,9 +43,10 @@ from kvpool.master.index import COMPLETE, PENDING, LocatedColumns, ObjectEntry, 
 from kvpool.master.manifest_log import ManifestDelta, ManifestLog, Removal
 from kvpool.master.membership import Membership, Segment
 from kvpool.master.pins import Pins
-from kvpool.master.placement import choose_segments
+from kvpool.master.pressure import Pressure
 from kvpool.master.recovery import Recovery
 from kvpool.master.space import Space
+from kvpool.master.tiers import Tiers
 
 T = TypeVar("T")
 
@@ -77,20 +77,11 @@ class MasterStats:
     promotions: int = 0      # moves one tier up completed
 
 
-@dataclass(eq=False, slots=True)
-class _MoveInFlight:
-    """A copy a node was told to make; the index switches to ``dst`` when it reports done."""
-
-    obj: ObjectEntry
-    src: Extent
-    dst: Extent
-    src_seg: Segment
-    dst_seg: Segment
-    deadline: float
-
-
 class MasterState:
-    """Segments, nodes and the object index, with leases, deferred frees and eviction."""
+    """The facade over the master's units, each owning its data: membership (nodes,
+    segments), the object index, space (frees, put deadlines), chains (eviction orders),
+    pins, recovery, tiers (moves), pressure (eviction) and the manifest log. An operation
+    that spans several units is composed here."""
 
     def __init__(self, config: MasterConfig, clock: Callable[[], float] = time.monotonic,
                  policy: EvictionPolicy | None = None,
@@ -101,32 +92,24 @@ class MasterState:
         (the server logs it, so an auditor can tell evictions from losses)."""
         self._config = config
         self._clock = clock
+        self._on_evict = on_evict
+        self._evictions = 0
+        self._manifests = ManifestLog()
+        self._members = Membership(config)
+        self._index = ObjectIndex()
+        # The two tables nearly every operation reads (membership and the index own them).
+        self._segments, self._objects = self._members.segments, self._index.objects
+        self._space = Space(self._segments)
         self._chains = Chains(policy if policy is not None else
                               make_eviction_policy(config.eviction),
                               make_eviction_policy(config.eviction))
-        self._on_evict = on_evict
-        self._manifests = ManifestLog()
-        self._members = Membership(config)
-        # The table every operation reads (membership owns it).
-        self._segments = self._members.segments
-        self._index = ObjectIndex()
-        # The table every operation reads (the index owns it).
-        self._objects = self._index.objects
-        self._space = Space(self._segments)
-        self._move_ids = itertools.count()
-        self._evictions = 0
-        self._demotions = self._promotions = 0
-        # Tiers (see "-- tiers"): copies handed to nodes and not reported yet, by move id; the
-        # key of each object with one in flight; instructions not yet taken, per node; disk
-        # segment ids (a set lookup on the read path); disk objects read once, and when.
-        self._moves: dict[int, _MoveInFlight] = {}
-        self._moving: dict[str, int] = {}
-        self._outbox: dict[str, list[Move]] = {}
-        self._disk_reads: dict[str, float] = {}
-        # Pins (see ``pin``): soft ones by key with their end (and a heap of ends to expire
-        # them), and the bytes hard pins hold against their quota.
         self._pins = Pins(config, self._segments)
         self._recovery = Recovery(config.node_ttl_s)
+        closed = self._recovery.recovering   # no new object, nor move, goes there
+        self._tiers = Tiers(config, self._members, closed, self._index, self._chains,
+                            self._space)
+        self._pressure = Pressure(config, self._members, closed, self._index, self._chains,
+                                  self._pins, self._tiers, self._evict)
 
     @property
     def config(self) -> MasterConfig:
@@ -322,7 +305,7 @@ class MasterState:
             if disk:   # a read may promote: touch in order, as locate does
                 touch(obj.key)
                 if obj.segment_id in disk or obj.more:
-                    self._note_disk_read(obj, now)
+                    self._tiers.note_disk_read(obj, now)
         found = [o for o in objs if o is not None] if errors else objs
         if not disk:   # the indexed strs, not the request's equal copies
             self._chains.policy.on_access_many([o.key for o in found])
@@ -376,7 +359,7 @@ class MasterState:
         idx = self._index
         return MasterStats(segs, len(self._objects) - idx.pending, idx.pending,
                            idx.hits, idx.misses, self._evictions, len(self._members.nodes),
-                           self._demotions, self._promotions)
+                           self._tiers.demotions, self._tiers.promotions)
 
     def tick(self) -> list[tuple[str, float, int]]:
         """Expire silent nodes, reclaim timed-out puts, run due frees, evict above watermarks.
@@ -386,10 +369,10 @@ class MasterState:
         expired = self._expire_nodes(now)
         self._recovery.end_tombstones(now)
         self._reclaim_pending(now)
-        self._expire_moves(now)
+        self._tiers.expire(now)
         self._pins.expire(now)
         self._space.release_due(now)
-        self._evict_above_watermark(now)
+        self._pressure.drain(now)
         return expired
 
     # -- per-key operations -----------------------------------------------------------------
@@ -424,7 +407,7 @@ class MasterState:
             # Checked up front: otherwise eviction would flush the cache for a put that can
             # never succeed.
             raise NoSpace(f"{key!r}: fewer than {n} nodes have a segment of {size} bytes")
-        extents = self._place(size, n, fits, now)
+        extents = self._pressure.place(size, n, fits, now)
         if extents is None:
             raise NoSpace(f"{key!r}: no room for {size} bytes x{n}, even after eviction: "
                           + Space.summary(segments, self._index.pending))
@@ -449,27 +432,6 @@ class MasterState:
         """Where new objects may go: not to segments still being announced."""
         return self._members.open_segments(replicas, self._recovery.recovering)
 
-    def _place(self, size: int, n: int, fits: list[Segment], now: float) -> list[Extent] | None:
-        extents = choose_segments(self._open_segments(n), size, n)
-        if extents is not None:
-            return extents
-        # Only objects with a replica in a segment that could hold this one make room for it,
-        # and only a node's last tier drops data (a tier above it demotes instead: tick).
-        fit_ids = {s.info.segment_id for s in fits if self._lower_tier(s) is None}
-        if not fit_ids:
-            return None
-        for key in self._victims(now, fit_ids):
-            obj = self._objects.get(key)
-            if obj is None or not obj.evictable(now):
-                continue
-            if not any(e.segment_id in fit_ids for e in obj.replicas):
-                continue
-            self._evict(obj)
-            extents = choose_segments(self._open_segments(n), size, n)
-            if extents is not None:
-                return extents
-        return None
-
     def _get_one(self, key: str, now: float
                  ) -> tuple[int, int, tuple[tuple[str, int], ...], int | None]:
         try:
@@ -489,7 +451,7 @@ class MasterState:
         obj = self._index.pending_entry(key)
         self._index.commit(obj, checksum)
         # The indexed strs, not the request's equal copies. A parent not stored yet (still
-        # pending, or put later) is waited for, up to a bound: linked when it
+        # pending, or put later) is waited for, up to a bound (chains.py): linked when it
         # comes; meanwhile this block is a chain head to the policy (it can go first).
         parent = self._objects.get(obj.parent) if obj.parent else None
         if parent is not None and parent.state is COMPLETE:
@@ -499,13 +461,9 @@ class MasterState:
         # Put straight to disk (DRAM was full), the block waits there for its parent.
         self._chains.track(obj.key, link, obj.segment_id in self._members.disk_segments)
         # The manifest records keep the parent named (linked again after a master restart);
-        # the index does not: the records go to the nodes with the next heartbeat.
+        # the index does not.
         named, obj.parent = obj.parent, None
-        for e in obj.replicas:
-            log = self._segments[e.segment_id].manifest
-            if log is not None:
-                log.append(ObjectRecord(obj.key, e.segment_id, e.offset, obj.size, checksum,
-                                        obj.version, named))
+        self._log_records(obj, named)
 
     def _announce_one(self, node_id: str, r: ObjectRecord) -> None:
         validate_key(r.key)
@@ -537,7 +495,7 @@ class MasterState:
         # node, later in the batch) links its children when it comes.
         parent = self._objects.get(r.parent) if r.parent else None
         self._chains.track(obj.key, parent.key if parent is not None else r.parent,
-                    r.segment_id in self._members.disk_segments)
+                           r.segment_id in self._members.disk_segments)
         self._announce_pin(obj, r)
 
     def _announce_pin(self, obj: ObjectEntry, r: ObjectRecord) -> None:
@@ -584,30 +542,22 @@ class MasterState:
     def _pin_one(self, key: str, ttl_s: float | None, now: float, quota: bool = True) -> None:
         obj = self._index.complete(key)
         if self._pins.pin(obj, ttl_s, now, quota):
-            self._log_records(obj)
+            self._log_records(obj, self._parent_of(obj))
 
     def _unpin_one(self, key: str) -> None:
         if self._pins.unpin(obj := self._index.complete(key)):
-            self._log_records(obj)
+            self._log_records(obj, self._parent_of(obj))
 
-    def _log_records(self, obj: ObjectEntry) -> None:
-        """Tell the nodes holding ``obj`` its record again (a hard pin came or went): it
-        supersedes the one their manifests hold, by key."""
-        parent = self._chains.parent_of(obj.key, obj.segment_id in self._members.disk_segments)
+    def _log_records(self, obj: ObjectEntry, parent: str | None) -> None:
+        """Tell the nodes holding ``obj`` its record (committed, or a hard pin came or went:
+        it supersedes the one their manifests hold, by key)."""
         for e in obj.replicas:
             log = self._segments[e.segment_id].manifest
             if log is not None:
-                log.append(ObjectRecord(obj.key, e.segment_id, e.offset, obj.size,
-                                        obj.checksum, obj.version, parent, obj.pinned))
+                log.append(obj.record(e, parent))
 
-    def _victims(self, now: float, segment_ids):
-        """Candidates with a replica in ``segment_ids`` possibly: those on disk (if any of
-        them is a disk segment) by LRU, then the policy's; soft-pinned ones (still within their
-        TTL) after all others: a soft pin is evicted last, not never."""
-        disk = self._members.disk_segments
-        candidates = self._chains.candidates(any(sid in disk for sid in segment_ids),
-                                             any(sid not in disk for sid in segment_ids))
-        return self._pins.soft_last(candidates, now)
+    def _parent_of(self, obj: ObjectEntry) -> str | None:
+        return self._chains.parent_of(obj.key, obj.segment_id in self._members.disk_segments)
 
     # -- tick steps -------------------------------------------------------------------------
 
@@ -622,7 +572,7 @@ class MasterState:
             expired.append((node_id, now - n.last_seen, before - len(self._objects)))
             self._members.forget(node_id)
             self._manifests.forget(node_id)
-            self._outbox.pop(node_id, None)
+            self._tiers.forget(node_id)
         return expired
 
     def _reclaim_pending(self, now: float) -> None:
@@ -633,64 +583,11 @@ class MasterState:
             # The writer may still be writing into these extents: keep them out of reuse.
             self._space.free_later(obj.replicas, now + self._config.quarantine_s)
 
-    def _evict_above_watermark(self, now: float) -> None:
-        """Bring every segment above its high watermark down to its low one, in policy order:
-        a segment with a lower tier on its node demotes (a move); a node's last tier drops.
-        Objects being moved count as gone from their source already."""
-        def fuller_than(seg: Segment, mark: float) -> bool:
-            used = seg.allocator.used_bytes - seg.moving_out_bytes
-            return used > mark * seg.allocator.capacity_bytes
-
-        # Hysteresis across ticks: a segment past its high watermark drains down to its low one
-        # even when that takes several ticks (demotions complete asynchronously, and a chain
-        # block becomes a victim only once its children went down).
-        for s in self._segments.values():
-            if fuller_than(s, self._config.high_watermark):
-                s.draining = True
-            elif s.draining and not fuller_than(s, self._config.low_watermark):
-                s.draining = False
-        hot = {sid for sid, s in self._segments.items() if s.draining}
-        for _ in range(2):   # again if a demotion found its lower tier full: that one drops
-            if not hot:
-                return
-            full: set[str] = set()
-            for key in self._victims(now, hot):
-                obj = self._objects.get(key)
-                if obj is None or obj.state is not COMPLETE or obj.pinned:
-                    continue
-                touched = [e for e in obj.replicas if e.segment_id in hot]
-                if not touched:
-                    continue
-                segs = [self._segments[e.segment_id] for e in touched]
-                lower = [self._lower_tier(seg) for seg in segs]
-                if None in lower:   # a last tier: the object goes (all of it, as before)
-                    if obj.evictable(now):
-                        self._evict(obj)
-                # One move per object at a time: its first hot replica goes first.
-                elif key not in self._moving and not self._start_move(
-                        obj, touched[0], segs[0], lower[0], now):
-                    full.add(lower[0].info.segment_id)
-                for seg in segs:
-                    if not fuller_than(seg, self._config.low_watermark):
-                        hot.discard(seg.info.segment_id)
-                        seg.draining = False
-                if not hot:
-                    break
-            hot |= full
-
-    # -- tiers ------------------------------------------------------------------------------
-    #
-    # A node with segments of several tiers (hbm, dram, disk) keeps its objects in the fastest
-    # one with room; a tier above its high watermark demotes its policy-order victims one tier
-    # down, and a disk object read twice within ``promote_window_s`` is promoted one tier up.
-    # A move is an instruction (``take_moves``, sent with the node's heartbeat answer) to copy
-    # the bytes into an extent allocated here; the index switches to the copy only when the
-    # node reports it done (``moves_finished``), and the source is freed once no lease granted
-    # on it can still be read under: a reader never sees a half-copied replica.
+    # -- tiers (see master/tiers.py) --------------------------------------------------------
 
     def take_moves(self, node_id: str) -> list[Move]:
         """The moves ``node_id`` is to make (each is handed out once)."""
-        return self._outbox.pop(node_id, [])
+        return self._tiers.take(node_id)
 
     def moves_finished(self, node_id: str, done: Sequence[int] = (),
                        failed: Sequence[int] = ()) -> None:
@@ -700,112 +597,7 @@ class MasterState:
         now = self._clock()
         for ok, ids in ((True, done), (False, failed)):
             for move_id in ids:
-                m = self._moves.get(move_id)
-                if m is not None and m.src_seg.node_id == node_id:
-                    self._finish_move(move_id, ok, now)
-
-    def _note_disk_read(self, obj: ObjectEntry, now: float) -> None:
-        """``obj`` was read and may have replicas on disk: the second read within the window
-        promotes one of them (the first whose node has room above it)."""
-        on_disk = [e for e in obj.replicas if e.segment_id in self._members.disk_segments]
-        if not on_disk:
-            return
-        self._chains.disk_policy.on_access(obj.key)
-        seen = self._disk_reads.pop(obj.key, None)
-        if seen is None or now - seen > self._config.promote_window_s:
-            if len(self._disk_reads) > 65536:   # bounded: forget reads older than the window
-                cutoff = now - self._config.promote_window_s
-                self._disk_reads = {k: t for k, t in self._disk_reads.items() if t >= cutoff}
-            self._disk_reads[obj.key] = now
-            return
-        if obj.key in self._moving:
-            return
-        for src in on_disk:
-            src_seg = self._segments[src.segment_id]
-            upper = self._upper_tier(src_seg)
-            if upper is None:
-                continue
-            alloc = upper.allocator
-            # Only into room below the high watermark: a promotion must not cause a demotion.
-            if alloc.used_bytes + alloc.aligned_size(obj.size) <= \
-                    self._config.high_watermark * alloc.capacity_bytes and \
-                    self._start_move(obj, src, src_seg, upper, now):
-                return
-
-    def _start_move(self, obj: ObjectEntry, src: Extent, src_seg: Segment, dst_seg: Segment,
-                    now: float) -> bool:
-        """Allocate the destination and queue the instruction; False if it has no room."""
-        offset = dst_seg.allocator.allocate(obj.size)
-        if offset is None:
-            return False
-        dst = Extent(dst_seg.info.segment_id, offset, obj.size)
-        move_id = next(self._move_ids)
-        self._moves[move_id] = _MoveInFlight(obj, src, dst, src_seg, dst_seg,
-                                             now + self._config.put_timeout_s)
-        self._moving[obj.key] = move_id
-        src_seg.moving_out_bytes += src_seg.allocator.aligned_size(obj.size)
-        self._outbox.setdefault(src_seg.node_id, []).append(
-            Move(move_id, obj.key, obj.version, src, dst))
-        return True
-
-    def _finish_move(self, move_id: int, ok: bool, now: float) -> None:
-        m = self._moves.pop(move_id)
-        obj = m.obj
-        if self._moving.get(obj.key) == move_id:
-            del self._moving[obj.key]
-        m.src_seg.moving_out_bytes -= m.src_seg.allocator.aligned_size(m.src.length)
-        dst_live = self._segments.get(m.dst.segment_id) is m.dst_seg
-        if ok and dst_live and self._objects.get(obj.key) is obj and m.src in obj.replicas:
-            was_on_disk = obj.segment_id in self._members.disk_segments
-            obj.replicas = [m.dst if e == m.src else e for e in obj.replicas]
-            if (obj.segment_id in self._members.disk_segments) != was_on_disk:
-                # Down to disk: its parent may become demotable; there it links to its parent
-                # once that comes down too (a chain is dropped from disk tail first). Back up:
-                # linked again to its parent in DRAM.
-                self._chains.moved(obj.key, was_on_disk)
-            # A new version: a reader whose read outlived its lease checks the version it read
-            # against the index's, and the source may be reused by then.
-            obj.version = self._index.new_version()
-            m.src_seg.keys.discard(obj.key)
-            m.dst_seg.keys.add(obj.key)
-            if m.dst_seg.manifest is not None:   # supersedes the source's record (by key)
-                m.dst_seg.manifest.append(ObjectRecord(
-                    obj.key, m.dst.segment_id, m.dst.offset, obj.size, obj.checksum,
-                    obj.version, self._chains.parent_of(obj.key, obj.segment_id in self._members.disk_segments),
-                    obj.pinned))
-            # Readers granted the source may still be copying from it: reuse after the lease.
-            self._space.free_later([m.src], max(now, obj.lease_until))
-            if TIER_RANK[m.dst_seg.info.tier] > TIER_RANK[m.src_seg.info.tier]:
-                self._demotions += 1
-            else:
-                self._promotions += 1
-                self._disk_reads.pop(obj.key, None)
-        elif dst_live:   # the node is done with the destination either way
-            self._space.free_now([m.dst])
-
-    def _expire_moves(self, now: float) -> None:
-        """Give up on moves not reported within ``put_timeout_s`` (a node that died or
-        restarted): the destination is freed after the quarantine, as a write may linger."""
-        expired = [i for i, m in self._moves.items() if m.deadline <= now]
-        if not expired:
-            return
-        gone = set(expired)
-        for node_id, moves in list(self._outbox.items()):   # never handed out now: too late
-            self._outbox[node_id] = [m for m in moves if m.move_id not in gone]
-        for move_id in expired:
-            m = self._moves.pop(move_id)
-            if self._moving.get(m.obj.key) == move_id:
-                del self._moving[m.obj.key]
-            m.src_seg.moving_out_bytes -= m.src_seg.allocator.aligned_size(m.src.length)
-            if self._segments.get(m.dst.segment_id) is m.dst_seg:
-                self._space.free_later([m.dst], now + self._config.quarantine_s)
-
-    def _lower_tier(self, seg: Segment) -> Segment | None:
-        """The roomiest segment of the next tier down on ``seg``'s node; None: a last tier."""
-        return self._members.neighbour_tier(seg, +1, self._recovery.recovering)
-
-    def _upper_tier(self, seg: Segment) -> Segment | None:
-        return self._members.neighbour_tier(seg, -1, self._recovery.recovering)
+                self._tiers.finished(node_id, move_id, ok, now)
 
     # -- helpers ----------------------------------------------------------------------------
 

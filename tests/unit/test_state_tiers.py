@@ -335,7 +335,7 @@ class TiersMachine(RuleBasedStateMachine):
         st_ = self.state
         for sid, seg in st_._segments.items():
             indexed = sum(B for k in seg.keys)
-            moving_in = sum(B for m in st_._moves.values() if m.dst_seg is seg)
+            moving_in = sum(B for m in st_._tiers._moves.values() if m.dst_seg is seg)
             assert seg.allocator.used_bytes == indexed + seg.quarantined_bytes + moving_in, sid
 
 
