@@ -147,6 +147,14 @@ class ManifestWatchers:
             orphans = self._orphans.setdefault(node_id, [])
             orphans[:] = [f for f in orphans if not f.done()] + waiters
 
+    def push(self, node_ids: Iterable[str]) -> None:
+        """Send the changes queued for these nodes on their open streams now, waiting for
+        nobody (a node with no stream open gets them when it opens one)."""
+        for node_id in node_ids:
+            watch = self._watches.get(node_id)
+            if watch is not None:
+                watch.wake.set()
+
     async def flush(self, node_ids: Iterable[str]) -> None:
         """Wait until the changes queued for these nodes were applied by their watchers, on
         the open stream or the next one (MAX_WAIT_S at most: a node slow to take its changes
