@@ -86,9 +86,10 @@ class ObjectIndex:
         self._sizes: dict[int, int] = {}
 
     def add(self, key: str, size: int, extents: Sequence[Extent], version: int | None = None,
-            **fields) -> ObjectEntry:
-        """Index ``key`` at ``extents`` (PENDING unless ``fields`` say otherwise) with a new
-        version, or with ``version`` (announced after a restart: new ones come after it)."""
+            state: ObjectState = PENDING, checksum: int | None = None,
+            parent: str | None = None) -> ObjectEntry:
+        """Index ``key`` at ``extents`` with a new version, or with ``version`` (announced
+        after a restart: new ones come after it)."""
         if len(self._sizes) < _MAX_SHARED_SIZES:
             size = self._sizes.setdefault(size, size)
         if version is None:
@@ -96,8 +97,9 @@ class ObjectIndex:
         else:
             self._versions = itertools.count(max(next(self._versions), version + 1))
         obj = self.objects[key] = ObjectEntry(key, size, version, extents[0].segment_id,
-                                              extents[0].offset, tuple(extents[1:]), **fields)
-        if obj.state is PENDING:
+                                              extents[0].offset, tuple(extents[1:]), state,
+                                              checksum=checksum, parent=parent)
+        if state is PENDING:
             self.pending += 1
         return obj
 

@@ -44,42 +44,31 @@ class ManifestDelta:
         return [*self.reserved, *self.committed, *(Removal(k, v) for k, v in self.removed)]
 
 
-class NodeManifest:
-    """One node's events not taken yet, in order; its segments append to it directly."""
-
-    __slots__ = ("_events", "_log")
-
-    def __init__(self, log: ManifestLog) -> None:
-        self._events: list[ManifestEvent] = []
-        self._log = log
-
-    def append(self, event: ManifestEvent) -> None:
-        self._events.append(event)
-        self._log.recorded += 1
-
-
 class ManifestLog:
-    """The queues of the nodes that keep a manifest, by node id."""
+    """The queues of the nodes that keep a manifest, by node id: each one a list of events
+    in order, which the node's segments append to directly (a put appends one per replica)."""
 
     def __init__(self) -> None:
-        self._queues: dict[str, NodeManifest] = {}
-        # Events appended so far: a call that moved it changed what some manifest must hold.
-        self.recorded = 0
+        self._queues: dict[str, list[ManifestEvent]] = {}
+        self._gone = 0   # events that left the queues (taken, not put back; or dropped)
 
-    def keep(self, node_id: str) -> NodeManifest:
+    @property
+    def recorded(self) -> int:
+        """How many events were ever appended: a call that moved it changed what some
+        manifest must hold (taking, putting back and dropping leave it as it is)."""
+        return self._gone + sum(map(len, self._queues.values()))
+
+    def keep(self, node_id: str) -> list[ManifestEvent]:
         """The node's queue, opened now if it kept none."""
-        q = self._queues.get(node_id)
-        if q is None:
-            q = self._queues[node_id] = NodeManifest(self)
-        return q
+        return self._queues.setdefault(node_id, [])
 
-    def queue(self, node_id: str) -> NodeManifest | None:
+    def queue(self, node_id: str) -> list[ManifestEvent] | None:
         """The node's queue; None if it keeps no manifest."""
         return self._queues.get(node_id)
 
     def forget(self, node_id: str) -> None:
         """The node is gone (expired): what it did not take goes with it."""
-        self._queues.pop(node_id, None)
+        self._gone += len(self._queues.pop(node_id, ()))
 
     def take(self, node_id: str) -> ManifestDelta | None:
         """The node's events since the last take, as a delta; None for a node that keeps no
@@ -87,7 +76,9 @@ class ManifestLog:
         q = self._queues.get(node_id)
         if q is None:
             return None
-        events, q._events = q._events, []
+        events = list(q)
+        q.clear()   # in place: the node's segments hold it
+        self._gone += len(events)
         delta = ManifestDelta([], [], [])
         for e in events:
             match e:
@@ -104,8 +95,10 @@ class ManifestLog:
         next take has it again, before anything newer."""
         q = self._queues.get(node_id)
         if q is not None:
-            q._events[:0] = delta.events()
+            events = delta.events()
+            q[:0] = events
+            self._gone -= len(events)
 
     def nodes_with_changes(self) -> list[str]:
         """The nodes whose events have not been taken yet."""
-        return [nid for nid, q in self._queues.items() if q._events]
+        return [nid for nid, q in self._queues.items() if q]

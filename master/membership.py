@@ -9,7 +9,7 @@ from kvpool.common.config import MasterConfig
 from kvpool.common.errors import InvalidArgument, UnknownNode
 from kvpool.common.types import TIER_RANK, Extent, NodeEndpoints, Replica, SegmentInfo
 from kvpool.master.allocator import RangeAllocator
-from kvpool.master.manifest_log import NodeManifest
+from kvpool.master.manifest_log import ManifestEvent
 
 
 @dataclass(eq=False, slots=True)
@@ -26,7 +26,7 @@ class Segment:
     allocator: RangeAllocator
     keys: set[str] = field(default_factory=set)   # indexed objects with a replica here
     quarantined_bytes: int = 0
-    manifest: NodeManifest | None = None   # its node's, to append to without a lookup
+    manifest: list[ManifestEvent] | None = None   # its node's queue (manifest_log.py)
     moving_out_bytes: int = 0   # aligned bytes of in-flight moves out of here (leaving soon)
     draining: bool = False      # passed the high watermark, not yet down to the low one
 
@@ -70,7 +70,7 @@ class Membership:
         return [self.segments[sid] for sid in n.segment_ids]
 
     def mount(self, node: NodeEndpoints, segment: SegmentInfo, now: float,
-              manifest: NodeManifest | None) -> bool:
+              manifest: list[ManifestEvent] | None) -> bool:
         """Register or refresh ``node`` (a heartbeat too) with ``segment``; True if the
         segment is new."""
         n = self.nodes.get(node.node_id)
