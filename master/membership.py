@@ -109,8 +109,8 @@ class Membership:
         return n is not None and now - n.last_seen <= self._config.node_ttl_s / 3
 
     def expired(self, now: float) -> list[str]:
-        """Mark the nodes silent for a third of node_ttl_s; the ones silent for all of it
-        (the caller drops their segments, then ``forget``\\ s them)."""
+        """Mark the nodes silent for a third of node_ttl_s; return those silent for all of it
+        (the caller drops their segments, then forgets them)."""
         ttl = self._config.node_ttl_s
         silent = {k for k, n in self.nodes.items() if now - n.last_seen > ttl / 3}
         self._silent = silent if len(silent) < len(self.nodes) else set()
