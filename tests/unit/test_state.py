@@ -569,7 +569,7 @@ def _check_books(state: MasterState) -> None:
         live = [(e.offset, seg.allocator.aligned_size(e.length)) for o in state._objects.values()
                 for e in o.replicas if e.segment_id == sid]
         deferred = [(e.offset, seg.allocator.aligned_size(e.length))
-                    for _, _, entries in state._deferred for s, e in entries
+                    for _, _, entries in state._space.deferred for s, e in entries
                     if s is seg and state._segments.get(sid) is s]
         spans = sorted(live + deferred)
         for (o1, l1), (o2, _) in pairwise(spans):

@@ -42,7 +42,7 @@ def test_a_batch_lookup_leases_and_touches_every_object_found(clock):
     clock.advance(LEASE_S / 2)
     read = [f"k{i}" for i in range(0, 300, 3)][::-1]     # newest first
     assert not state.locate_columns(read).errors
-    assert list(state._policy.candidates())[-len(read):] == read   # now the newest, in order
+    assert list(state._chains.policy.candidates())[-len(read):] == read   # now the newest, in order
     for key in read:
         assert state._objects[key].lease_until == clock.now + LEASE_S
     assert state._objects["k1"].lease_until < clock.now + LEASE_S

@@ -161,7 +161,7 @@ def test_a_parent_never_announced_leaves_its_child_a_plain_head(clock):
     recs = [ObjectRecord("c", "s", 0, BLOCK, None, 5, "lost"), ObjectRecord("d", "s", BLOCK,
                                                                             BLOCK, None, 6)]
     assert new.announce_objects("n1", recs, done=True) == [None, None]
-    assert not new._waiting and not new._waiting_for
+    assert not new._chains.waiting and not new._chains.waiting_for
     assert eviction_order(new, clock, ["c", "d"]) == ["c", "d"]
 
 
@@ -184,12 +184,12 @@ def test_a_parent_stored_after_its_child_is_linked_when_it_comes(clock, pending)
     state.put_end(["q"])
     state.get_replicas(["c"])   # the child is the most recently used
     assert eviction_order(state, clock, ["p", "c", "q"]) == ["q", "c", "p"]
-    assert not state._waiting and not state._waiting_for
+    assert not state._chains.waiting and not state._chains.waiting_for
 
 
 def test_children_waiting_for_parents_that_never_come_are_bounded(clock, monkeypatch):
-    import kvpool.master.state as master_state
-    monkeypatch.setattr(master_state, "_MAX_WAITING", 4)
+    from kvpool.master import chains
+    monkeypatch.setattr(chains, "_MAX_WAITING", 4)
     state = make_state(clock)
     state.mount_segment(endpoints("n1"), SegmentInfo("s", 16 * BLOCK))
     for i in range(10):
@@ -198,7 +198,8 @@ def test_children_waiting_for_parents_that_never_come_are_bounded(clock, monkeyp
         if i % 2:
             state.remove([f"c{i}"])   # a child that leaves stops waiting
     # The removed children's entries were pruned to make room; past 4, c8 waits for nothing.
-    assert sorted(state._waiting_for) == ["c0", "c2", "c4", "c6"] and len(state._waiting) == 4
+    assert sorted(state._chains.waiting_for) == ["c0", "c2", "c4", "c6"]
+    assert len(state._chains.waiting) == 4
     state.put_start(["lost0"], [BLOCK])
     state.put_end(["lost0"])
-    assert "c0" not in state._waiting_for and "lost0" not in state._waiting
+    assert "c0" not in state._chains.waiting_for and "lost0" not in state._chains.waiting

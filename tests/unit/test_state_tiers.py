@@ -335,7 +335,7 @@ class TiersMachine(RuleBasedStateMachine):
         st_ = self.state
         for sid, seg in st_._segments.items():
             indexed = sum(B for k in seg.keys)
-            moving_in = sum(B for m in st_._moves.values() if m.dst_seg is seg)
+            moving_in = sum(B for m in st_._tiers._moves.values() if m.dst_seg is seg)
             assert seg.allocator.used_bytes == indexed + seg.quarantined_bytes + moving_in, sid
 
 
@@ -394,7 +394,7 @@ def test_chains_keep_their_links_down_on_disk_and_back_up(clock):
     state.get_replicas(["c1"])
     [move] = run_moves(state)
     assert move.key == "c1" and where(state, "c1")[0][1] == "dram"
-    assert state._parent_of("c1", disk=False) == "c0"
+    assert state._chains.parent_of("c1", disk=False) == "c0"
     [rec] = [r for r in state.take_manifest("n").committed if r.key == "c1"]
     assert rec.segment_id == "m" and rec.parent == "c0"
 
