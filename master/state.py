@@ -9,13 +9,11 @@ in the result list, never raised, so one bad key fails only its own slot.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from kvpool.common import checksum
 from kvpool.common.config import MasterConfig
 from kvpool.common.errors import (
     AlreadyExists,
@@ -31,7 +29,6 @@ from kvpool.common.types import (
     Move,
     NodeEndpoints,
     ObjectRecord,
-    ObjectView,
     Replica,
     Reservation,
     SegmentInfo,
@@ -258,28 +255,6 @@ class MasterState:
         """Abandon PENDING objects; their space is free at once (the writer says it stopped)."""
         return [_attempt(self._put_revoke_one, key) for key in keys]
 
-    def get_replicas(self, keys: Sequence[str]) -> list[ObjectView | KVPoolError]:
-        """Where each complete object lives; each one found is leased for ``lease_ttl_s``."""
-        return [r if isinstance(r, KVPoolError) else
-                ObjectView(key, r[0], r[1], tuple(self._members.replica(Extent(sid, offset, r[0]))
-                                                  for sid, offset in r[2]), r[3])
-                for key, r in zip(keys, self.locate(keys))]
-
-    def locate(self, keys: Sequence[str]
-               ) -> list[tuple[int, int, tuple[tuple[str, int], ...], int | None] | KVPoolError]:
-        """``get_replicas`` in raw form: per key ``(size, version, ((segment_id, offset), ...),
-        checksum)`` or the error (:meth:`locate_columns` key by key).
-        :meth:`replica_in` describes each segment."""
-        c = self.locate_columns(keys)
-        out: list = []
-        decode, places = checksum.decode, zip(c.segment_ids, c.offsets)
-        for i, count in enumerate(c.counts):
-            error = c.errors.get(i)
-            out.append(error if error is not None else
-                       (c.sizes[i], c.versions[i], tuple(itertools.islice(places, count)),
-                        decode(c.checksums[i])))
-        return out
-
     def locate_columns(self, keys: Sequence[str]) -> LocatedColumns:
         """Where each complete object lives, in columns (GetReplicas' form): each one found is
         leased for ``lease_ttl_s``, touched in the eviction order and counted as a hit; a miss
@@ -297,7 +272,7 @@ class MasterState:
         errors: dict[int, KVPoolError] = {}
         for i, obj in enumerate(objs):
             if obj is None or obj.state is not COMPLETE:   # only the misses learn why
-                errors[i] = _attempt(self._get_one, keys[i], now)
+                errors[i] = self._why_missing(keys[i])
                 objs[i] = None
                 continue
             if obj.lease_until < lease_until:   # noqa: PLR1730 (max() costs a call per key)
@@ -432,20 +407,13 @@ class MasterState:
         """Where new objects may go: not to segments still being announced."""
         return self._members.open_segments(replicas, self._recovery.recovering)
 
-    def _get_one(self, key: str, now: float
-                 ) -> tuple[int, int, tuple[tuple[str, int], ...], int | None]:
-        try:
-            obj = self._index.complete(key)
-        except ObjectNotFound:
+    def _why_missing(self, key) -> KVPoolError:
+        """Why a read finds no complete object at ``key`` (a miss is counted)."""
+        error = _attempt(self._index.complete, key)
+        assert isinstance(error, KVPoolError), f"{key!r} is complete: not a miss"
+        if isinstance(error, ObjectNotFound):
             self._index.misses += 1
-            raise
-        self._index.hits += 1
-        obj.lease_until = max(obj.lease_until, now + self._config.lease_ttl_s)
-        self._chains.policy.on_access(obj.key)   # the indexed str, not the request's equal copy
-        where = ((obj.segment_id, obj.offset),)
-        if obj.more:
-            where += tuple((e.segment_id, e.offset) for e in obj.more)
-        return obj.size, obj.version, where, obj.checksum
+        return error
 
     def _put_end_one(self, key: str, checksum: int | None) -> None:
         obj = self._index.pending_entry(key)
