@@ -1,4 +1,9 @@
-"""The tcp data-port framing shared by a store node's data server and the tcp transport.
+"""The store node's data port and shm hand-off: the framing, and what each end does with it.
+
+The node's end is :class:`kvpool.store_node.data_server.DataServer`; the client's ends are the
+tcp transport (READ/WRITE), the rdma transport (CONNECT_QP) and the shm transport (hand-off).
+Both use the functions here: checking a request (:func:`malformed_request`), answering
+(:func:`send_reply`, :func:`send_refusal`), and reading a refusal (:func:`recv_refusal`).
 
 Request:  header ``!4sBxHQQ`` = magic b"KVP1", op, pad, segment id length, offset, length;
           then the segment id (utf-8); then, for WRITE, ``length`` payload bytes.
@@ -19,8 +24,12 @@ tells the client that the node died), and closing it tears the queue pair down.
 
 from __future__ import annotations
 
+import socket
 import struct
 from enum import IntEnum
+
+from kvpool.common.errors import TransportError
+from kvpool.net.sockets import recv_exact, send_all
 
 MAGIC = b"KVP1"
 REQUEST = struct.Struct("!4sBxHQQ")
@@ -70,3 +79,51 @@ def encode_request(op: Op, segment_id: str, offset: int, length: int) -> bytes:
 
 def encode_response(status: FrameStatus, payload_length: int) -> bytes:
     return RESPONSE.pack(status, payload_length)
+
+
+_STATUSES = frozenset(s.value for s in FrameStatus)
+
+
+# ---------------------------------------------------------------- the client's end
+
+def encode_handoff_request(segment_id: str) -> bytes:
+    sid = segment_id.encode("utf-8")
+    return HANDOFF_REQUEST.pack(len(sid)) + sid
+
+
+def recv_refusal(sock: socket.socket, status: int, length: int, what: str = "node") -> str:
+    """The message that follows a reply header whose status is not OK; TransportError if the
+    header is not a refusal this protocol knows (the stream cannot be trusted after it)."""
+    if status not in _STATUSES or status == FrameStatus.OK or length > MAX_ERROR_BYTES:
+        raise TransportError(f"malformed reply: status {status}, {length}-byte message")
+    return recv_exact(sock, length, what).decode("utf-8", "replace")
+
+
+# ---------------------------------------------------------------- the node's end
+
+def malformed_request(magic: bytes, op: int, sid_len: int, offset: int, length: int) -> str:
+    """Why a request header breaks the framing ("" if it does not): the node answers
+    BAD_REQUEST and closes, since it cannot know where the next frame starts."""
+    if magic != MAGIC:
+        return f"bad magic {bytes(magic)!r}"
+    if op == Op.CONNECT_QP:
+        ok = not sid_len and not offset and length == QP_INFO.size
+        return "" if ok else "malformed CONNECT_QP"
+    if op not in (Op.READ, Op.WRITE):
+        return f"unknown op {op}"
+    return check_segment_id_length(sid_len)
+
+
+def check_segment_id_length(sid_len: int) -> str:
+    if sid_len > MAX_SEGMENT_ID_BYTES:
+        return f"segment id of {sid_len} bytes (limit {MAX_SEGMENT_ID_BYTES})"
+    return ""
+
+
+def send_reply(sock: socket.socket, status: FrameStatus, payload: bytes | memoryview = b"") -> None:
+    send_all(sock, [encode_response(status, len(payload)), payload])
+
+
+def send_refusal(sock: socket.socket, status: FrameStatus, message: str) -> None:
+    send_reply(sock, status, message.encode())
+

@@ -30,17 +30,21 @@ from collections.abc import Mapping
 from typing import Self
 
 from kvpool.common.logging import get_logger
+from kvpool.common.loops import OnCrash, Supervisor
 from kvpool.net.data_port import (
     HANDOFF_REQUEST,
-    MAGIC,
     MAX_SEGMENT_ID_BYTES,
     QP_INFO,
     REQUEST,
     FrameStatus,
     Op,
+    check_segment_id_length,
     encode_response,
+    malformed_request,
+    send_refusal,
+    send_reply,
 )
-from kvpool.net.sockets import PeerClosed, recv_exact_into, send_all
+from kvpool.net.sockets import PeerClosed, recv_exact_into
 from kvpool.store_node.memory import Segment
 
 log = get_logger(__name__)
@@ -48,6 +52,11 @@ log = get_logger(__name__)
 _LINGER_S = 2.0          # how long to drain a refused client before closing (see _linger_close)
 _JOIN_TIMEOUT_S = 5.0
 _UCRED = struct.Struct("3i")   # struct ucred: pid, uid, gid
+# The acceptor keeps nothing between runs (its poller is rebuilt), so a crash is retried; one
+# that keeps coming stops the node: the master would go on sending clients to a port that
+# no longer accepts them.
+_ACCEPT_ON_CRASH = OnCrash(restarts=5, why="a store node whose data port accepts no "
+                                           "connections must not stay in the cluster")
 
 
 class _Disconnected(Exception):
@@ -79,11 +88,12 @@ class DataServer:
     ``rdma`` (a :class:`kvpool.store_node.rdma.NodeRDMA`, or None) answers CONNECT_QP
     handshakes; each client's queue pair lives as long as its handshake connection.
     ``request_counts()`` tells how many requests of each op were served (the rdma path's
-    one-sidedness is asserted with it).
+    one-sidedness is asserted with it). ``supervisor`` runs the accepting thread
+    (common/loops.py).
     """
 
     def __init__(self, segments: Mapping[str, Segment], host: str = "127.0.0.1", port: int = 0,
-                 shm: bool = True, rdma=None) -> None:
+                 shm: bool = True, rdma=None, supervisor: Supervisor | None = None) -> None:
         self._segments = segments
         self._rdma = rdma
         self._counts: Counter[str] = Counter()
@@ -100,6 +110,7 @@ class DataServer:
         self._shm_listener: socket.socket | None = None
         self._wake_r = self._wake_w = -1
         self._acceptor: threading.Thread | None = None
+        self._supervisor = supervisor or Supervisor()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -132,9 +143,8 @@ class DataServer:
         self.tcp_endpoint = f"{host}:{port}"
         self._tcp_listener, self._shm_listener = tcp, shm_sock
         self._wake_r, self._wake_w = _pipe()
-        self._acceptor = threading.Thread(target=self._accept_loop, name="kvpool-data-accept",
-                                          daemon=True)
-        self._acceptor.start()
+        self._acceptor = self._supervisor.start_thread("data-accept", self._accept_loop,
+                                                       _ACCEPT_ON_CRASH, self._stopping)
         log.info("data_server_started", tcp_endpoint=self.tcp_endpoint,
                  shm_endpoint=self.shm_endpoint or None)
 
@@ -259,20 +269,13 @@ class DataServer:
         while not self._stopping.is_set():
             _recv_exact(conn, header_view, frame_started=False)
             magic, op, sid_len, offset, length = REQUEST.unpack(header)
-            if magic != MAGIC:
-                return self._refuse_malformed(conn, peer, f"bad magic {bytes(magic)!r}")
+            if reason := malformed_request(magic, op, sid_len, offset, length):
+                return self._refuse_malformed(conn, peer, reason)
             if op == Op.CONNECT_QP:
-                if sid_len or offset or length != QP_INFO.size:
-                    return self._refuse_malformed(conn, peer, "malformed CONNECT_QP")
                 self._count(Op.CONNECT_QP.name)
                 if not self._connect_qp(conn, peer, queue_pairs):
                     return
                 continue
-            if op not in (Op.READ, Op.WRITE):
-                return self._refuse_malformed(conn, peer, f"unknown op {op}")
-            if sid_len > MAX_SEGMENT_ID_BYTES:
-                return self._refuse_malformed(
-                    conn, peer, f"segment id of {sid_len} bytes (limit {MAX_SEGMENT_ID_BYTES})")
             sid_view = memoryview(sid_buf)[:sid_len]
             _recv_exact(conn, sid_view, frame_started=True)
             try:
@@ -286,8 +289,7 @@ class DataServer:
             status, message = self._refusal(segment_id, offset, length)
             log.warning("request_refused", peer=peer, op=op.name, segment=segment_id,
                         offset=offset, length=length, status=status.name)
-            payload = message.encode()
-            send_all(conn, [encode_response(status, len(payload)), payload])
+            send_refusal(conn, status, message)
             if op is Op.WRITE:
                 # The payload follows on the stream; we will not consume it frame by frame.
                 return _linger_close(conn)
@@ -310,7 +312,7 @@ class DataServer:
                 log.warning("queue_pair_refused", peer=peer, error=str(exc))
                 reply = f"queue pair setup failed: {exc}".encode()
                 status = FrameStatus.UNSUPPORTED
-        send_all(conn, [encode_response(status, len(reply)), reply])
+        send_reply(conn, status, reply)
         if status == FrameStatus.OK:
             log.debug("queue_pair_connected", peer=peer)
         return True
@@ -345,8 +347,7 @@ class DataServer:
 
     def _refuse_malformed(self, conn: socket.socket, peer: str, reason: str) -> None:
         log.warning("malformed_frame", peer=peer, reason=reason)
-        payload = reason.encode()
-        send_all(conn, [encode_response(FrameStatus.BAD_REQUEST, len(payload)), payload])
+        send_refusal(conn, FrameStatus.BAD_REQUEST, reason)
         _linger_close(conn)
 
     # ---------------------------------------------------------------- shm hand-off
@@ -356,9 +357,9 @@ class DataServer:
         while not self._stopping.is_set():
             _recv_exact(conn, memoryview(length_buf), frame_started=False)
             (sid_len,) = HANDOFF_REQUEST.unpack(length_buf)
-            if sid_len > MAX_SEGMENT_ID_BYTES:
-                return self._refuse_handoff(conn, peer, FrameStatus.BAD_REQUEST,
-                                            f"segment id of {sid_len} bytes", close=True)
+            if reason := check_segment_id_length(sid_len):
+                return self._refuse_handoff(conn, peer, FrameStatus.BAD_REQUEST, reason,
+                                            close=True)
             sid_buf = bytearray(sid_len)
             _recv_exact(conn, memoryview(sid_buf), frame_started=True)
             try:
@@ -391,8 +392,7 @@ class DataServer:
     def _refuse_handoff(self, conn: socket.socket, peer: str, status: FrameStatus, message: str,
                         close: bool = False) -> None:
         log.warning("handoff_refused", peer=peer, status=status.name, reason=message)
-        payload = message.encode()
-        send_all(conn, [encode_response(status, len(payload)), payload])
+        send_refusal(conn, status, message)
         if close:
             _linger_close(conn)
 

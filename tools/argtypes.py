@@ -1,8 +1,10 @@
-"""argparse value types shared by every ``kvpool`` subcommand: clear messages, never a traceback."""
+"""What several ``kvpool`` subcommands share: argparse value types (clear messages, never a
+traceback) and the --master and --log-level arguments."""
 
 from __future__ import annotations
 
 import argparse
+import os
 
 from kvpool.common.config import ConfigError, parse_duration, parse_size
 
@@ -52,3 +54,16 @@ def count_type(text: str, minimum: int = 1) -> int:
         raise argparse.ArgumentTypeError(f"invalid count {text!r}: expected a whole number "
                                          f">= {minimum}")
     return int(text)
+
+
+def master_arg(p: argparse.ArgumentParser, required: bool = True) -> None:
+    env = os.environ.get("KVPOOL_MASTER")
+    p.add_argument("--master", default=env, required=required and env is None, metavar="HOST:PORT",
+                   help="the master's address (default: $KVPOOL_MASTER); with standby masters, "
+                        "their list HOST:PORT,HOST:PORT,... or the etcd they elect on, "
+                        "etcd://HOST:PORT[/CLUSTER]: the leader is found and followed")
+
+
+def log_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log verbosity on stderr (default: info)")

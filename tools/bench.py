@@ -32,15 +32,12 @@ def _sizes(text: str) -> list[int]:
     return [size_type(part) for part in text.split(",") if part.strip()]
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Register ``kvpool bench`` on the CLI's subparsers."""
-    b = subparsers.add_parser(
-        "bench", help="measure put/get throughput and latency against memcpy, raw TCP and Redis",
-        description=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Examples:\n  kvpool bench --quick --json bench.json   (under 5 minutes)\n"
-               "  kvpool bench --json bench.json --plots plots/\n"
-               "  kvpool bench --master HOST:PORT --no-master-bench   (an existing cluster)")
+def add_arguments(b: argparse.ArgumentParser) -> None:
+    b.description = __doc__.split("\n\n", 1)[1]
+    b.formatter_class = argparse.RawDescriptionHelpFormatter
+    b.epilog = ("Examples:\n  kvpool bench --quick --json bench.json   (under 5 minutes)\n"
+                "  kvpool bench --json bench.json --plots plots/\n"
+                "  kvpool bench --master HOST:PORT --no-master-bench   (an existing cluster)")
     b.add_argument("--master", metavar="HOST:PORT", help="bench an existing cluster instead of "
                    "starting a local one (its master's memory is then not measured)")
     b.add_argument("--quick", action="store_true", help="3 repeats, 8 calls per single-value "
@@ -80,7 +77,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="more systems to compare, where installed: 'mooncake' = Mooncake Store "
                         "over its tcp transport (a master and a segment holder started here; "
                         "pip install mooncake-transfer-engine-non-cuda)")
-    return b
 
 
 def run(args: argparse.Namespace) -> int:

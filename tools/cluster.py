@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,6 +44,14 @@ def die_with_launcher() -> None:
         _die_with_parent()
 
 
+def wait_for_signal() -> None:
+    """Block until SIGINT or SIGTERM: how a command that runs until Ctrl-C waits."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+
+
 class ClusterError(RuntimeError):
     """A cluster process failed to start; the message carries the tail of its log."""
 
@@ -51,13 +60,15 @@ class Proc:
     """One child process whose stdout announces readiness with a ``name: value`` line."""
 
     def __init__(self, name: str, argv: Sequence[str], log: IO[bytes] | None,
-                 launcher: Sequence[str] = ()):
-        """``launcher``: a command that runs the kvpool one, e.g. ``ip netns exec NS``."""
+                 launcher: Sequence[str] = (), program: Sequence[str] = ()):
+        """``launcher``: a command that runs the kvpool one, e.g. ``ip netns exec NS``.
+        ``program``: what ``argv`` is given to, if not ``python -m kvpool`` (a script)."""
         self.name = name
         self.log = log
         self.ready = ""   # what the readiness line said, once wait_ready returned
         self.popen = subprocess.Popen(
-            [*launcher, sys.executable, "-m", "kvpool", *argv], stdout=subprocess.PIPE,
+            [*launcher, *(program or (sys.executable, "-m", "kvpool")), *argv],
+            stdout=subprocess.PIPE,
             stderr=log if log is not None else None, stdin=subprocess.DEVNULL,
             env={**os.environ, _DIE_WITH_PARENT_ENV: "1"},
             # Ctrl-C in a terminal reaches only us, and we stop the children in order.

@@ -9,6 +9,7 @@ from its hash, standing in for the model) and stores the new blocks for everyone
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing as mp
 import random
 import sys
@@ -17,7 +18,8 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from kvpool.common.config import format_size
+from kvpool.common.config import format_size, parse_size
+from kvpool.tools.argtypes import count_type, master_arg, size_type
 
 BLOCK_TOKENS = 16
 
@@ -103,7 +105,25 @@ def make_workload(instances: int, requests: int, prefixes: int, prefix_tokens: i
     return per_instance
 
 
-def run_demo(args) -> int:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = ("Start a local cluster (unless --master is given), run several simulated "
+                     "serving instances that share prompt prefixes through kvpool with "
+                     "Llama-3-8B-sized KV blocks, print hits, prefill tokens saved, bytes moved "
+                     "and GB/s, then stop.")
+    master_arg(p, required=False)
+    p.add_argument("--instances", type=count_type, default=4, help="serving instances (processes) "
+                   "(default: 4)")
+    p.add_argument("--requests", type=count_type, default=12, help="requests per instance (default: 12)")
+    p.add_argument("--prefixes", type=count_type, default=3,
+                   help="distinct shared system prompts (default: 3)")
+    p.add_argument("--prefix-tokens", type=count_type, default=1024,
+                   help="tokens in each shared prefix (default: 1024)")
+    p.add_argument("--block-bytes", type=size_type, default=parse_size("2MiB"), metavar="SIZE",
+                   help="KV bytes per 16-token block (default: 2MiB, Llama-3-8B in bf16)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+
+
+def run(args: argparse.Namespace) -> int:
     from kvpool.tools.cluster import LocalCluster
     if args.block_bytes % 8:
         print("kvpool demo: error: --block-bytes must be a multiple of 8", file=sys.stderr)

@@ -10,14 +10,13 @@ import threading
 from kvpool.common.hashing import HashSpec
 
 
-def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser(
-        "kv-events", help="feed a vLLM instance's KV events (ZMQ) to the master's routing index",
-        description="Subscribe to a vLLM instance's KV-event publisher (vLLM: --kv-events-config "
-                    "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
-                    "\"tcp://*:5557\"}'), re-hash its blocks with kvpool's spec from their token "
-                    "ids and stream them to the master, so Route knows what the instance's own "
-                    "cache holds. Prints `kv-events: INSTANCE` once connected; Ctrl-C stops.")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Subscribe to a vLLM instance's KV-event publisher (vLLM: --kv-events-config "
+        "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
+        "\"tcp://*:5557\"}'), re-hash its blocks with kvpool's spec from their token ids and "
+        "stream them to the master, so Route knows what the instance's own cache holds. Prints "
+        "`kv-events: INSTANCE` once connected; Ctrl-C stops.")
     env = os.environ.get("KVPOOL_MASTER")
     p.add_argument("--master", default=env, required=env is None, metavar="HOST:PORT",
                    help="the master's address (default: $KVPOOL_MASTER)")
@@ -31,7 +30,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="the served model's name: the hash namespace every client of this "
                         "model uses (HashSpec extra key `model`)")
     p.add_argument("--topic", default="", help="ZMQ topic (default: all)")
-    return p
 
 
 def run(args) -> int:

@@ -47,26 +47,24 @@ def _policies(text: str) -> list[str]:
     return names
 
 
-def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser(
-        "replay", help="replay a Mooncake trace through the router; reuse and TTFT per policy",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Replay a Mooncake-format request trace (one JSON object per line: "
-                    "timestamp ms, input_length, hash_ids of 512-token prefix blocks) through "
-                    "kvpool's routing index and policies with a simulated clock, and report per "
-                    "policy the fractions of prompt tokens served from the instance's own cache "
-                    "(local_hit), from the shared store (store_hit) and recomputed, and the time "
-                    "to first token (mean, p90).",
-        epilog="Instance model: each instance is a FIFO queue in front of one prefill server "
-               "that computes --prefill-tokens-per-s and loads store-held KV at "
-               "--store-tokens-per-s; its own cache is an LRU of --cache-blocks trace blocks "
-               "(a prompt's tail evicted before its head, as vLLM does); the store holds "
-               "--store-blocks with prefix-aware eviction; caches fill when a prefill finishes. "
-               "A block is a hit only while every earlier block of its prompt is. ideal_reuse is "
-               "what an infinite shared cache would reuse; floor p90 is the p90 TTFT no policy "
-               "can beat (each prompt's prefill of what no earlier request computed).\n\n"
-               "Example: kvpool replay trace.jsonl --json out.json --plot out.png\n"
-               "         kvpool replay trace.jsonl --live --master 127.0.0.1:50051 --requests 50")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = ("Replay a Mooncake-format request trace (one JSON object per line: "
+                     "timestamp ms, input_length, hash_ids of 512-token prefix blocks) through "
+                     "kvpool's routing index and policies with a simulated clock, and report per "
+                     "policy the fractions of prompt tokens served from the instance's own cache "
+                     "(local_hit), from the shared store (store_hit) and recomputed, and the time "
+                     "to first token (mean, p90).")
+    p.epilog = ("Instance model: each instance is a FIFO queue in front of one prefill server "
+                "that computes --prefill-tokens-per-s and loads store-held KV at "
+                "--store-tokens-per-s; its own cache is an LRU of --cache-blocks trace blocks "
+                "(a prompt's tail evicted before its head, as vLLM does); the store holds "
+                "--store-blocks with prefix-aware eviction; caches fill when a prefill finishes. "
+                "A block is a hit only while every earlier block of its prompt is. ideal_reuse is "
+                "what an infinite shared cache would reuse; floor p90 is the p90 TTFT no policy "
+                "can beat (each prompt's prefill of what no earlier request computed).\n\n"
+                "Example: kvpool replay trace.jsonl --json out.json --plot out.png\n"
+                "         kvpool replay trace.jsonl --live --master 127.0.0.1:50051 --requests 50")
     p.add_argument("trace", metavar="TRACE", help="Mooncake-format trace (.jsonl)")
     p.add_argument("--instances", type=count_type, default=8, help="serving instances (default: 8)")
     p.add_argument("--cache-blocks", type=lambda t: count_type(t, 0), default=6000,
@@ -109,7 +107,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
                            "(default: 16)")
     live.add_argument("--block-bytes", type=count_type, default=16384,
                       help="KV bytes per block live (default: 16384)")
-    return p
 
 
 class Progress:

@@ -50,14 +50,11 @@ PROGRESS_EVERY_S = 5.0
 _EVICTED = re.compile(r"object_evicted\b.*?\bkey=(\S+)")
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Register ``kvpool soak`` on the CLI's subparsers."""
-    s = subparsers.add_parser(
-        "soak", help="load + node crashes + eviction on a local cluster, then a strict audit",
-        description=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Examples:\n  kvpool soak                      (60 s, 3 clients, 3 nodes)\n"
-               "  kvpool soak --duration 5m --clients 4 --seed 7")
+def add_arguments(s: argparse.ArgumentParser) -> None:
+    s.description = __doc__.split("\n\n", 1)[1]
+    s.formatter_class = argparse.RawDescriptionHelpFormatter
+    s.epilog = ("Examples:\n  kvpool soak                      (60 s, 3 clients, 3 nodes)\n"
+                "  kvpool soak --duration 5m --clients 4 --seed 7")
     s.add_argument("--duration", type=duration_type, default=60.0, metavar="DURATION",
                    help="how long the clients run (default: 60s)")
     s.add_argument("--clients", type=count_type, default=3, help="client processes (default: 3)")
@@ -82,7 +79,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--json", metavar="FILE", help="also write the figures and violations as JSON")
     s.add_argument("--log-dir", metavar="DIR", help="keep the cluster's logs here (default: a "
                    "temporary folder, kept only if the audit fails)")
-    return s
 
 
 def run(args: argparse.Namespace) -> int:

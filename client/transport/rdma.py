@@ -40,7 +40,6 @@ from kvpool.common.errors import ClientClosed, KVPoolError, SegmentBoundsError, 
 from kvpool.common.logging import get_logger
 from kvpool.common.types import NodeEndpoints
 from kvpool.net.data_port import (
-    MAX_ERROR_BYTES,
     QP_INFO,
     RESPONSE,
     FrameStatus,
@@ -48,6 +47,7 @@ from kvpool.net.data_port import (
     decode_qp_info,
     encode_qp_info,
     encode_request,
+    recv_refusal,
 )
 from kvpool.net.rdma_probe import unavailable_reason
 from kvpool.net.sockets import recv_exact
@@ -430,10 +430,8 @@ class RDMATransport(Transport):
                          + encode_qp_info(local.qp_num, local.psn, local.gid, local.mtu))
             status, length = RESPONSE.unpack(recv_exact(sock, RESPONSE.size))
             if status != FrameStatus.OK:
-                if length > MAX_ERROR_BYTES:
-                    raise TransportError(f"malformed reply: status {status}, {length} bytes")
-                message = recv_exact(sock, length).decode("utf-8", "replace")
-                raise TransportError(f"node refused the queue pair: {message}")
+                raise TransportError("node refused the queue pair: "
+                                     + recv_refusal(sock, status, length))
             if length != QP_INFO.size:
                 raise TransportError(f"malformed reply: {length}-byte QP info")
             try:

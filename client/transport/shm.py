@@ -38,10 +38,11 @@ from kvpool.common.logging import get_logger
 from kvpool.common.types import NodeEndpoints, Replica
 from kvpool.net.data_port import (
     HANDOFF_REQUEST,
-    MAX_ERROR_BYTES,
     MAX_SEGMENT_ID_BYTES,
     RESPONSE,
     FrameStatus,
+    encode_handoff_request,
+    recv_refusal,
 )
 from kvpool.net.sockets import recv_exact
 
@@ -113,11 +114,12 @@ class _NodeLink:
             return found
 
     def _handoff(self, segment_id: str, timeout_s: float) -> _Mapping:
-        sid = segment_id.encode("utf-8")
-        if len(sid) > MAX_SEGMENT_ID_BYTES:
-            raise SegmentBoundsError(f"segment id of {len(sid)} bytes cannot exist")
+        request = encode_handoff_request(segment_id)
+        if len(request) - HANDOFF_REQUEST.size > MAX_SEGMENT_ID_BYTES:
+            raise SegmentBoundsError(f"segment id of {len(request) - HANDOFF_REQUEST.size} "
+                                     "bytes cannot exist")
         self.sock.settimeout(timeout_s)
-        self.sock.sendall(HANDOFF_REQUEST.pack(len(sid)) + sid)
+        self.sock.sendall(request)
         data, fds, flags, _ = socket.recv_fds(self.sock, RESPONSE.size, 1)
         try:
             if flags & socket.MSG_CTRUNC:
@@ -125,9 +127,7 @@ class _NodeLink:
             data += recv_exact(self.sock, RESPONSE.size - len(data), "shm hand-off: node")
             status, length = RESPONSE.unpack(data)
             if status != FrameStatus.OK:
-                if length > MAX_ERROR_BYTES:
-                    raise TransportError(f"shm hand-off: malformed reply ({length}-byte error)")
-                message = recv_exact(self.sock, length, "shm hand-off: node").decode("utf-8", "replace")
+                message = recv_refusal(self.sock, status, length, "shm hand-off: node")
                 if status in (FrameStatus.UNKNOWN_SEGMENT, FrameStatus.OUT_OF_BOUNDS):
                     raise SegmentBoundsError(f"shm {self.endpoint}: {message}")
                 raise TransportError(f"shm {self.endpoint}: hand-off refused: {message}")

@@ -35,12 +35,12 @@ from kvpool.common.errors import (
 from kvpool.common.logging import get_logger
 from kvpool.common.types import NodeEndpoints
 from kvpool.net.data_port import (
-    MAX_ERROR_BYTES,
     MAX_SEGMENT_ID_BYTES,
     RESPONSE,
     FrameStatus,
     Op,
     encode_request,
+    recv_refusal,
 )
 from kvpool.net.sockets import recv_exact_into, send_all
 
@@ -48,7 +48,6 @@ log = get_logger(__name__)
 
 _UNSET = object()
 _U64 = 1 << 64
-_STATUSES = frozenset(s.value for s in FrameStatus)
 _STALE = select.POLLIN | select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 
@@ -200,11 +199,7 @@ class TCPTransport(Transport):
                 results[i] = None
                 done += 1
                 continue
-            if status not in _STATUSES or length > MAX_ERROR_BYTES:
-                raise TransportError(f"malformed reply: status {status}, {length}-byte message")
-            message_view = memoryview(bytearray(length))
-            recv_exact_into(sock, message_view)
-            message = message_view.tobytes().decode("utf-8", "replace")
+            message = recv_refusal(sock, status, length)
             if status == FrameStatus.BAD_REQUEST:
                 raise TransportError(f"node rejected the request as malformed: {message}")
             results[i] = SegmentBoundsError(message)

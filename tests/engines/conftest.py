@@ -1,6 +1,6 @@
 """Fixtures for the engine tests: the vLLM venv, a tiny model, engine processes, clusters.
 
-The venv comes from ``tools/engines/vllm-env.sh`` (built once, ~3 min, cached outside the repo;
+The venv comes from ``scripts/engines/vllm-env.sh`` (built once, ~3 min, cached outside the repo;
 needs PyPI the first time: without it the build fails, and says so). Each engine is a separate
 process (``vllm_driver.py`` under the venv's Python) talking JSON lines.
 """
@@ -27,13 +27,13 @@ ENGINE_START_TIMEOUT_S = 240
 def vllm_python() -> str:
     """The Python of the vLLM-on-CPU venv, with this checkout's kvpool installed in it."""
     try:
-        r = subprocess.run(["bash", str(REPO / "tools/engines/vllm-env.sh")], cwd=REPO,
+        r = subprocess.run(["bash", str(REPO / "scripts/engines/vllm-env.sh")], cwd=REPO,
                            capture_output=True, text=True, timeout=ENV_BUILD_TIMEOUT_S,
                            check=False)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"tools/engines/vllm-env.sh ran over {ENV_BUILD_TIMEOUT_S} s")
+        pytest.fail(f"scripts/engines/vllm-env.sh ran over {ENV_BUILD_TIMEOUT_S} s")
     if r.returncode != 0:
-        pytest.fail("tools/engines/vllm-env.sh failed (building the vLLM venv needs PyPI the "
+        pytest.fail("scripts/engines/vllm-env.sh failed (building the vLLM venv needs PyPI the "
                     f"first time):\n{r.stderr[-3000:]}")
     return r.stdout.strip().splitlines()[-1]
 
@@ -42,7 +42,7 @@ def vllm_python() -> str:
 def tiny_model(vllm_python, tmp_path_factory) -> str:
     """A random 2-layer Llama with an offline tokenizer, built once per session."""
     out = tmp_path_factory.mktemp("tiny-llama")
-    r = subprocess.run([vllm_python, str(REPO / "tools/engines/make_tiny_llama.py"), str(out)],
+    r = subprocess.run([vllm_python, str(REPO / "scripts/engines/make_tiny_llama.py"), str(out)],
                        capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
     return str(out)

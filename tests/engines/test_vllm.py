@@ -1,7 +1,7 @@
 """KVPoolConnector with a real vLLM on CPU and a real kvpool cluster.
 
 Every engine is its own process (tests/engines/vllm_driver.py under the venv of
-tools/engines/vllm-env.sh), running a tiny random Llama greedily: KV one process computed is
+scripts/engines/vllm-env.sh), running a tiny random Llama greedily: KV one process computed is
 loaded by another, and the tokens that follow are exactly a cold run's. ``cold`` is a run
 without any connector (and without vLLM's own prefix cache), once per session.
 """

@@ -1,6 +1,6 @@
 """One vLLM engine process for tests/engines/test_vllm.py, driven over stdin/stdout.
 
-Run with the engine venv's Python (tools/engines/vllm-env.sh). Starts ``LLM(model)`` on CPU,
+Run with the engine venv's Python (scripts/engines/vllm-env.sh). Starts ``LLM(model)`` on CPU,
 with KVPoolConnector when ``--master`` is given, prints ``DRIVER {"ready": ...}``, then for each
 stdin line ``{"prompt": [token ids], "max_tokens": N}`` generates greedily and prints
 ``DRIVER {"tokens": [...], "seconds": S, "cached_tokens": C}``; ``{"keys": [token ids]}`` answers

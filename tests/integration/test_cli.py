@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -11,6 +12,7 @@ import time
 
 import pytest
 from kvpool.client import KVClient, ObjectNotFound
+from kvpool.tools.cli import COMMANDS
 
 KVPOOL = [sys.executable, "-m", "kvpool"]
 
@@ -34,12 +36,37 @@ def test_bad_flags_are_explained(args, message):
     assert message in r.stderr and "Traceback" not in r.stderr
 
 
-def test_every_flag_has_help():
-    for cmd in ["master", "store-node", "up", "stat", "demo", "bench"]:
-        r = kvpool(cmd, "--help")
-        assert r.returncode == 0
-        lines = r.stdout.split("options:")[1]
-        assert "--" in lines and "None" not in lines
+@pytest.mark.parametrize("cmd", list(COMMANDS))
+def test_every_flag_has_help(cmd):
+    r = kvpool(cmd, "--help")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"usage: kvpool {cmd} ")
+    lines = r.stdout.split("options:")[1]
+    assert "--" in lines and "None" not in lines
+
+
+def test_the_command_list_names_every_command():
+    r = kvpool("--help")
+    assert r.returncode == 0
+    for cmd, (summary, _) in COMMANDS.items():
+        assert cmd in r.stdout and summary in " ".join(r.stdout.split())
+    r = kvpool("nonsense")
+    assert r.returncode == 2 and "invalid choice: 'nonsense'" in r.stderr
+
+
+# What help must not pay for: the heavy commands' code and the optional heavy dependencies.
+HEAVY_MODULES = re.compile(r"kvpool\.tools\.(bench|soak|replay)\w*|(torch|matplotlib|numpy)(\..*)?")
+
+
+@pytest.mark.parametrize("args", [["--help"], ["master", "--help"]])
+def test_help_imports_no_command_it_does_not_show(args):
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "kvpool", *args],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stderr
+    imported = [line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines()
+                if line.startswith("import time:") and "|" in line]
+    assert "kvpool.tools.cli" in imported     # the report is read right
+    assert [m for m in imported if HEAVY_MODULES.fullmatch(m)] == []
 
 
 def test_unreachable_master_is_a_clear_error():

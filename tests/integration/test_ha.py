@@ -6,39 +6,48 @@ masters) follow on their own: nothing committed is lost, no byte is wrong."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from kvpool.client import KVClient
 from kvpool.common.errors import KVPoolError, MasterUnavailable
 from kvpool.rpc.master_client import MasterClient
-from kvpool.tools.etcd_server import EtcdServer, etcd_binary
+from kvpool.tools.cluster import Proc
 
 from .conftest import run_cluster
 from .test_master_restart import read_all_when_back
 
-pytestmark = pytest.mark.skipif(etcd_binary() is None,
+pytestmark = pytest.mark.skipif(shutil.which("etcd") is None,
                                 reason="no etcd binary (apt-get install etcd-server)")
+ETCD_SERVER = Path(__file__).resolve().parents[2] / "scripts" / "etcd_server.py"
 
 HA_LEASE_TTL_S = 2          # etcd's minimum: a dead leader is replaced in about this long
-# Bounds for the test to give up, not performance targets (tools/bench_failover.py measures).
+# Bounds for the test to give up, not performance targets (scripts/bench_failover.py measures).
 TAKEOVER_LIMIT_S = 30.0
 
 
 @pytest.fixture
 def etcd(tmp_path):
-    with EtcdServer(tmp_path / "etcd") as server:
-        yield server
+    """A throwaway etcd (scripts/etcd_server.py, run by path): its ``etcd://HOST:PORT`` URL."""
+    with open(tmp_path / "etcd-server.log", "wb") as log:
+        server = Proc("etcd", ["--data-dir", str(tmp_path / "etcd")], log,
+                      program=[sys.executable, str(ETCD_SERVER)])
+        try:
+            yield server.wait_ready("etcd")
+        finally:
+            server.terminate()
 
 
 @pytest.fixture
 def ha(tmp_path, etcd):
     """Three masters electing on ``etcd`` and two store nodes following the leader."""
-    yield from run_cluster(tmp_path, masters=3, ha=f"{etcd.url}/ha-test",
+    yield from run_cluster(tmp_path, masters=3, ha=f"{etcd}/ha-test",
                            master_args=["--ha-lease-ttl", f"{HA_LEASE_TTL_S}s"])
 
 
@@ -183,7 +192,7 @@ def test_leader_whose_key_is_taken_away_steps_down(ha, etcd):
     from aetcd.rpc import rpc_pb2, rpc_pb2_grpc
     from kvpool.common.addresses import parse_etcd_url
     old = ha.leader()
-    with grpc.insecure_channel(etcd.endpoint) as channel:
+    with grpc.insecure_channel(etcd.removeprefix("etcd://")) as channel:
         rpc_pb2_grpc.KVStub(channel).DeleteRange(
             rpc_pb2.DeleteRangeRequest(key=parse_etcd_url(ha.master).key), timeout=5.0)
     assert ha.standbys[old].popen.wait(timeout=TAKEOVER_LIMIT_S) == 1

@@ -151,3 +151,56 @@ def test_a_late_writer_from_before_the_kill_overwrites_nothing_stored_after(slow
         finally:
             tcp.close()
         assert kv.batch_get(list(values), verify=True) == list(values.values())
+
+
+@pytest.fixture
+def pin_cluster(tmp_path):
+    """Hard pins may hold a quarter of the 2 x 64 MiB: two 20 MiB pins do not fit."""
+    yield from run_cluster(tmp_path, master_args=["--pin-quota", "0.25"])
+
+
+def test_each_kind_of_acknowledged_change_survives_a_master_kill(pin_cluster):
+    """The master is killed right after each kind of change a client is answered for: a put,
+    a remove, a hard pin, an unpin, a replica reported corrupt. (A put started and not ended:
+    test_a_late_writer_from_before_the_kill_overwrites_nothing_stored_after; an object moved
+    between tiers: test_disk_tier.py::test_master_restart_keeps_both_tiers.)"""
+    cluster, big = pin_cluster, 20 << 20
+    values = {"both": os.urandom(64 << 10), "a": os.urandom(big), "b": os.urandom(big),
+              "gone": os.urandom(1000)}
+    with KVClient(cluster.master) as kv, MasterClient(cluster.master) as mc:
+        def replicas(key: str) -> list[str]:
+            [view] = mc.locate([key]).views()
+            return [r.extent.segment_id for r in view.replicas]
+
+        def kill_and_recover() -> None:
+            # "both" has a replica on each node, and a node announces all it holds in one
+            # batch: with both replicas back, no announcement is still to come.
+            cluster.restart_master()
+            read_all_when_back(kv, values)
+            deadline = time.monotonic() + RECOVERY_LIMIT_S
+            while len(replicas("both")) < 2:
+                assert time.monotonic() < deadline, "a node did not announce"
+                time.sleep(0.05)
+
+        kv.put("both", values["both"], replicas=2)
+        for key in ("a", "b", "gone"):
+            kv.put(key, values[key])
+        kill_and_recover()                      # put
+        kv.remove("gone")
+        del values["gone"]
+        kill_and_recover()                      # remove
+        assert not kv.exists("gone")
+        kv.pin("a")
+        kill_and_recover()                      # hard pin: it still holds its quota
+        with pytest.raises(NoSpace):
+            kv.pin("b")
+        kv.unpin("a")
+        kill_and_recover()                      # unpin: the quota is free again
+        kv.pin("b")
+        [view] = mc.locate(["both"]).views()
+        bad, good = (r.extent.segment_id for r in view.replicas)
+        assert mc.report_corrupt(["both"], [view.version], [bad]) == [None]
+        cluster.restart_master()                # a replica reported corrupt stays dropped
+        read_all_when_back(kv, values)
+        time.sleep(1.0)   # both nodes re-announced long since (heartbeats every 200 ms)
+        assert replicas("both") == [good]

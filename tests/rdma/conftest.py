@@ -1,6 +1,6 @@
 """Fixtures for the cluster-level RDMA tests: a real master and store nodes on soft-RoCE.
 
-These run for real inside the soft-RoCE VM (``bash tools/softroce/test.sh``) and skip, saying
+These run for real inside the soft-RoCE VM (``bash scripts/softroce/test.sh``) and skip, saying
 why, wherever this host has no RDMA device.
 """
 
@@ -19,7 +19,7 @@ FAST_NODE = ["--heartbeat-interval", "300ms"]
 
 def _skip_without_rdma() -> None:
     if reason := unavailable_reason():
-        pytest.skip(f"rdma: {reason} (run bash tools/softroce/test.sh)")
+        pytest.skip(f"rdma: {reason} (run bash scripts/softroce/test.sh)")
 
 
 @pytest.fixture(autouse=True)
@@ -30,7 +30,7 @@ def _needs_rdma():
 @pytest.fixture
 def report_figure():
     """``report_figure(name, value, unit)``: appends a measured figure to the JSON-lines file
-    named by $KVPOOL_FIGURES_FILE, if set (tools/softroce/vm-tests.sh prints it at the end).
+    named by $KVPOOL_FIGURES_FILE, if set (scripts/softroce/vm-tests.sh prints it at the end).
     Figures are reported, never asserted: the VM is emulated."""
     path = os.environ.get("KVPOOL_FIGURES_FILE")
 

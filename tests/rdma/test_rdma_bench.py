@@ -1,5 +1,5 @@
 """``kvpool bench`` over rdma: where a device exists the bench measures the rdma transport beside
-shm and tcp. Runs for real in the soft-RoCE VM (``bash tools/softroce/test.sh``); the figures
+shm and tcp. Runs for real in the soft-RoCE VM (``bash scripts/softroce/test.sh``); the figures
 are emulated there, so only the report is checked, not the speed."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A real cluster over RDMA: nodes register their segments, clients put and get one-sided.
 
-Runs for real in the soft-RoCE VM (``bash tools/softroce/test.sh``); skips elsewhere.
+Runs for real in the soft-RoCE VM (``bash scripts/softroce/test.sh``); skips elsewhere.
 The node-killing test comes last: the cluster fixture is shared by the module.
 """
 

@@ -24,7 +24,7 @@ from kvpool.net.rdma_probe import unavailable_reason
 
 SERVE_NODE = Path(__file__).with_name("serve_node.py")
 STARTUP_TIMEOUT_S = 30.0
-# rdma runs for real on soft-RoCE (bash tools/softroce/test.sh); elsewhere it skips, saying why.
+# rdma runs for real on soft-RoCE (bash scripts/softroce/test.sh); elsewhere it skips, saying why.
 SCHEMES = ("shm", "tcp", pytest.param("rdma", marks=pytest.mark.rdma))
 
 
@@ -129,7 +129,7 @@ def fresh_node(tmp_path: Path) -> Iterator[NodeProcess]:
 @pytest.fixture(params=SCHEMES)
 def scheme(request: pytest.FixtureRequest) -> str:
     if request.param == "rdma" and (reason := unavailable_reason()):
-        pytest.skip(f"rdma: {reason} (run bash tools/softroce/test.sh)")
+        pytest.skip(f"rdma: {reason} (run bash scripts/softroce/test.sh)")
     return request.param
 
 

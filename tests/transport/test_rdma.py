@@ -1,6 +1,6 @@
 """What only the rdma transport promises, against a real node process on soft-RoCE.
 
-Runs for real in the VM (``bash tools/softroce/test.sh``); skips elsewhere, saying why.
+Runs for real in the VM (``bash scripts/softroce/test.sh``); skips elsewhere, saying why.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ MiB = 1 << 20
 @pytest.fixture(autouse=True)
 def _needs_rdma():
     if reason := unavailable_reason():
-        pytest.skip(f"rdma: {reason} (run bash tools/softroce/test.sh)")
+        pytest.skip(f"rdma: {reason} (run bash scripts/softroce/test.sh)")
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ def _copy_of_the_package(tmp_path: Path) -> Path:
         shutil.copy(REPO / name, root / name)
     for pkg in PACKAGES:
         shutil.copytree(REPO / pkg, root / pkg,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.so", "softroce"))
+                        ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     return root
 
 

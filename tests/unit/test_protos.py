@@ -6,7 +6,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_generated_code_matches_protos():
-    r = subprocess.run([sys.executable, str(REPO / "tools" / "protogen.py"), "--check"],
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "protogen.py"), "--check"],
                        capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0, r.stderr
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Boot the soft-RoCE VM, run one command inside it, power off, exit with the command's status.
 #
-#   tools/softroce/run-vm.sh [-t TIMEOUT_S] [-m MEM_MB] [-c CPUS] [-e VAR=VALUE]... -- CMD ARGS...
+#   scripts/softroce/run-vm.sh [-t TIMEOUT_S] [-m MEM_MB] [-c CPUS] [-e VAR=VALUE]... -- CMD ARGS...
 #
 # The repository is shared read-write (virtio-9p) at /mnt/project, the command's working
 # directory, and `import kvpool` resolves to it. Inside: root, rxe0 on eth0 (10.0.2.15),

@@ -3,7 +3,7 @@
 set -uo pipefail
 t0=$(date +%s)
 echo "=== pyverbs smoke test (2 processes, one-sided READ/WRITE on rxe0)"
-timeout 300 python3 tools/softroce/pyverbs_smoke.py || { echo "pyverbs smoke test FAILED"; exit 1; }
+timeout 300 python3 scripts/softroce/pyverbs_smoke.py || { echo "pyverbs smoke test FAILED"; exit 1; }
 echo "=== kvpool rdma tests (pytest -m rdma)"
 # -p no:cacheprovider: the share is the host's working tree; leave no .pytest_cache in it.
 export KVPOOL_FIGURES_FILE=/tmp/rdma-figures.jsonl   # measured figures (tests/rdma/conftest.py)

@@ -3,9 +3,9 @@ etcd (a throwaway one on free ports) and 2 store nodes holds N objects; the lead
 (SIGKILL) and a client, given only the etcd URL, retries until a put succeeds (the new leader
 serves) and reads until every object is back byte for byte (the index is rebuilt from the
 nodes). Median of --runs runs; the baseline is one master killed and restarted in place
-(tools/bench_recovery.py), measured in the same run.
+(scripts/bench_recovery.py), measured in the same run.
 
-    python3 -m kvpool.tools.bench_failover --objects 20000 --runs 3 --lease-ttl 2s
+    python3 scripts/bench_failover.py --objects 20000 --runs 3 --lease-ttl 2s
 
 Needs the etcd binary (Debian: apt-get install etcd-server).
 """
@@ -18,13 +18,13 @@ import statistics
 import tempfile
 import time
 
+import bench_recovery  # beside this script: run it by path, python3 scripts/bench_failover.py
+from bench_recovery import _all_back, load
+from etcd_server import EtcdServer, etcd_binary
 from kvpool.client import KVClient
 from kvpool.common.errors import KVPoolError
-from kvpool.tools import bench_recovery
 from kvpool.tools.argtypes import duration_type
-from kvpool.tools.bench_recovery import _all_back, load
 from kvpool.tools.cluster import LocalCluster
-from kvpool.tools.etcd_server import EtcdServer, etcd_binary
 
 GIVE_UP_S = 120.0
 
@@ -60,7 +60,7 @@ def measure(etcd_url: str, objects: int, value_bytes: int, heartbeat: str, segme
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python3 -m kvpool.tools.bench_failover",
+    p = argparse.ArgumentParser(prog="python3 scripts/bench_failover.py",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--objects", type=int, default=20000, help="objects to store (20000)")
     p.add_argument("--value-bytes", type=int, default=4096, help="bytes per object (4096)")

@@ -1,8 +1,8 @@
 """Prefill time of a real vLLM (CPU) with and without a kvpool prefix hit, in one process.
 
-    PY=$(bash tools/engines/vllm-env.sh)
-    $PY tools/engines/bench_vllm.py                     # a random 8-layer, hidden-1024 Llama
-    $PY tools/engines/bench_vllm.py --layers 2 --hidden 128 --heads 2   # the tests' tiny one
+    PY=$(bash scripts/engines/vllm-env.sh)
+    $PY scripts/engines/bench_vllm.py                     # a random 8-layer, hidden-1024 Llama
+    $PY scripts/engines/bench_vllm.py --layers 2 --hidden 128 --heads 2   # the tests' tiny one
 
 Starts a local cluster (1 store node) and one engine with KVPoolConnector and vLLM's own prefix
 cache off, so every repeat of a prompt goes to kvpool. Stores ``--prompts`` prompts of

@@ -3,7 +3,7 @@
 # generic kernel's rdma_rxe, rdma-core 44, Debian's python3-pyverbs and kvpool's Python deps
 # in /opt/venv (with system site packages, so pyverbs is visible).
 #
-#   tools/softroce/build-image.sh          # prints the image directory on its last line
+#   scripts/softroce/build-image.sh          # prints the image directory on its last line
 #
 # The image lives in $KVPOOL_CACHE/softroce/<key>/ (KVPOOL_CACHE defaults to
 # /var/cache/kvpool), outside the repository, so clean clones on one machine share it. <key>

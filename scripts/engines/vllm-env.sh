@@ -2,7 +2,7 @@
 # Print the path of a Python that runs vLLM on CPU with kvpool importable (editable, from THIS
 # checkout). The venv is built once (~3 min, ~3.4 GB) and cached outside the repository, under
 # $KVPOOL_ENV_CACHE (default /var/cache/kvpool), in a folder named by the hash of its requirements
-# (tools/engines/vllm-requirements.txt + the Python version): change one and the next call builds
+# (scripts/engines/vllm-requirements.txt + the Python version): change one and the next call builds
 # a new venv. Every call then brings kvpool's own runtime dependencies (pyproject.toml) up to date
 # and reinstalls kvpool with `pip install --no-deps -e REPO` (seconds), so a fresh clone at another
 # path, or one that gained a dependency, works without a rebuild.
@@ -11,7 +11,7 @@
 # only once its `.complete` marker is written (a venv holds absolute paths, so it is built in place
 # rather than in a temporary folder and renamed; a half-built one is removed and rebuilt).
 #
-# Progress goes to stderr; stdout carries only the Python path:  PY=$(bash tools/engines/vllm-env.sh)
+# Progress goes to stderr; stdout carries only the Python path:  PY=$(bash scripts/engines/vllm-env.sh)
 set -euo pipefail
 
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then

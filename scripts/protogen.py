@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
                 n for n in set(fresh) & current if not filecmp.cmp(fresh[n], PROTO_DIR / n, shallow=False))
             if drift:
                 print("generated code is out of date: " + ", ".join(drift)
-                      + "\nrun: python tools/protogen.py", file=sys.stderr)
+                      + "\nrun: python scripts/protogen.py", file=sys.stderr)
                 return 1
             print(f"generated code up to date ({len(fresh)} files)")
             return 0

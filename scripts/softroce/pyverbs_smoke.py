@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Smoke test of the VM's RDMA stack, independent of kvpool: one-sided READ/WRITE over pyverbs.
 
-Run first by ``tools/softroce/test.sh`` inside the VM, so that a broken image (kernel module,
+Run first by ``scripts/softroce/test.sh`` inside the VM, so that a broken image (kernel module,
 rdma-core, pyverbs) is told apart from a kvpool bug, and to measure what the emulated fabric
 does (``RESULT {...}`` line: MiB/s per op and message size; emulated, so correctness, not speed).
 

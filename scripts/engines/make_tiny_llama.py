@@ -3,7 +3,7 @@ offline WordLevel tokenizer (tokens ``w3`` .. ``w999``) into a folder: a real mo
 no hub access. Deterministic (seed 0). Run with the engine venv's Python (needs transformers,
 tokenizers, torch):
 
-    python tools/engines/make_tiny_llama.py OUT_DIR [--layers 8 --hidden 1024 --heads 8]
+    python scripts/engines/make_tiny_llama.py OUT_DIR [--layers 8 --hidden 1024 --heads 8]
 """
 
 from __future__ import annotations

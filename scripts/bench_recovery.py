@@ -2,7 +2,7 @@
 the master is killed (SIGKILL) and started again on the same port, and a client reads until
 every object is back, byte for byte.
 
-    python3 -m kvpool.tools.bench_recovery --objects 20000 --heartbeat-interval 1s
+    python3 scripts/bench_recovery.py --objects 20000 --heartbeat-interval 1s
 
 Prints the time from the kill to the new master serving, and to all objects readable (the
 nodes notice on their next heartbeat, mount again and re-announce their manifests).
@@ -62,7 +62,7 @@ def _all_back(kv: KVClient, keys: list[str], values: list[bytes]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python3 -m kvpool.tools.bench_recovery",
+    p = argparse.ArgumentParser(prog="python3 scripts/bench_recovery.py",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--objects", type=int, default=20000, help="objects to store (20000)")
     p.add_argument("--value-bytes", type=int, default=4096, help="bytes per object (4096)")

@@ -1,17 +1,25 @@
 """A throwaway single-member etcd (Debian's ``etcd-server``) for tests, benchmarks and local HA
-clusters: free ports, data in a temporary folder, stopped (and the folder removed) on exit."""
+clusters: free ports, data in a temporary folder, stopped (and the folder removed) on exit.
+
+    python3 scripts/etcd_server.py [--data-dir DIR]
+
+prints ``etcd: etcd://127.0.0.1:PORT`` once etcd answers and runs until SIGTERM or Ctrl-C (the
+HA tests start it so); the scripts beside it import ``EtcdServer``.
+"""
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Self
 
-from kvpool.tools.cluster import ClusterError, _die_with_parent
+from kvpool.tools.cluster import ClusterError, _die_with_parent, die_with_launcher, wait_for_signal
 
 READY_TIMEOUT_S = 20.0
 
@@ -98,3 +106,24 @@ class EtcdServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python3 scripts/etcd_server.py",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--data-dir", metavar="DIR",
+                   help="keep etcd's data and log here (default: a temporary folder, removed)")
+    args = p.parse_args(argv)
+    die_with_launcher()   # started by a test's Proc: end with the test, however it ends
+    try:
+        with EtcdServer(args.data_dir) as etcd:
+            print(f"etcd: {etcd.url}", flush=True)
+            wait_for_signal()
+    except ClusterError as e:
+        print(f"etcd_server: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""``kvpool master``: run the master (the global index, allocator, leases, eviction)."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvpool.common.config import EVICTION_POLICIES, ConfigError, MasterConfig, load
+from kvpool.tools.argtypes import count_type, duration_type, fraction_type, log_arg, port_type
+
+DEFAULT_PORT = 50051
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = "Run the master. Prints `master: HOST:PORT` once serving."
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; "
+                   "0.0.0.0 for a multi-host cluster)")
+    p.add_argument("--port", type=port_type, default=DEFAULT_PORT,
+                   help=f"gRPC port (default: {DEFAULT_PORT}; 0 = any free port)")
+    p.add_argument("--lookup-port", type=port_type, default=0, metavar="PORT",
+                   help="also answer lookups (GetReplicas, the master call of every read) here, "
+                        "over plain tcp: a few times cheaper than gRPC, and named in gRPC answers, "
+                        "so clients find it (default: 0 = any free port; open it to clients "
+                        "beside --port, or they keep using gRPC)")
+    p.add_argument("--no-lookup-port", action="store_true",
+                   help="answer lookups over gRPC only")
+    p.add_argument("--config", metavar="FILE", help="YAML file of master settings (the long "
+                   "option names with _ for -, e.g. put_timeout_s: 30s); flags override it")
+    p.add_argument("--put-timeout", type=duration_type, metavar="DURATION",
+                   help="reclaim a put not completed within this (default: 30s)")
+    p.add_argument("--lease-ttl", type=duration_type, metavar="DURATION",
+                   help="protect an object from eviction/removal this long after a read is "
+                        "granted (default: 5s)")
+    p.add_argument("--node-ttl", type=duration_type, metavar="DURATION",
+                   help="declare a store node dead after this long without a heartbeat (default: 10s)")
+    p.add_argument("--quarantine", type=duration_type, metavar="DURATION",
+                   help="keep space of a reclaimed put unused this long (default: 30s)")
+    p.add_argument("--high-watermark", type=fraction_type, metavar="FRACTION",
+                   help="evict when a segment is fuller than this (default: 0.95)")
+    p.add_argument("--low-watermark", type=fraction_type, metavar="FRACTION",
+                   help="evict down to this (default: 0.85)")
+    p.add_argument("--replicas", type=count_type, help="copies per object unless a client asks "
+                   "otherwise (default: 1)")
+    p.add_argument("--promote-window", type=duration_type, metavar="DURATION",
+                   help="promote a disk-tier object back to DRAM when it is read again within "
+                        "this long of its previous read (default: 60s)")
+    p.add_argument("--pin-quota", type=fraction_type, metavar="FRACTION",
+                   help="the share of the cluster's capacity that hard pins (never evicted) "
+                        "may hold (default: 0.5)")
+    p.add_argument("--eviction", choices=EVICTION_POLICIES,
+                   help="what a full segment gives up first: 'prefix' evicts KV prefix chains "
+                        "from the tail (blocks name their parent; shared prefixes go last, plain "
+                        "LRU for objects without one), 'lru' is plain least-recently-used and "
+                        "indexes each object in ~170 fewer bytes (default: prefix)")
+    p.add_argument("--ha", metavar="etcd://HOST:PORT[,HOST:PORT][/CLUSTER]",
+                   help="run as one of several standby masters electing a leader on etcd "
+                        "(CLUSTER names the election, default 'default'); standbys refuse "
+                        "calls, naming the leader; clients use the same URL as --master")
+    p.add_argument("--advertise", metavar="HOST[:PORT]",
+                   help="with --ha: the address clients and nodes dial to reach this master "
+                        "(default: --host and the bound port; required with --host 0.0.0.0)")
+    p.add_argument("--ha-lease-ttl", type=duration_type, default=5.0, metavar="DURATION",
+                   help="with --ha: the leader's etcd lease; a dead leader is replaced within "
+                        "about this long (default: 5s; etcd's minimum is 2s)")
+    log_arg(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kvpool.common.logging import configure
+    from kvpool.master.server import serve
+    configure(args.log_level, component="master")
+    config = load(MasterConfig, args.config, put_timeout_s=args.put_timeout,
+                  lease_ttl_s=args.lease_ttl, node_ttl_s=args.node_ttl,
+                  quarantine_s=args.quarantine, high_watermark=args.high_watermark,
+                  low_watermark=args.low_watermark, default_replicas=args.replicas,
+                  eviction=args.eviction, promote_window_s=args.promote_window,
+                  pin_quota_fraction=args.pin_quota)
+    announce = lambda addr: print(f"master: {addr}", flush=True)
+    lookup_port = None if args.no_lookup_port else args.lookup_port
+    if args.ha:
+        from kvpool.common.addresses import parse_etcd_url
+        from kvpool.master.ha import serve_ha
+        url = parse_etcd_url(args.ha)
+        asyncio.run(serve_ha(config, args.host, args.port, url, advertise=args.advertise,
+                             lease_ttl_s=max(1, round(args.ha_lease_ttl)), on_started=announce,
+                             lookup_port=lookup_port))
+        return 0
+    if args.advertise:
+        raise ConfigError("--advertise is for standby masters: give --ha etcd://HOST:PORT too")
+    asyncio.run(serve(config, args.host, args.port, on_started=announce,
+                      lookup_port=lookup_port))
+    return 0
