@@ -56,6 +56,19 @@ def writable_rows(buffers: object) -> tuple[int, int] | None:
     return (address, row_bytes) if row_bytes else None
 
 
+def address_of(view: memoryview) -> int:
+    """The address of a contiguous, non-empty buffer's first byte (read-only buffers too)."""
+    if not view.readonly:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))   # 7x cheaper than numpy's
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data
+
+
+def view_at(address: int, nbytes: int) -> memoryview:
+    """A writable ``"B"`` memoryview of the ``nbytes`` at ``address``, which the caller owns
+    and keeps alive as long as the view."""
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
 def _tensor_view(t, writable: bool) -> memoryview:
     if t.device.type != "cpu":
         raise InvalidArgument(f"torch tensor is on {t.device}; only CPU tensors are supported")
@@ -67,4 +80,4 @@ def _tensor_view(t, writable: bool) -> memoryview:
     if nbytes == 0:
         return memoryview(b"")
     # Any dtype (bfloat16 included) as raw bytes: a view of the tensor's own storage.
-    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
+    return view_at(t.data_ptr(), nbytes)

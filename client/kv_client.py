@@ -14,10 +14,10 @@ from collections.abc import Callable, Sequence
 from typing import Self
 
 import numpy as np
-from kvpool.client.buffers import byte_view, writable_rows
+from kvpool.client.buffers import address_of, byte_view, writable_rows
 from kvpool.client.transport.base import IoOp, Transport
 from kvpool.client.transport.registry import TRANSPORT_PREFERENCE, create_transports
-from kvpool.common.checksum import Checksums, checksum
+from kvpool.common.checksum import checksum
 from kvpool.common.errors import (
     ClientClosed,
     CorruptObject,
@@ -223,11 +223,9 @@ class KVClient:
                       ) -> tuple[set[int], dict[int, int]]:
         """Write each placed value (``placed`` parallel to ``idx``) to its replicas, unless
         ``deadline`` (monotonic) passes first; errors go to ``results``. Returns the positions
-        written to (successfully or not) and the CRC-32C of each value written.
-
-        The checksums are taken from the caller's bytes as they leave, so damage anywhere after
-        is caught on read: by the shm transport while it copies (one pass over memory), else
-        by a helper thread while the transports send."""
+        written to (successfully or not) and the CRC-32C of each value written, taken from the
+        caller's bytes as they leave (``Transport.write_summed``), so that damage anywhere
+        after is caught on read."""
         ops: list[tuple[int, Transport | None, IoOp]] = []
         for i, where in zip(idx, placed):
             if isinstance(where, KVPoolError):
@@ -240,18 +238,7 @@ class KVClient:
             for i in written:
                 results[i] = TransportError(f"{keys[i]!r}: put timed out before writing")
             return written, {}
-        transports = {t for _, t, _ in ops}
-        summing = transports.pop() if len(transports) == 1 else None
-        sums: dict[int, int] = {}
-        if hasattr(summing, "write_summed"):
-            errs, crcs = summing.write_summed([op for _, _, op in ops])
-            done = [(i, err) for (i, _, _), err in zip(ops, errs)]
-            sums.update((i, crc) for (i, _, _), crc in zip(ops, crcs) if crc is not None)
-        else:
-            order = sorted(written)
-            with Checksums([views[i] for i in order]) as checksums:
-                done = self._run(ops, write=True)
-                sums.update(zip(order, checksums.result()))
+        done, sums = self._run(ops, write=True)
         for i, err in done:
             if results[i] is None:
                 results[i] = err
@@ -271,7 +258,7 @@ class KVClient:
             bufs[i] = bytearray(size)
             return memoryview(bufs[i])
 
-        got = self._get_verified(keys, alloc) if verify else self._get(keys, alloc)
+        got = self._get(keys, alloc, verify=verify)
         return [r if isinstance(r, KVPoolError) else bytes(bufs[i]) for i, r in enumerate(got)]
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence, *, verify: bool = False
@@ -291,81 +278,47 @@ class KVClient:
                                       f"than the value ({size} bytes)")
             return v[:size]
 
-        if verify:
-            return self._get_verified(keys, into)
-        return self._get(keys, into, writable_rows(buffers))
-
-    def _get_verified(self, keys: Sequence[str], buffer_for: Callable[[int, int], memoryview]
-                      ) -> list[int | KVPoolError]:
-        """Locate and read each key, checking its bytes against its checksum, replica after
-        replica. A matching checksum also proves the bytes are the object's own, so these reads
-        need no version check when they outlive their lease; keys put without a checksum take
-        the ordinary path, which does that check."""
-        self._check_open()
-        out, valid = _validate_keys(keys)
-        if not valid:
-            return out
-        located, _ = self._master.get_replicas([keys[i] for i in valid])
-        reads, unsummed = [], []
-        for i, obj in zip(valid, located):
-            if isinstance(obj, KVPoolError):
-                out[i] = obj
-            elif obj.checksum is None:
-                unsummed.append(i)
-            else:
-                try:
-                    reads.append((i, obj, buffer_for(i, obj.size)))
-                except InvalidArgument as e:
-                    out[i] = e
-        for i, err in self._read(reads, verify=True).items():
-            out[i] = err
-        for i, obj, _ in reads:
-            out[i] = out[i] or obj.size
-        if unsummed:
-            for i, r in zip(unsummed, self._get([keys[i] for i in unsummed],
-                                                lambda j, size: buffer_for(unsummed[j], size))):
-                out[i] = r
-        return out
+        return self._get(keys, into, writable_rows(buffers), verify=verify)
 
     def _get(self, keys: Sequence[str], buffer_for: Callable[[int, int], memoryview],
-             rows: tuple[int, int] | None = None) -> list[int | KVPoolError]:
-        """Locate, read and (if a read outlived its lease) verify each key. ``rows``: the
-        buffers are the rows of one array, ``(address of row 0, bytes per row)``."""
+             rows: tuple[int, int] | None = None, *, verify: bool = False
+             ) -> list[int | KVPoolError]:
+        """Locate and read each key; a read that outlived its lease is checked against the
+        master, and read again if the object changed under it. ``verify``: each key's bytes
+        are checked against its checksum, replica after replica (see :meth:`_read`); a
+        matching checksum also proves the bytes are the object's own, so such a read needs
+        no version check (a key put without a checksum still gets it). ``rows``: the buffers
+        are the rows of one array, ``(address of row 0, bytes per row)``."""
         self._check_open()
         out, todo = _validate_keys(keys)
         bufs: dict[int, memoryview] = {}
-        seen_version: dict[int, int] = {}
-        seen_size: dict[int, int] = {}
+        seen: dict[int, tuple[int, int]] = {}   # key index -> version and size of what was read
         for attempt in range(_MAX_READ_ATTEMPTS):
             if not todo:
-                break
+                return out
             sent = time.monotonic()
             located = self._master.locate([keys[i] for i in todo])
-            read: dict[int, KVPoolError | None] = {}
-            sizes: dict[int, int] = {}    # the keys read this round
-            fast = self._read_fast(todo, located, buffer_for, bufs, rows) if attempt == 0 \
-                else []
+            fast = [] if attempt or verify else \
+                self._read_fast(todo, located, buffer_for, bufs, rows)
             if len(fast) == len(todo) and time.monotonic() <= sent + located.lease_ttl_s:
                 # The common case: every key read in place, within its lease.
                 for i, size in zip(todo, located.sizes.tolist()):
                     out[i] = size
                 return out
-            if fast:
-                versions, lengths = located.versions.tolist(), located.sizes.tolist()
-                for j in fast:
-                    i = todo[j]
-                    seen_version[i], sizes[i], read[i] = versions[j], lengths[j], None
-                    seen_size[i] = lengths[j]
+            versions, sizes = located.versions.tolist(), located.sizes.tolist()
+            read: dict[int, KVPoolError | None] = {}   # key index -> how its read went
+            for j in fast:
+                seen[todo[j]], read[todo[j]] = (versions[j], sizes[j]), None
             reads = []
             for j, i in enumerate(todo):
-                if i in sizes:
+                if i in read:
                     continue
-                obj, seen = located.view(j), seen_version.get(i)
+                obj, before = located.view(j), seen.get(i)
                 if isinstance(obj, KVPoolError):
                     out[i] = obj
-                elif seen == obj.version:
+                elif before is not None and before[0] == obj.version:
                     out[i] = obj.size   # still the object we read: the bytes are its own
-                elif seen is not None and obj.size != seen_size[i]:
+                elif before is not None and before[1] != obj.size:
                     out[i] = TransportError(f"{keys[i]!r}: the object changed during the read")
                 else:
                     try:
@@ -373,87 +326,64 @@ class KVClient:
                     except InvalidArgument as e:
                         out[i] = e
                         continue
-                    seen_version[i], sizes[i] = obj.version, obj.size
-                    seen_size[i] = obj.size
+                    seen[i] = obj.version, obj.size
                     reads.append((i, obj, bufs[i]))
-            read.update(self._read(reads))
+            read.update(self._read(reads, verify))
             lease_over = time.monotonic() > sent + located.lease_ttl_s
+            summed = {i for i, obj, _ in reads if verify and obj.checksum is not None}
             todo = []
-            for i, size in sizes.items():
-                if read[i] is not None:
-                    out[i] = read[i]
-                elif lease_over:
+            for i, err in read.items():
+                if err is None and lease_over and i not in summed:
                     todo.append(i)      # verify the version before trusting these bytes
                 else:
-                    out[i] = size
+                    out[i] = seen[i][1] if err is None else err
         for i in todo:
             out[i] = TransportError(f"{keys[i]!r}: the object kept changing during the read")
         return out
 
     def _read_fast(self, todo: list[int], located: Located,
                    buffer_for: Callable[[int, int], memoryview], bufs: dict[int, memoryview],
-                   rows: tuple[int, int] | None = None) -> list[int]:
+                   rows: tuple[int, int] | None) -> list[int]:
         """The common case of a large read, without an object per key: keys with one replica
-        on a segment that the preferred transport (shm) reaches are read in place, one
-        ``read_extents`` per segment. Returns the positions in ``todo`` read; every other key
-        (not found, several replicas, another transport, a bad buffer, a failed copy) takes
-        the generic path, which finds its error or falls back replica by replica. ``rows``
-        (see ``_get``): each key's buffer address is computed, not asked for."""
-        batch_reader = self._transports[0] if self._transports else None
-        if not hasattr(batch_reader, "read_extents"):
-            return []
+        are read with one ``read_at`` per transport (shm: in place, a memcpy per run).
+        Returns the positions in ``todo`` read; every other key (not found, several
+        replicas, a bad buffer, a failed read, on a node that just failed) takes the
+        generic path, which finds its error or falls back replica by replica. ``rows`` (see
+        ``_get``): each key's buffer address is computed, not asked for."""
         where = located.single_location()
-        replicas = located.replicas
+        segments, now = located.replicas.locations, time.monotonic()
+        readers: dict[Transport, list[int]] = defaultdict(list)   # the locations each reads
+        for loc in np.flatnonzero(np.bincount(where[where >= 0])).tolist():
+            t = self._transport_for(segments[loc])
+            if t is not None and self._unreachable.get(segments[loc].node.node_id, 0.0) <= now:
+                readers[t].append(loc)
         done: list[int] = []
-        for loc in np.unique(where[where >= 0]).tolist():
-            segment = replicas.locations[loc]
-            # Disk and HBM replicas are read by the node (tcp), never mapped (store_node/disk.py,
-            # hbm.py).
-            if segment.tier != "dram" or not batch_reader.can_reach(segment.node):
-                continue
-            positions = np.flatnonzero(where == loc)
-            if rows is not None:
-                done += self._read_rows(batch_reader, segment, located, todo, positions, rows)
-                continue
-            views, ready = [], []
-            for j, size in zip(positions.tolist(), located.sizes[positions].tolist()):
-                i = todo[j]
-                try:
-                    bufs[i] = bufs[i] if i in bufs else buffer_for(i, size)
-                except InvalidArgument:
-                    continue
-                views.append(bufs[i])
-                ready.append(j)
-            if not ready:
-                continue
-            chosen = np.array(ready, dtype=np.int64)
-            try:
-                batch_reader.read_extents(segment, replicas.offsets[replicas.first[chosen]],
-                                          located.sizes[chosen], views)
-            except TransportError:
-                continue
-            done += ready
+        for t, locs in readers.items():
+            chosen = np.zeros(len(segments) + 1, dtype=bool)   # by location; [-1]: none
+            chosen[locs] = True
+            positions = np.flatnonzero(chosen[where])
+            if rows is not None:   # a value longer than a row: the generic path refuses it
+                positions = positions[located.sizes[positions] <= rows[1]]
+                addresses = np.uint64(rows[0]) + np.asarray(todo, dtype=np.uint64)[
+                    positions] * np.uint64(rows[1])
+            else:
+                views, ready = [], []
+                for j, size in zip(positions.tolist(), located.sizes[positions].tolist()):
+                    try:
+                        bufs[todo[j]] = buffer_for(todo[j], size)
+                    except InvalidArgument:
+                        continue
+                    views.append(bufs[todo[j]])
+                    ready.append(j)
+                positions = np.array(ready, dtype=np.int64)
+                addresses = np.fromiter(map(address_of, views), np.uint64, len(views))
+            first = located.replicas.first[positions]
+            failed = t.read_at(segments, where[positions], located.replicas.offsets[first],
+                               located.sizes[positions], addresses)
+            for loc in {int(where[positions[k]]) for k in failed}:
+                self._unreachable[segments[loc].node.node_id] = time.monotonic() + _UNREACHABLE_S
+            done += (np.delete(positions, list(failed)) if failed else positions).tolist()
         return done
-
-    @staticmethod
-    def _read_rows(batch_reader, segment: Replica, located: Located, todo: list[int],
-                   positions: np.ndarray, rows: tuple[int, int]) -> list[int]:
-        """``_read_fast`` for one segment when key i's buffer is row i of one array: the
-        addresses are ``address + i * row_bytes``. Values longer than a row are left to the
-        generic path (which reports the buffer too small)."""
-        address, row_bytes = rows
-        lengths = located.sizes[positions]
-        positions = positions[lengths <= row_bytes]
-        if not len(positions):
-            return []
-        index = np.asarray(todo, dtype=np.uint64)[positions]
-        try:
-            batch_reader.read_at(segment, located.replicas.offsets[
-                located.replicas.first[positions]], located.sizes[positions],
-                np.uint64(address) + index * np.uint64(row_bytes))
-        except TransportError:
-            return []
-        return positions.tolist()
 
     def stats(self):
         """The master's cluster statistics (protobuf StatsResponse)."""
@@ -467,15 +397,13 @@ class KVClient:
         Pins the memory until ``unregister_buffer`` or ``close``; keep the buffer alive."""
         self._check_open()
         for t in self._transports:
-            if hasattr(t, "register_buffer"):
-                t.register_buffer(buffer)
+            t.register_buffer(buffer)
 
     def unregister_buffer(self, buffer) -> None:
         """Undo ``register_buffer``; a no-op for memory that is not registered."""
         self._check_open()
         for t in self._transports:
-            if hasattr(t, "unregister_buffer"):
-                t.unregister_buffer(buffer)
+            t.unregister_buffer(buffer)
 
     @property
     def transports(self) -> list[str]:
@@ -521,7 +449,7 @@ class KVClient:
                         f"no replica could be read: {last_error.get(i, 'no reachable replica')}")
             pending = []
             node_of = {i: op.replica.node.node_id for i, _, op in ops}   # one op per key
-            for i, err in self._run(ops, write=False):
+            for i, err in self._run(ops, write=False)[0]:
                 if err is None:
                     results[i] = None
                 else:
@@ -539,7 +467,8 @@ class KVClient:
         objs = {i: obj for i, obj, _ in items}
         bad: list[tuple[int, Replica]] = []
         for i, _, op in ops:
-            if results.get(i, 1) is None and checksum(op.buffer) != objs[i].checksum:
+            if results.get(i, 1) is None and objs[i].checksum is not None \
+                    and checksum(op.buffer) != objs[i].checksum:
                 bad.append((i, op.replica))
         for i, replica in bad:
             del results[i]
@@ -555,20 +484,26 @@ class KVClient:
         return [i for i, _ in bad]
 
     def _run(self, ops: list[tuple[int, Transport | None, IoOp]], *, write: bool
-             ) -> list[tuple[int, KVPoolError | None]]:
-        """Run ops grouped by transport; one (index, error or None) per op."""
+             ) -> tuple[list[tuple[int, KVPoolError | None]], dict[int, int]]:
+        """Run ops grouped by transport; one (index, error or None) per op, and for a write
+        the CRC-32C of each index written."""
         groups: dict[Transport | None, list[tuple[int, IoOp]]] = defaultdict(list)
         for i, t, op in ops:
             groups[t].append((i, op))
         out: list[tuple[int, KVPoolError | None]] = []
+        sums: dict[int, int] = {}
         for t, group in groups.items():
             if t is None:
                 out += [(i, NodeUnavailable(f"no transport reaches node {op.replica.node.node_id}"))
                         for i, op in group]
                 continue
-            errs = (t.write if write else t.read)([op for _, op in group])
+            if write:
+                errs, crcs = t.write_summed([op for _, op in group])
+                sums.update((i, c) for (i, _), c in zip(group, crcs) if c is not None)
+            else:
+                errs = t.read([op for _, op in group])
             out += [(i, e) for (i, _), e in zip(group, errs)]
-        return out
+        return out, sums
 
 
 def _serves(scheme: str, replica: Replica) -> bool:

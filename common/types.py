@@ -69,6 +69,11 @@ class Replica:
     rdma_length: int = 0
     tier: str = "dram"   # the segment's tier: clients reach "disk" replicas over tcp only
 
+    def at(self, offset: int, length: int) -> Replica:
+        """This replica's segment at another extent (a columnar answer keeps one per segment)."""
+        return Replica(self.node, Extent(self.extent.segment_id, offset, length), self.rdma_addr,
+                       self.rdma_rkey, self.rdma_length, self.tier)
+
 
 def validate_key(key: str) -> str:
     """Return ``key`` if it is a valid object key, else raise InvalidArgument."""

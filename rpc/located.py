@@ -1,7 +1,8 @@
 """GetReplicas' answer kept in columns, so a read of hundreds of blocks builds no object per key.
 
-The generic read path asks :meth:`Located.view` for one key's :class:`ObjectView`; the shm fast
-path (:meth:`KVClient._read_fast`) works on the arrays directly.
+The read path of a key with one replica works on the arrays directly
+(:meth:`KVClient._read_fast`); a key with several asks :meth:`Located.view` for its
+:class:`ObjectView`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from kvpool.common import checksum
 from kvpool.common.errors import KVPoolError, error_for_status
-from kvpool.common.types import Extent, ObjectView, Replica
+from kvpool.common.types import ObjectView
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
 from kvpool.rpc.wire import ReplicaArrays
 
@@ -42,6 +43,11 @@ class Located:
         # first[i] of a key without replicas may point one past the end: clamp, then mask.
         return np.where(single, r.location[np.minimum(r.first, len(r.location) - 1)], -1)
 
+    def views(self) -> list[ObjectView | KVPoolError]:
+        """Every key's :meth:`view`, in request order: for callers that inspect a few keys'
+        replicas (tools, tests), not for reads."""
+        return [self.view(i) for i in range(len(self.keys))]
+
     def view(self, i: int) -> ObjectView | KVPoolError:
         """Key ``i`` as an ObjectView, or its error."""
         err = error_for_status(int(self.statuses[i]), self.keys[i])
@@ -49,12 +55,7 @@ class Located:
             return err
         r, size = self.replicas, int(self.sizes[i])
         first = int(r.first[i])
-        reps = []
-        for j in range(first, first + int(r.counts[i])):
-            template = r.locations[int(r.location[j])]
-            reps.append(Replica(template.node,
-                                Extent(template.extent.segment_id, int(r.offsets[j]), size),
-                                template.rdma_addr, template.rdma_rkey, template.rdma_length,
-                                template.tier))
-        return ObjectView(self.keys[i], size, int(self.versions[i]), tuple(reps),
+        reps = tuple(r.locations[int(r.location[j])].at(int(r.offsets[j]), size)
+                     for j in range(first, first + int(r.counts[i])))
+        return ObjectView(self.keys[i], size, int(self.versions[i]), reps,
                           checksum.decode(int(self.checksums[i])))

@@ -24,7 +24,6 @@ from kvpool.common.types import (
     Move,
     NodeEndpoints,
     ObjectRecord,
-    ObjectView,
     Replica,
     Reservation,
     SegmentInfo,
@@ -172,26 +171,12 @@ class MasterClient(GrpcClient):
                          pb.StatusesResponse)
         return [s == pb.STATUS_OK for s in r.statuses]
 
-    def get_replicas(self, keys: Sequence[str]) -> tuple[list[ObjectView | KVPoolError], float]:
-        r = self._get_replicas(keys)
-        sizes = list(r.sizes)
-        sums = r.checksums if len(r.checksums) == len(sizes) else [0] * len(sizes)
-        decode = checksum.decode
-        located = wire.replicas_from_columns(r.replicas, sizes)
-        out: list[ObjectView | KVPoolError] = [
-            error_for_status(s, k) or ObjectView(k, size, version, replicas, decode(c))
-            for k, s, size, version, replicas, c in zip(keys, r.statuses, sizes, r.versions,
-                                                        located, sums)]
-        return out, r.lease_ttl_s
-
     def locate(self, keys: Sequence[str]) -> Located:
-        """``get_replicas`` in columnar form (the same RPC, leases and errors), for reads of
-        many keys: no Python object per key until one is asked for."""
-        return _located(keys, self._get_replicas(keys))
-
-    def _get_replicas(self, keys: Sequence[str]) -> pb.GetReplicasResponse:
-        return self._lookup(lookup_port.GET_REPLICAS, "GetReplicas", pb.KeysRequest(keys=keys),
-                            pb.GetReplicasResponse)
+        """Each key's size, version, checksum and replicas, leasing each object found (see
+        :class:`Located`): columns, with no Python object per key until one is asked for."""
+        r = self._lookup(lookup_port.GET_REPLICAS, "GetReplicas", pb.KeysRequest(keys=keys),
+                         pb.GetReplicasResponse)
+        return _located(keys, r)
 
     def _lookup(self, method: int, rpc: str, request, response_type):
         """``rpc`` on the master's lookup port where it has one we reach, else over gRPC."""

@@ -286,23 +286,13 @@ class DataServer:
             self._count(op.name)
             if self._serve_by_segment(conn, op, segment_id, offset, length):
                 continue
-            view, status, message = self._resolve(segment_id, offset, length)
-            if view is None:
-                log.warning("request_refused", peer=peer, op=op.name, segment=segment_id,
-                            offset=offset, length=length, status=status.name)
-                send_refusal(conn, status, message)
-                if op is Op.WRITE:
-                    # The payload follows on the stream; we will not consume it frame by frame.
-                    return _linger_close(conn)
-                continue
-            try:
-                if op is Op.READ:
-                    send_reply(conn, FrameStatus.OK, view)
-                else:
-                    _recv_exact(conn, view, frame_started=True)
-                    conn.sendall(encode_response(FrameStatus.OK, 0))
-            finally:
-                view.release()
+            status, message = self._refusal(segment_id, offset, length)
+            log.warning("request_refused", peer=peer, op=op.name, segment=segment_id,
+                        offset=offset, length=length, status=status.name)
+            send_refusal(conn, status, message)
+            if op is Op.WRITE:
+                # The payload follows on the stream; we will not consume it frame by frame.
+                return _linger_close(conn)
 
     def _connect_qp(self, conn: socket.socket, peer: str, queue_pairs: list) -> bool:
         """Answer a CONNECT_QP; False if the connection was refused and must end."""
@@ -329,47 +319,31 @@ class DataServer:
 
     def _serve_by_segment(self, conn: socket.socket, op: Op, segment_id: str, offset: int,
                           length: int) -> bool:
-        """Serve a request with the segment's own I/O where it has some: a disk segment READs
-        with sendfile(2) (the kernel reads ahead and copies page cache -> socket, with no page
-        faults on the node's mapping: several times faster cold) and WRITEs after forgetting
-        the manifest records the write overlaps, an HBM segment through its staging buffer
-        both ways. False: the generic path (a mapping slice) answers, and refuses what is out
-        of bounds."""
+        """Serve a request with the segment's I/O (Segment.send_to / recv_from: a slice of
+        the mapping, sendfile(2) on disk, staging for HBM). False, with nothing moved, if
+        the segment is not mounted (or an unmount closed it meanwhile) or the range is
+        outside it: the caller refuses the request."""
         segment = self._segments.get(segment_id)
         if segment is None or offset + length > segment.info.size_bytes:
             return False
-        if op is Op.READ and hasattr(segment, "send_to"):
-            conn.sendall(encode_response(FrameStatus.OK, length))
-            try:
-                segment.send_to(conn, offset, length)
-            except ValueError as e:   # closed while being unmounted: drop the connection
-                raise OSError(str(e)) from None
-            return True
-        if op is Op.WRITE and hasattr(segment, "recv_from"):
-            try:
+        try:
+            if op is Op.READ:
+                segment.send_to(conn, offset, length, encode_response(FrameStatus.OK, length))
+            else:
                 segment.recv_from(lambda v: _recv_exact(conn, v, frame_started=True),
                                   offset, length)
-            except ValueError as e:   # closed while being unmounted: drop the connection
-                raise OSError(str(e)) from None
-            conn.sendall(encode_response(FrameStatus.OK, 0))
-            return True
-        return False
+                conn.sendall(encode_response(FrameStatus.OK, 0))
+        except ValueError:   # closed by an unmount since the lookup
+            return False
+        return True
 
-    def _resolve(self, segment_id: str, offset: int, length: int
-                 ) -> tuple[memoryview | None, FrameStatus, str]:
-        """The segment slice a request addresses, or why it is refused."""
+    def _refusal(self, segment_id: str, offset: int, length: int) -> tuple[FrameStatus, str]:
+        """Why a request that :meth:`_serve_by_segment` did not serve is refused."""
         segment = self._segments.get(segment_id)
-        if segment is None:
-            return None, FrameStatus.UNKNOWN_SEGMENT, f"segment {segment_id!r} is not mounted here"
-        size = segment.info.size_bytes
-        if offset + length > size:   # offset/length are unsigned on the wire
-            return (None, FrameStatus.OUT_OF_BOUNDS,
-                    (f"[{offset}, {offset + length}) is outside segment {segment_id!r} "
-                     f"of {size} bytes"))
-        try:
-            return segment.buffer[offset:offset + length], FrameStatus.OK, ""
-        except ValueError:   # unmounted and closed between the lookup and the slice
-            return None, FrameStatus.UNKNOWN_SEGMENT, f"segment {segment_id!r} is not mounted here"
+        if segment is None or offset + length <= segment.info.size_bytes:
+            return FrameStatus.UNKNOWN_SEGMENT, f"segment {segment_id!r} is not mounted here"
+        return FrameStatus.OUT_OF_BOUNDS, (f"[{offset}, {offset + length}) is outside segment "
+                                           f"{segment_id!r} of {segment.info.size_bytes} bytes")
 
     def _refuse_malformed(self, conn: socket.socket, peer: str, reason: str) -> None:
         log.warning("malformed_frame", peer=peer, reason=reason)

@@ -98,10 +98,12 @@ class DiskSegment(MappedSegment):
         while done < len(view):
             done += os.pwrite(self._fd, view[done:], offset + done)
 
-    def send_to(self, sock, offset: int, length: int) -> None:
-        """Send ``[offset, offset + length)`` to a connected blocking socket (sendfile(2)).
-        Raises OSError if the file came up short, ValueError if the segment is closed."""
+    def send_to(self, sock, offset: int, length: int, header: bytes = b"") -> None:
+        """With sendfile(2): the kernel reads ahead and copies page cache -> socket, with no
+        page faults on the mapping (several times faster cold). OSError if the file came up
+        short."""
         self.check_range(offset, length)
+        sock.sendall(header)
         done = 0
         while done < length:
             n = os.sendfile(sock.fileno(), self._fd, offset + done, length - done)
@@ -110,15 +112,12 @@ class DiskSegment(MappedSegment):
             done += n
 
     def recv_from(self, recv_exact, offset: int, length: int) -> None:
-        """A tcp WRITE (a put that found DRAM full): ``recv_exact(view)`` fills the mapping."""
+        """A tcp WRITE (a put that found DRAM full), after forgetting the records it
+        overlaps."""
         self.check_range(offset, length)
         if self.before_write is not None:
             self.before_write(offset, length)
-        view = self.buffer[offset:offset + length]
-        try:
-            recv_exact(view)
-        finally:
-            view.release()
+        super().recv_from(recv_exact, offset, length)
 
     def sync(self) -> None:
         """Flush written data to the device (a clean stop does it)."""

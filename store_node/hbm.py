@@ -107,9 +107,10 @@ class HbmSegment(Segment):
         if self._cuda:
             self._torch.cuda.synchronize(self._tensor.device)
 
-    def send_to(self, sock, offset: int, length: int) -> None:
+    def send_to(self, sock, offset: int, length: int, header: bytes = b"") -> None:
         """A tcp READ: device -> pinned staging -> socket, piece by piece."""
         self.check_range(offset, length)
+        sock.sendall(header)
         with self._lock:
             done = 0
             while done < length:

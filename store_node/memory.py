@@ -13,14 +13,17 @@ import fcntl
 import mmap
 import os
 import secrets
+import socket
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 from kvpool.common.errors import InvalidArgument
 from kvpool.common.host import map_populated
 from kvpool.common.logging import get_logger
 from kvpool.common.types import SegmentInfo
 from kvpool.net.data_port import MAX_SEGMENT_ID_BYTES
+from kvpool.net.sockets import send_all
 
 log = get_logger(__name__)
 
@@ -84,6 +87,24 @@ class Segment(ABC):
     def write_from(self, offset: int, view: memoryview) -> None:
         """Copy ``view`` to ``[offset, offset + len(view))``."""
         self.buffer[offset:offset + len(view)] = view
+
+    def send_to(self, sock: socket.socket, offset: int, length: int, header: bytes = b"") -> None:
+        """Send ``header`` then ``[offset, offset + length)`` on a connected blocking socket
+        (a tcp READ's reply). ValueError, with nothing sent, if the segment is closed or the
+        range is outside it. This default sends a slice of :attr:`buffer` and the header in
+        one gathered send; a disk segment overrides it with sendfile(2), HBM with staging."""
+        self.check_range(offset, length)
+        with self.buffer[offset:offset + length] as view:
+            send_all(sock, [header, view])
+
+    def recv_from(self, recv_exact: Callable[[memoryview], None], offset: int,
+                  length: int) -> None:
+        """Fill ``[offset, offset + length)`` with ``recv_exact(view)`` (a tcp WRITE's
+        payload). ValueError, with nothing received, if the segment is closed or the range
+        is outside it. This default receives into a slice of :attr:`buffer`."""
+        self.check_range(offset, length)
+        with self.buffer[offset:offset + length] as view:
+            recv_exact(view)
 
     def check_range(self, offset: int, length: int) -> None:
         """ValueError if the segment is closed or ``[offset, offset + length)`` is outside it."""

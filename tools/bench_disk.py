@@ -90,7 +90,7 @@ def run_disk_bench(total_bytes: int = 256 << 20, block_bytes: int = 2 << 20, rep
                         last, last_change = d, time.perf_counter()
                     time.sleep(0.01)
                 demoted_s = last_change - start
-                views, _ = kv._master.get_replicas(keys)
+                views = kv._master.locate(keys).views()
                 on_disk = [k for k, v in zip(keys, views) if v.replicas[0].tier == "disk"]
                 if not on_disk:
                     raise RuntimeError("nothing was demoted to the disk tier")

@@ -228,7 +228,7 @@ def master_figures(address: str, master_pid: int | None, objects: int, batch: in
             t0 = time.perf_counter()
             for i in range(0, len(sample), batch):
                 keep_alive()
-                # In columns, as KVClient's reads ask (get_replicas would time the building
+                # In columns, as KVClient's reads ask (Located.views() would time the building
                 # of an ObjectView per key here, in the client, not the master's lookup).
                 located = mc.locate(sample[i:i + batch])
                 if not located.found().all():

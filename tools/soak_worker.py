@@ -158,7 +158,7 @@ def _put(kv: KVClient, master: MasterClient, cfg: WorkerConfig, rng: random.Rand
     # Where the master put it, as node incarnations: a restarted node has a new tcp endpoint.
     where: list[list[str]] = []
     try:
-        found, _ = master.get_replicas([key])
+        found = master.locate([key]).views()
         if not isinstance(found[0], KVPoolError):
             where = [[r.node.node_id, r.node.tcp_endpoint] for r in found[0].replicas]
     except KVPoolError:

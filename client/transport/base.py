@@ -2,7 +2,9 @@
 
 The client asks the registry for the first transport (in preference order shm, rdma, tcp) whose
 ``can_reach`` accepts a replica's node, and falls back to the next replica (and finally raises
-``NodeUnavailable``) when a transport reports a ``TransportError`` for it.
+``NodeUnavailable``) when a transport reports a ``TransportError`` for it. A transport
+implements ``read`` and ``write``; the fast paths (``write_summed``, ``read_at``) and buffer
+registration have defaults built on those, which a transport overrides where it can do better.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+import numpy as np
+from kvpool.client.buffers import view_at
+from kvpool.common.checksum import Checksums
 from kvpool.common.errors import InvalidArgument, TransportError
 from kvpool.common.types import NodeEndpoints, Replica
 
@@ -42,6 +47,43 @@ class Transport(ABC):
     @abstractmethod
     def write(self, ops: Sequence[IoOp]) -> list[TransportError | None]:
         """Copy each op's buffer into its replica; one result per op (None = done)."""
+
+    def write_summed(self, ops: Sequence[IoOp]
+                     ) -> tuple[list[TransportError | None], list[int | None]]:
+        """:meth:`write`, also returning each op's CRC-32C (None where it failed), taken from
+        the caller's bytes as they leave. This default checksums each distinct buffer in a
+        helper thread while :meth:`write` sends (see :class:`Checksums`); a transport that
+        copies the bytes itself can checksum them as it copies (shm)."""
+        distinct = list({id(op.buffer): op.buffer for op in ops}.values())
+        with Checksums(distinct) as checksums:
+            errors = self.write(ops)
+            crc = dict(zip(map(id, distinct), checksums.result()))
+        return errors, [None if e is not None else crc[id(op.buffer)]
+                        for op, e in zip(ops, errors)]
+
+    def read_at(self, segments: Sequence[Replica], which: np.ndarray, offsets: np.ndarray,
+                lengths: np.ndarray, addresses: np.ndarray) -> dict[int, TransportError]:
+        """Copy extent k, ``[offsets[k], offsets[k] + lengths[k])`` of the segment of
+        ``segments[which[k]]``, to the ``lengths[k]`` bytes at ``addresses[k]`` (arrays of
+        one length, uint64 but ``which``), for every k: :meth:`read` of many extents without
+        an op or a view per extent. The caller owns that memory, writable, and keeps it
+        alive during the call. Returns the failures by k: empty when every extent arrived.
+
+        This default reads through :meth:`read`, an op per extent; a transport that copies
+        from a mapping reads the extents of a segment in place (shm)."""
+        views = map(view_at, addresses.tolist(), lengths.tolist())
+        ops = [IoOp(segments[s].at(offset, length), view) for s, offset, length, view
+               in zip(which.tolist(), offsets.tolist(), lengths.tolist(), views)]
+        return {k: e for k, e in enumerate(self.read(ops)) if e is not None}
+
+    def register_buffer(self, buffer) -> None:
+        """Let ops on ``buffer`` (bytearray, numpy array, CPU tensor, writable memoryview) or
+        on slices of it move bytes in place where this transport can (rdma: a memory
+        region); pinned until :meth:`unregister_buffer` or :meth:`close`. This default does
+        nothing: a transport that copies needs no registration."""
+
+    def unregister_buffer(self, buffer) -> None:
+        """Undo :meth:`register_buffer`; a no-op for memory that is not registered."""
 
     def close(self) -> None:
         """Release connections and mappings. Idempotent."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import fcntl
 import mmap
 import os
@@ -30,9 +29,10 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from kvpool.client.buffers import address_of, view_at
 from kvpool.client.transport.base import IoOp, Transport, byte_views, group_by
 from kvpool.common.checksum import Checksums, checksum
-from kvpool.common.errors import ClientClosed, InvalidArgument, SegmentBoundsError, TransportError
+from kvpool.common.errors import ClientClosed, SegmentBoundsError, TransportError
 from kvpool.common.host import local_boot_id, map_populated
 from kvpool.common.logging import get_logger
 from kvpool.common.types import NodeEndpoints, Replica
@@ -52,7 +52,7 @@ log = get_logger(__name__)
 # A node's fd must be sealed against shrinking: otherwise a truncated memfd would SIGBUS us.
 _REQUIRED_SEALS = fcntl.F_SEAL_SHRINK
 # write_summed: bytes copied per step before they are checksummed (while still in L2), and
-# the batch size from which a helper thread takes half of the copying (read_extents too).
+# the batch size from which a helper thread takes half of the copying (read_at too).
 _SUM_CHUNK_BYTES = 512 << 10
 _SPLIT_MIN_BYTES = 8 << 20
 # read_at: the pieces the helper thread's half is cut in (8 of a 32 MiB batch's half).
@@ -154,13 +154,6 @@ class _NodeLink:
             self.sock.close()
 
 
-def _address(view: memoryview) -> int:
-    """The address of a contiguous buffer's first byte (read-only buffers too)."""
-    if not view.readonly:
-        return ctypes.addressof(ctypes.c_char.from_buffer(view))   # 7x cheaper than numpy's
-    return np.frombuffer(view, dtype=np.uint8).ctypes.data
-
-
 def _adjacent_runs(ready: list[tuple[int, _Mapping]], ops: Sequence[IoOp],
                    views: list[memoryview]) -> list[list[tuple[int, _Mapping]]]:
     """Split ``ready`` (in op order) into runs that one memcpy can move: consecutive ops whose
@@ -180,7 +173,7 @@ def _adjacent_runs(ready: list[tuple[int, _Mapping]], ops: Sequence[IoOp],
             end_mapping = None
             continue
         if mapping is end_mapping and extent.offset == end_offset:
-            address = _address(views[i])
+            address = address_of(views[i])
             if address == end_address:
                 runs[-1].append(item)
                 end_offset, end_address = extent.end, address + extent.length
@@ -189,7 +182,7 @@ def _adjacent_runs(ready: list[tuple[int, _Mapping]], ops: Sequence[IoOp],
             address = None
         runs.append([item])
         end_mapping, end_offset = mapping, extent.end
-        end_address = (_address(views[i]) if address is None else address) + extent.length
+        end_address = (address_of(views[i]) if address is None else address) + extent.length
     return runs
 
 
@@ -201,8 +194,7 @@ def _copy_run(link: _NodeLink, run: list[tuple[int, _Mapping]], ops: Sequence[Io
     if len(run) == 1:
         buf = views[first]
     else:   # the run's buffers are one contiguous range: view it whole (they outlive the copy)
-        buf = memoryview((ctypes.c_char * (end - start)).from_address(
-            _address(views[first]))).cast("B")
+        buf = view_at(address_of(views[first]), end - start)
     _copy(link, mapping, start, end, buf, write)
 
 
@@ -316,31 +308,25 @@ class SHMTransport(Transport):
         sums: list[int | None] = [None] * len(ops)
         return self._run(ops, byte_views(ops, writable=False), write=True, sums=sums), sums
 
-    def read_extents(self, segment: Replica, offsets: np.ndarray, lengths: np.ndarray,
-                     views: Sequence[memoryview]) -> None:
-        """Copy ``[offsets[k], offsets[k] + lengths[k])`` of ``segment``'s segment into
-        ``views[k]`` (flat, writable, exactly ``lengths[k]`` bytes) for every k: ``read`` for
-        many extents of one segment, without an IoOp per extent, the runs found with numpy.
-
-        All or nothing: raises TransportError (SegmentBoundsError for an extent outside the
-        segment); the caller then reads those keys again through ``read`` to learn which."""
+    def read_at(self, segments: Sequence[Replica], which: np.ndarray, offsets: np.ndarray,
+                lengths: np.ndarray, addresses: np.ndarray) -> dict[int, TransportError]:
+        """Each segment's extents copied in place from its mapping, the runs found with numpy
+        (see :meth:`Transport.read_at`); a segment whose copy fails fails all its extents."""
         if self._closed:
             raise ClientClosed("transport is closed")
-        if len(offsets) != len(views) or any(
-                v.nbytes != n for v, n in zip(views, lengths.tolist(), strict=True)):
-            raise InvalidArgument("read_extents needs one buffer of each extent's length")
-        self.read_at(segment, offsets, lengths,
-                     np.fromiter(map(_address, views), dtype=np.uint64, count=len(views)))
+        failed: dict[int, TransportError] = {}
+        for s in np.flatnonzero(np.bincount(which)).tolist():
+            ks = np.flatnonzero(which == s)
+            try:
+                self._read_segment(segments[s], offsets[ks], lengths[ks], addresses[ks])
+            except TransportError as exc:
+                failed.update(dict.fromkeys(ks.tolist(), exc))
+        return failed
 
-    def read_at(self, segment: Replica, offsets: np.ndarray, lengths: np.ndarray,
-                addresses: np.ndarray) -> None:
-        """:meth:`read_extents` into memory given by address: ``addresses[k]`` (uint64) starts
-        ``lengths[k]`` writable bytes that the caller owns and keeps alive during the call
-        (the rows of one array: KVClient checked it). Same errors."""
-        if self._closed:
-            raise ClientClosed("transport is closed")
-        if not len(offsets):
-            return
+    def _read_segment(self, segment: Replica, offsets: np.ndarray, lengths: np.ndarray,
+                      addresses: np.ndarray) -> None:
+        """:meth:`read_at` for the extents of one segment: all or nothing, TransportError
+        (SegmentBoundsError for an extent outside the segment) if any fails."""
         endpoint = segment.node.shm_endpoint
         link = self._link(endpoint)
         if not link.alive():
@@ -357,8 +343,7 @@ class SHMTransport(Transport):
         copies = []
         for first, stop in zip([0, *starts.tolist()], [*starts.tolist(), len(offsets)]):
             start, end = int(offsets[first]), int(ends[stop - 1])
-            copies.append((start, end, memoryview(
-                (ctypes.c_char * (end - start)).from_address(int(addresses[first]))).cast("B")))
+            copies.append((start, end, view_at(int(addresses[first]), end - start)))
 
         def read(part: Iterable[tuple[int, int, memoryview]]) -> None:
             for start, end, buf in part:

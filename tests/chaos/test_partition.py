@@ -81,7 +81,7 @@ def check_all(kv: KVClient, keys: list[str]) -> float:
 
 
 def where(mc: MasterClient, keys: list[str]) -> dict[str, set[str]]:
-    found, _ = mc.get_replicas(keys)
+    found = mc.locate(keys).views()
     return {k: {r.node.node_id for r in v.replicas} for k, v in zip(keys, found)
             if not isinstance(v, KVPoolError)}
 
@@ -114,7 +114,7 @@ def test_partitioned_node_is_routed_around_then_rejoins_and_reconciles(hosts, ho
         first = check_all(kv, keys)
         # Keys whose first replica is the victim: the client remembers the victim failed and
         # reads the other replica first, so these calls no longer pay the tcp timeout.
-        found, _ = mc.get_replicas(on_victim)
+        found = mc.locate(on_victim).views()
         first_there = [o.key for o in found if not isinstance(o, KVPoolError)
                        and o.replicas[0].node.node_id == victim]
         single = max((timed(kv.get, k)[1] for k in first_there[:5]), default=0.0)
@@ -141,7 +141,7 @@ def test_partitioned_node_is_routed_around_then_rejoins_and_reconciles(hosts, ho
         # Reconciled: its replicas are indexed again and read right from the victim itself.
         tcp = TCPTransport(timeout_s=TCP_TIMEOUT_S)
         try:
-            found, _ = mc.get_replicas(back)
+            found = mc.locate(back).views()
             for obj in found:
                 [replica] = [r for r in obj.replicas if r.node.node_id == victim]
                 buf = bytearray(obj.size)

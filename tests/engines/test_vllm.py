@@ -61,7 +61,7 @@ def alter(master: str, keys: list[str]) -> None:
     """Change stored KV behind kvpool's back: each object's floats negated in place in its
     node's segment (valid numbers, so only the values differ; the checksum stays the old one)."""
     with MasterClient(master) as mc, KVClient(master, transports=["tcp"]) as kv:
-        views, _ = mc.get_replicas(keys)
+        views = mc.locate(keys).views()
         tcp = TCPTransport()
         try:
             for key, view in zip(keys, views):

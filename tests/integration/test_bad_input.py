@@ -104,7 +104,7 @@ def test_use_after_close(cluster):
 
 def _data_endpoint(cluster) -> tuple[str, int, str]:
     with MasterClient(cluster.master) as mc:
-        [view], _ = mc.get_replicas(["sentinel"])
+        [view] = mc.locate(["sentinel"]).views()
     r = view.replicas[0]
     host, _, port = r.node.tcp_endpoint.rpartition(":")
     return host, int(port), r.extent.segment_id

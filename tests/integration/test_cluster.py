@@ -40,7 +40,7 @@ def test_thousand_objects_cross_process(cluster, reader_transports):
 
 
 def _holder(mc: MasterClient, key: str) -> set[str]:
-    [view], _ = mc.get_replicas([key])
+    [view] = mc.locate([key]).views()
     return {r.node.node_id for r in view.replicas}
 
 

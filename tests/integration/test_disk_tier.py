@@ -38,7 +38,7 @@ def tiers(kv: KVClient) -> dict[str, tuple[int, int]]:
 
 def tier_of(kv: KVClient, key: str) -> str:
     """Where the master says ``key`` is (a read for the promotion rule: 'read once')."""
-    views, _ = kv._master.get_replicas([key])
+    views = kv._master.locate([key]).views()
     return views[0].replicas[0].tier
 
 

@@ -29,7 +29,7 @@ def damage(replica) -> None:
 
 def replicas_of(master: str, key: str):
     with MasterClient(master) as mc:
-        [view], _ = mc.get_replicas([key])
+        [view] = mc.locate([key]).views()
     return view
 
 
@@ -50,7 +50,7 @@ def test_a_large_batch_records_each_values_own_checksum(cluster, transport):
     with KVClient(cluster.master, transports=[transport]) as kv:
         assert kv.batch_put(keys, values) == [None] * len(values)
         with MasterClient(cluster.master) as mc:
-            views, _ = mc.get_replicas(keys)
+            views = mc.locate(keys).views()
         assert [v.checksum for v in views] == [checksum(v) for v in values]
         assert kv.batch_get(keys, verify=True) == values
 

@@ -82,7 +82,7 @@ def test_lookups_go_to_the_lookup_port_once_a_grpc_answer_named_it(master):
         assert master.counter.calls["GetReplicas"] == 1
         assert mc._lookups.channel is not None
         again = mc.locate([*keys, "missing"])
-        views, _ = mc.get_replicas(keys)
+        views = mc.locate(keys).views()
         assert master.counter.calls["GetReplicas"] == 1     # both over the lookup port
     assert _columns(again) == _columns(first)
     assert first.statuses.tolist()[-1] == pb.STATUS_NOT_FOUND

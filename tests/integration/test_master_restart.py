@@ -139,7 +139,7 @@ def test_a_late_writer_from_before_the_kill_overwrites_nothing_stored_after(slow
             assert time.monotonic() < deadline, f"the new master took no put: {results}"
             time.sleep(0.1 if todo else 0)
         held = {(r.node.node_id, r.extent.offset) for r in late}
-        found, _ = mc.get_replicas(list(values))
+        found = mc.locate(list(values)).views()
         for obj in found:
             for r in obj.replicas:
                 assert (r.node.node_id, r.extent.offset) not in held, "reserved space reused"
@@ -169,7 +169,7 @@ def test_each_kind_of_acknowledged_change_survives_a_master_kill(pin_cluster):
               "gone": os.urandom(1000)}
     with KVClient(cluster.master) as kv, MasterClient(cluster.master) as mc:
         def replicas(key: str) -> list[str]:
-            [view], _ = mc.get_replicas([key])
+            [view] = mc.locate([key]).views()
             return [r.extent.segment_id for r in view.replicas]
 
         def kill_and_recover() -> None:
@@ -197,7 +197,7 @@ def test_each_kind_of_acknowledged_change_survives_a_master_kill(pin_cluster):
         kv.unpin("a")
         kill_and_recover()                      # unpin: the quota is free again
         kv.pin("b")
-        [view], _ = mc.get_replicas(["both"])
+        [view] = mc.locate(["both"]).views()
         bad, good = (r.extent.segment_id for r in view.replicas)
         assert mc.report_corrupt(["both"], [view.version], [bad]) == [None]
         cluster.restart_master()                # a replica reported corrupt stays dropped

@@ -32,7 +32,7 @@ def test_unreachable_node_is_tried_last_after_it_failed(cluster):
             kv.put(f"k{i}", bytes([i]) * 4096, replicas=2)
     mc = MasterClient(cluster.master)
     try:
-        found, _ = mc.get_replicas([f"k{i}" for i in range(8)])
+        found = mc.locate([f"k{i}" for i in range(8)]).views()
     finally:
         mc.close()
     dead = found[0].replicas[0].node.node_id

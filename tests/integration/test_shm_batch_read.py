@@ -23,7 +23,7 @@ class SlowSHM(SHMTransport):
         super().__init__()
         self.delay_s, self.started = delay_s, started
 
-    def read_at(self, *args):   # under read_extents too
+    def read_at(self, *args):
         self.started.set()
         time.sleep(self.delay_s)
         return super().read_at(*args)
@@ -32,8 +32,8 @@ class SlowSHM(SHMTransport):
 class BrokenBatchSHM(SHMTransport):
     """A real shm transport whose batch reads always fail: only the generic path works."""
 
-    def read_at(self, *args):   # under read_extents too
-        raise TransportError("batch read refused (test)")
+    def read_at(self, segments, which, *args):
+        return dict.fromkeys(range(len(which)), TransportError("batch read refused (test)"))
 
 
 def _rows(n: int, seed: int) -> np.ndarray:

@@ -6,10 +6,13 @@ import random
 import signal
 import threading
 import time
+from functools import partial
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from kvpool.client.transport.base import IoOp
+from kvpool.client.transport.base import IoOp, Transport
+from kvpool.common.checksum import checksum
 from kvpool.common.errors import (
     ClientClosed,
     InvalidArgument,
@@ -210,6 +213,97 @@ def test_closed_transport_refuses_use(make_transport, node):
     transport.close()   # idempotent
     with pytest.raises(ClientClosed):
         transport.read([IoOp(node.replica(0, 0, 3), memoryview(bytearray(3)))])
+    out = np.zeros(3, dtype=np.uint8)
+    with pytest.raises(ClientClosed):
+        transport.read_at([node.replica(0, 0, 0)], np.zeros(1, np.int64),
+                          np.zeros(1, np.uint64), np.full(1, 3, np.uint64),
+                          np.array([out.ctypes.data], dtype=np.uint64))
+
+
+# -- the fast paths: each transport's own, and Transport's defaults run on every transport --
+
+@pytest.fixture(params=["own", "default"])
+def fast(request, transport):
+    """``transport``'s fast paths as it implements them, or Transport's default
+    implementations run on it: a default is exercised for real even where it is overridden."""
+    if request.param == "own":
+        return transport
+    return SimpleNamespace(**{name: partial(getattr(Transport, name), transport)
+                              for name in ("write_summed", "read_at")})
+
+
+def test_write_summed_lands_the_bytes_and_returns_each_ops_crc(fast, transport, node):
+    rng = np.random.default_rng(5)
+    src = rng.integers(0, 256, size=(4, 20_000), dtype=np.uint8)
+    odd = rng.integers(0, 256, size=1001, dtype=np.uint8)
+    replicas = [node.replica(k % 2, 300_000 + k * 20_000, 20_000) for k in range(4)]
+    bad = node.replica(0, node.segments[0].size_bytes, 1001)
+    twice = [node.replica(0, 500_000, 1001), node.replica(1, 500_000, 1001)]  # one value, 2 copies
+    errors, sums = fast.write_summed([*(IoOp(r, memoryview(row)) for r, row in zip(replicas, src)),
+                                      IoOp(bad, memoryview(odd)),
+                                      *(IoOp(r, memoryview(odd)) for r in twice)])
+    assert errors[:4] + errors[5:] == [None] * 6 and is_bounds(errors[4]) and sums[4] is None
+    assert sums[:4] + sums[5:] == [checksum(row) for row in src] + [checksum(odd)] * 2
+    for r, data in [*zip(replicas, src), *((r, odd) for r in twice)]:
+        out = np.zeros_like(data)
+        ok(transport.read([IoOp(r, memoryview(out))]))
+        assert np.array_equal(out, data)
+
+
+def addresses(views) -> np.ndarray:
+    return np.array([np.frombuffer(v, dtype=np.uint8).ctypes.data for v in views], np.uint64)
+
+
+def test_read_at_moves_the_same_bytes_as_read(fast, transport, node):
+    rng = np.random.default_rng(11)
+    block = 4096
+    src = rng.integers(0, 256, size=(7, block), dtype=np.uint8)
+    # Runs in segment 0 (0-2; 3; 4-5, the second buffer apart), one extent in segment 1.
+    where = [(0, 0), (0, block), (0, 2 * block), (0, 7 * block), (0, 5 * block),
+             (0, 6 * block), (1, 3 * block)]
+    replicas = [node.replica(seg, off, block) for seg, off in where]
+    ok(transport.write([IoOp(r, memoryview(row)) for r, row in zip(replicas, src)]))
+    dst, apart = np.zeros_like(src), np.zeros(block, dtype=np.uint8)
+    views = [dst[0], apart, *dst[2:]]
+    failed = fast.read_at([node.replica(0, 0, 0), node.replica(1, 0, 0)],
+                          np.array([seg for seg, _ in where]),
+                          np.array([off for _, off in where], dtype=np.uint64),
+                          np.full(len(where), block, dtype=np.uint64), addresses(views))
+    assert failed == {}
+    assert np.array_equal(apart, src[1]) and np.array_equal(np.delete(dst, 1, 0),
+                                                            np.delete(src, 1, 0))
+    assert fast.read_at([], np.zeros(0, np.int64), *[np.zeros(0, np.uint64)] * 3) == {}
+
+
+def test_read_at_reports_the_extents_that_failed(fast, transport, node):
+    """An extent outside its segment fails (with its segment's others, at most); the
+    extents of another segment arrive."""
+    data = bytes(range(256)) * 16
+    good = node.replica(1, 8192, len(data))
+    ok(transport.write([IoOp(good, memoryview(data))]))
+    size = node.segments[0].size_bytes
+    outs = [np.zeros(len(data), dtype=np.uint8) for _ in range(3)]
+    failed = fast.read_at([node.replica(0, 0, 0), node.replica(1, 0, 0)], np.array([0, 1, 1]),
+                          np.array([size - 8, 8192, 8192], dtype=np.uint64),
+                          np.full(3, len(data), dtype=np.uint64), addresses(outs))
+    assert list(failed) == [0] and is_bounds(failed[0])
+    assert outs[1].tobytes() == outs[2].tobytes() == data
+
+
+def test_registered_buffers_are_read_and_written_in_place(transport, node):
+    arena = np.zeros(4 * 8192, dtype=np.uint8)
+    transport.register_buffer(arena)
+    try:
+        src = np.random.default_rng(2).integers(0, 256, size=8192, dtype=np.uint8)
+        arena[:8192] = src
+        replica = node.replica(0, 40_000, 8192)
+        ok(transport.write([IoOp(replica, memoryview(arena[:8192]))]))
+        ok(transport.read([IoOp(replica, memoryview(arena[8192:16384]))]))
+        assert np.array_equal(arena[8192:16384], src)
+    finally:
+        transport.unregister_buffer(arena)
+    transport.unregister_buffer(arena)   # not registered any more: a no-op
+    assert roundtrip(transport, node.replica(0, 0, 4), b"more") == b"more"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])

@@ -13,6 +13,7 @@ from kvpool.common.errors import InvalidArgument, SegmentBoundsError, TransportE
 from kvpool.common.host import local_boot_id
 from kvpool.common.types import Extent, NodeEndpoints, Replica
 from kvpool.store_node.data_server import DataServer
+from kvpool.store_node.disk import DiskSegment
 from kvpool.store_node.memory import DramSegment, create_dram_segment, new_segment_id
 
 
@@ -61,6 +62,29 @@ def test_unmounted_segment_is_refused_over_tcp(served):
     assert isinstance(transport.read([IoOp(replica, memoryview(bytearray(4)))])[0],
                       SegmentBoundsError)
     transport.close()
+
+
+@pytest.mark.parametrize("kind", ["dram", "disk"])
+def test_a_segment_closed_while_still_mounted_is_refused(served, kind, tmp_path):
+    """An unmount closes a segment just as a request finds it: the request is refused (the
+    client tries another replica) and the connection keeps serving."""
+    _server, segments, node = served
+    seg = create_dram_segment("local", 3, 4096) if kind == "dram" else \
+        DiskSegment("local/4-test", 4096, tmp_path / "segment")
+    segments[seg.info.segment_id] = seg
+    seg.close()
+    transport = TCPTransport(timeout_s=5)
+    try:
+        closed = Replica(node, Extent(seg.info.segment_id, 0, 4))
+        assert isinstance(transport.read([IoOp(closed, memoryview(bytearray(4)))])[0],
+                          SegmentBoundsError)
+        assert isinstance(transport.write([IoOp(closed, memoryview(b"gone"))])[0],
+                          SegmentBoundsError)
+        live = Replica(node, Extent(next(iter(segments)), 0, 4))
+        assert transport.read([IoOp(live, memoryview(bytearray(4)))]) == [None]
+    finally:
+        transport.close()
+        del segments[seg.info.segment_id]
 
 
 def test_stop_closes_client_connections(served, transport):
