@@ -52,15 +52,16 @@ except (ImportError, OSError) as e:
     print(sys.argv[1] + f"{type(e).__name__}: {e}")
 """
 
+
 def why_unavailable() -> str:
     """Why Mooncake Store cannot run here, or ``''`` when it can. Its module is imported for
     real, in a child process: an installed package whose native library does not load (e.g.
     ``libibverbs.so.1`` is missing) is unavailable too, and a library that crashes or hangs as
     it loads takes the child down, not the caller. Both the bench and its tests ask this."""
     try:
-        probe = subprocess.run([sys.executable, "-c", _IMPORT_PROBE, _PROBE_SAYS], capture_output=True,
-                               text=True, timeout=_START_TIMEOUT_S, check=False,
-                               env={**MOONCAKE_ENV, **os.environ})
+        probe = subprocess.run([sys.executable, "-c", _IMPORT_PROBE, _PROBE_SAYS],
+                               capture_output=True, text=True, timeout=_START_TIMEOUT_S,
+                               check=False, env={**MOONCAKE_ENV, **os.environ})
     except subprocess.TimeoutExpired:
         return f"importing mooncake.store took over {_START_TIMEOUT_S:.0f} s"
     said = [line[len(_PROBE_SAYS):] for line in probe.stdout.splitlines()

@@ -30,7 +30,7 @@ NO_MOONCAKE = why_no_mooncake()   # as the bench decides: by importing it
 needs_mooncake = pytest.mark.skipif(bool(NO_MOONCAKE), reason=NO_MOONCAKE)
 needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None,
                                  reason="redis-server is not installed (apt-get install "
-                                        "redis-server; scripts/setup-test-env.sh installs it)")
+                                        "redis-server; bash scripts/setup.sh --tests installs it)")
 
 
 def processes_marked(mark: str) -> list[int]:
