@@ -118,9 +118,10 @@ if [ ! -f "$wheels/.complete" ]; then
     mkdir -p "$wheels"
     python3 - "$repo/pyproject.toml" >"$scratch/requirements.txt" <<'PY'
 import sys, tomllib
-project = tomllib.load(open(sys.argv[1], "rb"))
-print("\n".join(project["build-system"]["requires"] + project["dependencies"]
-                + project["optional-dependencies"]["dev"] + project["optional-dependencies"]["torch"]))
+toml = tomllib.load(open(sys.argv[1], "rb"))
+extras = toml["project"]["optional-dependencies"]
+print("\n".join(toml["build-system"]["requires"] + toml["project"]["dependencies"]
+                + extras["dev"] + extras["torch"]))
 PY
     dl() { python3 -m pip download -q --only-binary=:all: -d "$wheels" "$@" >>"$scratch/pip.log" 2>&1 \
         || { tail -n 20 "$scratch/pip.log" >&2; exit 1; }; }
