@@ -15,8 +15,10 @@
 # - pip: a wheelhouse made with `pip download` of kvpool's requirements and the vLLM venv's
 #   (tools/engines/vllm-requirements.txt), which the container's pip uses instead of PyPI
 #   (torch is the host's 2.13.0+cpu wheel: PyPI's default build would pull ~3 GB of CUDA).
-# The container is privileged (the chaos tests make network namespaces and iptables rules, as
-# root on a machine can) and runs under an init that reaps orphans, as a machine's does.
+# The container has root's powers (the chaos tests make network namespaces and iptables rules,
+# as root on a machine can: every capability, no seccomp or AppArmor filter; not --privileged,
+# whose CAP_SYS_RESOURCE this VM's root lacks, so runc fails "unable to apply caps") and runs
+# under an init that reaps orphans, as a machine's does.
 # Cached for reruns under /var/cache/kvpool-fresh (base tarball, mirrors; keyed by what makes
 # them) and /var/lib/kvpool-fresh (the docker image). Everything started is stopped on exit,
 # however it ends: the container, dockerd, the namespace and its veth (the reference's
@@ -160,8 +162,9 @@ done </tmp/readme-commands
 SH
 say "running the README's two commands in a fresh container (log: $log; the suite takes a while)"
 set +e
-timeout "${FRESH_TIMEOUT_S:-10800}" "$DOCKER" run --name "$container" --rm --init --privileged \
-    --shm-size 8g -v "$debs:/srv/debian:ro" -v "$wheels:/srv/wheels:ro" \
+timeout "${FRESH_TIMEOUT_S:-10800}" "$DOCKER" run --name "$container" --rm --init --shm-size 8g \
+    --cap-add ALL --cap-drop SYS_RESOURCE --security-opt seccomp=unconfined \
+    --security-opt apparmor=unconfined -v "$debs:/srv/debian:ro" -v "$wheels:/srv/wheels:ro" \
     -v "$scratch/kvpool.bundle:/srv/kvpool.bundle:ro" -v "$scratch/inside.sh:/srv/inside.sh:ro" \
     "$image" bash /srv/inside.sh >"$log" 2>&1
 rc=$?
