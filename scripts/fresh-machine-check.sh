@@ -147,11 +147,11 @@ set -e
 echo "deb [trusted=yes] file:/srv/debian ./" >/etc/apt/sources.list
 rm -f /etc/apt/sources.list.d/*
 printf '[global]\nno-index = true\nfind-links = /srv/wheels\n' >/etc/pip.conf
-git clone -q /srv/kvpool.bundle /root/kvpool
+git clone -q -c advice.detachedHead=false /srv/kvpool.bundle /root/kvpool
 cd /root/kvpool
 echo "=== commit $(git log --oneline -1)"
-sed -n '/^## Two commands/,/^## [^T]/p' README.md | awk '/^```/ { inside = !inside; next } inside' \
-    >/tmp/readme-commands
+awk '/^## / { section = ($0 == "## Two commands") } /^```/ { block = !block; next }
+     section && block' README.md >/tmp/readme-commands
 [ "$(wc -l </tmp/readme-commands)" = 2 ] || { echo "README: expected two commands"; exit 1; }
 while read -r command; do
     echo "=== $command"
