@@ -88,27 +88,43 @@ if ! "$DOCKER" image inspect "$image" >/dev/null 2>&1; then
         - "$image" <"$tarball" >/dev/null
 fi
 
+# A throwaway copy of the fresh system, to download what it lacks with its own apt and its own
+# python3 (whose version picks the wheels: redis wants async-timeout below Python 3.11.3 only).
+# Run in a private mount namespace: what is mounted in it vanishes with it, however it ends.
+# The host's CA certificates and PIP_FIND_LINKS folders (here /opt/wheels: torch 2.13.0+cpu)
+# are mounted in at the same paths.
+chroot_root=""
+in_chroot() {
+    if [ -z "$chroot_root" ]; then
+        chroot_root="$scratch/chroot"
+        mkdir -p "$chroot_root"
+        tar -C "$chroot_root" -xf "$tarball"
+        cp /etc/resolv.conf "$chroot_root/etc/resolv.conf"
+    fi
+    # shellcheck disable=SC2016
+    unshare -m bash -c 'set -e; root=$1; shift
+        mount --bind /dev "$root/dev"; mount -t proc proc "$root/proc"
+        for d in /etc/ssl/certs ${PIP_FIND_LINKS:-}; do
+            [ -d "$d" ] && mkdir -p "$root$d" && mount --bind "$d" "$root$d"
+        done
+        exec chroot "$root" "$@"' in_chroot "$chroot_root" "$@"
+}
+
 # 2. The apt mirror: every package scripts/setup.sh may install (read from the script itself),
-#    with the dependencies the fresh system lacks, downloaded in a chroot of that system.
+#    with the dependencies the fresh system lacks.
 packages="$(grep -o 'need+=([a-z0-9.+-]*)' "$repo/scripts/setup.sh" | sed 's/need+=(\(.*\))/\1/' \
     | sort -u | tr '\n' ' ')"
 debs="$cache/debian-$(echo "$packages" | sha256sum | cut -c1-12)"
 if [ ! -s "$debs/Packages" ]; then
     say "apt mirror: downloading $packages"
-    root="$scratch/chroot"
-    mkdir -p "$root"
-    tar -C "$root" -xf "$tarball"
-    cp /etc/resolv.conf "$root/etc/resolv.conf"
     # shellcheck disable=SC2086
-    unshare -m sh -c "mount --bind /dev '$root/dev' && mount -t proc proc '$root/proc' &&
-        chroot '$root' apt-get update -q &&
-        chroot '$root' apt-get install -y -q --download-only --no-install-recommends $packages" \
+    { in_chroot apt-get update -q &&
+      in_chroot apt-get install -y -q --download-only --no-install-recommends $packages; } \
         >"$scratch/apt.log" 2>&1 || { tail -n 20 "$scratch/apt.log" >&2; exit 1; }
     rm -rf "$debs.tmp" && mkdir -p "$debs.tmp"
-    cp "$root"/var/cache/apt/archives/*.deb "$debs.tmp/"
+    mv "$chroot_root"/var/cache/apt/archives/*.deb "$debs.tmp/"
     (cd "$debs.tmp" && dpkg-scanpackages . /dev/null >Packages 2>/dev/null)
     rm -rf "$debs" && mv "$debs.tmp" "$debs"
-    rm -rf "$root"
 fi
 
 # 3. The PyPI mirror: what `setup.sh --tests` and tools/engines/vllm-env.sh install, resolved
@@ -116,8 +132,7 @@ fi
 wheels="$cache/wheels-$(cat "$repo/pyproject.toml" "$repo/tools/engines/vllm-requirements.txt" \
     | sha256sum | cut -c1-12)"
 if [ ! -f "$wheels/.complete" ]; then
-    say "pip mirror: downloading wheels into $wheels (once; ~2 GB)"
-    mkdir -p "$wheels"
+    say "pip mirror: downloading wheels into $wheels (once; ~1 GB)"
     python3 - "$repo/pyproject.toml" >"$scratch/requirements.txt" <<'PY'
 import sys, tomllib
 toml = tomllib.load(open(sys.argv[1], "rb"))
@@ -125,14 +140,23 @@ extras = toml["project"]["optional-dependencies"]
 print("\n".join(toml["build-system"]["requires"] + toml["project"]["dependencies"]
                 + extras["dev"] + extras["torch"]))
 PY
-    dl() { python3 -m pip download -q --only-binary=:all: -d "$wheels" "$@" >>"$scratch/pip.log" 2>&1 \
-        || { tail -n 20 "$scratch/pip.log" >&2; exit 1; }; }
-    dl pip "setuptools>=68" wheel
-    dl -r "$scratch/requirements.txt"
-    while read -r req; do
-        case "$req" in ''|'#'*) continue ;; esac
-        dl "$req"
-    done <"$repo/tools/engines/vllm-requirements.txt"
+    rm -rf "$wheels" && mkdir -p "$wheels"
+    { in_chroot apt-get update -q &&
+      in_chroot apt-get install -y -q --no-install-recommends python3-pip; } >"$scratch/pip.log" 2>&1 \
+        || { tail -n 20 "$scratch/pip.log" >&2; exit 1; }
+    mkdir -p "$chroot_root/srv/wheels"
+    cp "$scratch/requirements.txt" "$chroot_root/srv/requirements.txt"
+    cp "$repo/tools/engines/vllm-requirements.txt" "$chroot_root/srv/vllm-requirements.txt"
+    # In order: the vLLM venv's pip upgrade, kvpool with its test extras, the venv's lines.
+    # shellcheck disable=SC2016
+    in_chroot bash -c 'set -e
+        dl() { python3 -m pip download -q --only-binary=:all: -d /srv/wheels "$@"; }
+        dl pip "setuptools>=68" wheel
+        dl -r /srv/requirements.txt
+        grep -v "^\s*#" /srv/vllm-requirements.txt | while read -r req; do
+            if [ -n "$req" ]; then dl "$req"; fi
+        done' >>"$scratch/pip.log" 2>&1 || { tail -n 20 "$scratch/pip.log" >&2; exit 1; }
+    mv "$chroot_root"/srv/wheels/* "$wheels/"
     touch "$wheels/.complete"
 fi
 
