@@ -183,6 +183,11 @@ while read -r command; do
     bash -c "$command" </dev/null
     echo "=== exit 0 after $((SECONDS - start)) s"
 done </tmp/readme-commands
+# Idempotent: a second set-up finds everything in place, says nothing and installs nothing.
+start=$(date +%s%N)
+again="$(bash scripts/setup.sh --tests 2>&1)"
+echo "=== bash scripts/setup.sh --tests again: $(( ($(date +%s%N) - start) / 1000000 )) ms"
+[ -z "$again" ] || { echo "$again"; echo "=== the second set-up was not a no-op"; exit 1; }
 SH
 say "running the README's two commands in a fresh container (log: $log; the suite takes a while)"
 set +e

@@ -18,7 +18,7 @@ esac
 
 # Debian packages: each is wanted when the file, command or library that shows it is missing.
 need=()
-has_lib() { ldconfig -p | grep -q "/$1\$"; }
+has_lib() { ldconfig -p | grep "/$1\$" >/dev/null; }   # not grep -q: ldconfig must not get SIGPIPE
 python3 -m pip --version >/dev/null 2>&1 || need+=(python3-pip)
 if [ "$tests" = 1 ]; then
     # tools/engines/vllm-env.sh builds the vLLM venv with `python3 -m venv` (Debian: ensurepip).

@@ -73,8 +73,6 @@ def why_unavailable() -> str:
     if probe.returncode != 0:
         tail = probe.stderr.strip()[-400:] or "no output"
         return f"importing mooncake.store failed (exit code {probe.returncode}): {tail}"
-    if not Path(sys.executable).with_name("mooncake_master").exists():
-        return f"mooncake_master is not beside {sys.executable}"
     return ""
 
 
@@ -98,7 +96,6 @@ class MooncakePeer:
         for name, value in MOONCAKE_ENV.items():   # read when the library loads
             os.environ.setdefault(name, value)
         from mooncake.store import MooncakeDistributedStore
-        executable = Path(sys.executable).with_name("mooncake_master")
         self._logs = tempfile.TemporaryDirectory(prefix="kvpool-bench-mooncake-")
         logs = Path(self._logs.name)
         try:
@@ -106,7 +103,9 @@ class MooncakePeer:
             metadata = f"http://{_HOST}:{http}/metadata"
             master = f"{_HOST}:{rpc}"
             self._master = _spawn([
-                str(executable), f"--rpc_port={rpc}", f"--rpc_address={_HOST}",
+                # The package's own launcher: it execs the mooncake_master binary it ships,
+                # wherever pip put the scripts (beside python3 or not, e.g. /usr/local/bin).
+                sys.executable, "-m", "mooncake.cli", f"--rpc_port={rpc}", f"--rpc_address={_HOST}",
                 "--enable_http_metadata_server=true", f"--http_metadata_server_host={_HOST}",
                 f"--http_metadata_server_port={http}", f"--metrics_port={_free_port()}",
                 "--enable_metric_reporting=false", "--rpc_thread_num=2"],
