@@ -60,7 +60,8 @@ extras=()
 [ "$tests" = 1 ] && extras=(dev torch)
 # Nothing for pip to do when kvpool is installed editable from this very checkout and every
 # requirement is met (pip itself would take ~10 s to find that out, and need an index).
-if ! python3 - "${extras[@]}" <<'PY'
+# -P: the checkout's own kvpool.egg-info (left by the editable build) must not be found first.
+if ! python3 -P - "${extras[@]}" <<'PY'
 import importlib.metadata as md
 import json
 import sys
