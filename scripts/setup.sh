@@ -5,7 +5,7 @@
 #                                   Debian packages the tests start or load for real
 # Idempotent and quiet: apt-get runs (update included) only when a package is missing, pip only
 # when kvpool is not installed from this checkout or a requirement in pyproject.toml is unmet;
-# with everything in place it takes about a second. Needs root (or sudo) only to install packages.
+# with everything in place it takes under a second. Needs root (or sudo) only to install packages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PATH:/usr/sbin:/sbin"   # iptables, ip, ldconfig: not on a plain user's PATH
