@@ -14,7 +14,8 @@
 #   may install, fetched with `apt-get --download-only` in a chroot of the same base system;
 # - pip: a wheelhouse made with `pip download` of kvpool's requirements and the vLLM venv's
 #   (tools/engines/vllm-requirements.txt), which the container's pip uses instead of PyPI
-#   (torch is the host's 2.13.0+cpu wheel: PyPI's default build would pull ~3 GB of CUDA).
+#   (torch: the 2.13.0+cpu wheel where the host's PIP_FIND_LINKS has it, as /opt/wheels here;
+#   PyPI's default build would pull ~3 GB of CUDA libraries).
 # The container has root's powers (the chaos tests make network namespaces and iptables rules,
 # as root on a machine can: every capability, no seccomp or AppArmor filter; not --privileged,
 # whose CAP_SYS_RESOURCE this VM's root lacks, so runc fails "unable to apply caps") and runs
@@ -91,8 +92,7 @@ fi
 # A throwaway copy of the fresh system, to download what it lacks with its own apt and its own
 # python3 (whose version picks the wheels: redis wants async-timeout below Python 3.11.3 only).
 # Run in a private mount namespace: what is mounted in it vanishes with it, however it ends.
-# The host's CA certificates and PIP_FIND_LINKS folders (here /opt/wheels: torch 2.13.0+cpu)
-# are mounted in at the same paths.
+# The host's CA certificates and PIP_FIND_LINKS folders are mounted in at the same paths.
 chroot_root=""
 in_chroot() {
     if [ -z "$chroot_root" ]; then
