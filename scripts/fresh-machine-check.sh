@@ -13,7 +13,7 @@
 # - apt: a file repository with the .deb files (and their dependencies) that scripts/setup.sh
 #   may install, fetched with `apt-get --download-only` in a chroot of the same base system;
 # - pip: a wheelhouse made with `pip download` of kvpool's requirements and the vLLM venv's
-#   (tools/engines/vllm-requirements.txt), which the container's pip uses instead of PyPI
+#   (scripts/engines/vllm-requirements.txt), which the container's pip uses instead of PyPI
 #   (torch: the 2.13.0+cpu wheel where the host's PIP_FIND_LINKS has it, as /opt/wheels here;
 #   PyPI's default build would pull ~3 GB of CUDA libraries).
 # The container has root's powers (the chaos tests make network namespaces and iptables rules,
@@ -127,9 +127,9 @@ if [ ! -s "$debs/Packages" ]; then
     rm -rf "$debs" && mv "$debs.tmp" "$debs"
 fi
 
-# 3. The PyPI mirror: what `setup.sh --tests` and tools/engines/vllm-env.sh install, resolved
+# 3. The PyPI mirror: what `setup.sh --tests` and scripts/engines/vllm-env.sh install, resolved
 #    as they resolve it (one pip call per step), as wheels only: a fresh machine has no compiler.
-wheels="$cache/wheels-$(cat "$repo/pyproject.toml" "$repo/tools/engines/vllm-requirements.txt" \
+wheels="$cache/wheels-$(cat "$repo/pyproject.toml" "$repo/scripts/engines/vllm-requirements.txt" \
     | sha256sum | cut -c1-12)"
 if [ ! -f "$wheels/.complete" ]; then
     say "pip mirror: downloading wheels into $wheels (once; ~1 GB)"
@@ -146,7 +146,7 @@ PY
         || { tail -n 20 "$scratch/pip.log" >&2; exit 1; }
     mkdir -p "$chroot_root/srv/wheels"
     cp "$scratch/requirements.txt" "$chroot_root/srv/requirements.txt"
-    cp "$repo/tools/engines/vllm-requirements.txt" "$chroot_root/srv/vllm-requirements.txt"
+    cp "$repo/scripts/engines/vllm-requirements.txt" "$chroot_root/srv/vllm-requirements.txt"
     # In order: the vLLM venv's pip upgrade, kvpool with its test extras, the venv's lines.
     # shellcheck disable=SC2016
     in_chroot bash -c 'set -e

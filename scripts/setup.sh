@@ -21,7 +21,7 @@ need=()
 has_lib() { ldconfig -p | grep "/$1\$" >/dev/null; }   # not grep -q: ldconfig must not get SIGPIPE
 python3 -m pip --version >/dev/null 2>&1 || need+=(python3-pip)
 if [ "$tests" = 1 ]; then
-    # tools/engines/vllm-env.sh builds the vLLM venv with `python3 -m venv` (Debian: ensurepip).
+    # scripts/engines/vllm-env.sh builds the vLLM venv with `python3 -m venv` (Debian: ensurepip).
     python3 -c 'import ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
     command -v etcd >/dev/null || need+=(etcd-server)            # tests/integration/test_ha.py
     command -v redis-server >/dev/null || need+=(redis-server)   # the bench's Redis baseline
