@@ -34,7 +34,8 @@ case "${1:-}" in
     *) echo "usage: bash scripts/fresh-machine-check.sh [--purge]" >&2; exit 2 ;;
 esac
 [ "$(id -u)" = 0 ] || { echo "fresh-machine-check: must run as root" >&2; exit 1; }
-[ -f "$ref/setup-netns-docker.sh" ] || { echo "fresh-machine-check: no $ref (set KVDOCK_REF)" >&2; exit 1; }
+[ -f "$ref/setup-netns-docker.sh" ] \
+    || { echo "fresh-machine-check: no $ref (set KVDOCK_REF)" >&2; exit 1; }
 
 # A namespace, addresses, folders and cgroup of our own: anyone else's kvdock is left alone.
 export KVDOCK_NS=kvpfresh KVDOCK_VETH_HOST=kvpfresh0 KVDOCK_VETH_NS=kvpfresh1
@@ -142,8 +143,8 @@ print("\n".join(toml["build-system"]["requires"] + toml["project"]["dependencies
 PY
     rm -rf "$wheels" && mkdir -p "$wheels"
     { in_chroot apt-get update -q &&
-      in_chroot apt-get install -y -q --no-install-recommends python3-pip; } >"$scratch/pip.log" 2>&1 \
-        || { tail -n 20 "$scratch/pip.log" >&2; exit 1; }
+      in_chroot apt-get install -y -q --no-install-recommends python3-pip; } \
+        >"$scratch/pip.log" 2>&1 || { tail -n 20 "$scratch/pip.log" >&2; exit 1; }
     mkdir -p "$chroot_root/srv/wheels"
     cp "$scratch/requirements.txt" "$chroot_root/srv/requirements.txt"
     cp "$repo/scripts/engines/vllm-requirements.txt" "$chroot_root/srv/vllm-requirements.txt"
@@ -209,4 +210,5 @@ if [ -n "$other" ]; then
     echo "$other" >&2
     exit 1
 fi
-say "PASSED: both commands succeeded; skips: $(grep -c '^SKIPPED ' "$log" || true) lines, all for hardware"
+say "PASSED: both commands succeeded; skips: $(grep -c '^SKIPPED ' "$log" || true) lines, all" \
+    "for hardware"

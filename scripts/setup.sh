@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up this checkout on a Debian 12 machine, fresh or not (the README's two commands start here):
-#   bash scripts/setup.sh           kvpool, editable from this checkout, with its Python dependencies
+#   bash scripts/setup.sh           kvpool, editable from this checkout, and its Python dependencies
 #   bash scripts/setup.sh --tests   also what the whole test suite needs: '.[dev,torch]' and the
 #                                   Debian packages the tests start or load for real
 # Idempotent and quiet: apt-get runs (update included) only when a package is missing, pip only
@@ -71,7 +71,8 @@ from pathlib import Path
 from pip._vendor.packaging.requirements import Requirement   # pip's copy: nothing more to install
 
 project = tomllib.loads(Path("pyproject.toml").read_text())["project"]
-wanted = project["dependencies"] + [r for e in sys.argv[1:] for r in project["optional-dependencies"][e]]
+extras = project["optional-dependencies"]
+wanted = project["dependencies"] + [r for e in sys.argv[1:] for r in extras[e]]
 try:
     url = json.loads(md.distribution("kvpool").read_text("direct_url.json") or "{}")
     if url.get("url") != Path.cwd().as_uri() or not url.get("dir_info", {}).get("editable"):
