@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +38,42 @@ _READY = "kvpool: holder ready"
 _LOCAL_BUFFER_BYTES = 16 << 20   # staging for unregistered buffers; ours are registered
 _INSTALL = ("pip install mooncake-transfer-engine-non-cuda (Linux x86-64; it is in "
             "kvpool[bench])")
+# Run by why_unavailable() in a child process: says, after the marker in argv[1] (on a line of
+# its own: the library may print too), why the import failed, if it did.
+_PROBE_SAYS = "kvpool-probe: "
+_IMPORT_PROBE = """
+import sys
+try:
+    from mooncake.store import MooncakeDistributedStore
+except ModuleNotFoundError as e:
+    ours = (e.name or "").split(".")[0] == "mooncake"
+    print(sys.argv[1] + ("missing" if ours else f"ImportError: {e}"))
+except (ImportError, OSError) as e:
+    print(sys.argv[1] + f"{type(e).__name__}: {e}")
+"""
+
+
+def why_unavailable() -> str:
+    """Why Mooncake Store cannot run here, or ``''`` when it can. Its module is imported for
+    real, in a child process: an installed package whose native library does not load (e.g.
+    ``libibverbs.so.1`` is missing) is unavailable too, and a library that crashes or hangs as
+    it loads takes the child down, not the caller. Both the bench and its tests ask this."""
+    try:
+        probe = subprocess.run([sys.executable, "-c", _IMPORT_PROBE, _PROBE_SAYS],
+                               capture_output=True, text=True, timeout=_START_TIMEOUT_S,
+                               check=False, env={**MOONCAKE_ENV, **os.environ})
+    except subprocess.TimeoutExpired:
+        return f"importing mooncake.store took over {_START_TIMEOUT_S:.0f} s"
+    said = [line[len(_PROBE_SAYS):] for line in probe.stdout.splitlines()
+            if line.startswith(_PROBE_SAYS)]
+    if said == ["missing"]:
+        return f"Mooncake is not installed ({_INSTALL})"
+    if said:
+        return f"Mooncake is installed but cannot load: {said[-1]}"
+    if probe.returncode != 0:
+        tail = probe.stderr.strip()[-400:] or "no output"
+        return f"importing mooncake.store failed (exit code {probe.returncode}): {tail}"
+    return ""
 
 
 class MooncakePeer:
@@ -53,15 +90,12 @@ class MooncakePeer:
         self._logs: tempfile.TemporaryDirectory | None = None
 
     def __enter__(self) -> Self:
+        why = why_unavailable()
+        if why:
+            raise PeerUnavailable(why)
         for name, value in MOONCAKE_ENV.items():   # read when the library loads
             os.environ.setdefault(name, value)
-        try:
-            from mooncake.store import MooncakeDistributedStore
-        except ImportError:
-            raise PeerUnavailable(f"Mooncake is not installed ({_INSTALL})") from None
-        executable = Path(sys.executable).with_name("mooncake_master")
-        if not executable.exists():
-            raise PeerUnavailable(f"mooncake_master is not beside {sys.executable}")
+        from mooncake.store import MooncakeDistributedStore
         self._logs = tempfile.TemporaryDirectory(prefix="kvpool-bench-mooncake-")
         logs = Path(self._logs.name)
         try:
@@ -69,7 +103,9 @@ class MooncakePeer:
             metadata = f"http://{_HOST}:{http}/metadata"
             master = f"{_HOST}:{rpc}"
             self._master = _spawn([
-                str(executable), f"--rpc_port={rpc}", f"--rpc_address={_HOST}",
+                # The package's own launcher: it execs the mooncake_master binary it ships,
+                # wherever pip put the scripts (beside python3 or not, e.g. /usr/local/bin).
+                sys.executable, "-m", "mooncake.cli", f"--rpc_port={rpc}", f"--rpc_address={_HOST}",
                 "--enable_http_metadata_server=true", f"--http_metadata_server_host={_HOST}",
                 f"--http_metadata_server_port={http}", f"--metrics_port={_free_port()}",
                 "--enable_metric_reporting=false", "--rpc_thread_num=2"],
