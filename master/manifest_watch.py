@@ -26,8 +26,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterable
 
-from kvpool.master.manifest_log import ManifestDelta
-from kvpool.master.state import MasterState
+from kvpool.master.state import ManifestDelta, MasterState
 
 # Changes nobody waits for (evictions by the master's tick) go out at least this often.
 PUSH_INTERVAL_S = 0.5
@@ -146,14 +145,6 @@ class ManifestWatchers:
         elif waiters:
             orphans = self._orphans.setdefault(node_id, [])
             orphans[:] = [f for f in orphans if not f.done()] + waiters
-
-    def push(self, node_ids: Iterable[str]) -> None:
-        """Send the changes queued for these nodes on their open streams now, waiting for
-        nobody (a node with no stream open gets them when it opens one)."""
-        for node_id in node_ids:
-            watch = self._watches.get(node_id)
-            if watch is not None:
-                watch.wake.set()
 
     async def flush(self, node_ids: Iterable[str]) -> None:
         """Wait until the changes queued for these nodes were applied by their watchers, on
