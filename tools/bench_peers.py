@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import IO, Self
 
 import numpy as np
+from kvpool.net.sockets import recv_exact_into
 
 _START_TIMEOUT_S = 20.0
 # Raw tcp request: op (b"G" = server sends, b"P" = server receives), block count, block bytes.
@@ -108,23 +109,14 @@ class RawTCPPeer:
         sock = self._sock
         sock.sendall(_RAW_REQUEST.pack(b"G", len(rows), rows[0].nbytes))
         for row in rows:
-            _recv_exact(sock, row)
+            recv_exact_into(sock, row)
 
     def put(self, rows: Sequence[memoryview]) -> None:
         sock = self._sock
         sock.sendall(_RAW_REQUEST.pack(b"P", len(rows), rows[0].nbytes))
         for row in rows:
             sock.sendall(row)
-        _recv_exact(sock, memoryview(bytearray(1)))
-
-
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    got, size = 0, view.nbytes
-    while got < size:
-        n = sock.recv_into(view[got:], size - got)
-        if n == 0:
-            raise ConnectionError("peer closed the connection")
-        got += n
+        recv_exact_into(sock, memoryview(bytearray(1)))
 
 
 def _serve_raw_tcp() -> None:
@@ -137,7 +129,7 @@ def _serve_raw_tcp() -> None:
     buf = bytearray(0)
     try:
         while True:
-            _recv_exact(conn, header)
+            recv_exact_into(conn, header)
             op, count, block = _RAW_REQUEST.unpack(header)
             if len(buf) < block:
                 buf = bytearray(os.urandom(block))
@@ -147,9 +139,9 @@ def _serve_raw_tcp() -> None:
                     conn.sendall(view)
             else:
                 for _ in range(count):
-                    _recv_exact(conn, view)
+                    recv_exact_into(conn, view)
                 conn.sendall(_RAW_ACK)
-    except (ConnectionError, OSError):
+    except OSError:   # the bench closed the connection (PeerClosed is one)
         pass
 
 
