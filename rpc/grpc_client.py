@@ -138,8 +138,10 @@ class GrpcClient:
             pass
 
     def _call(self, method: str, request, *, retry: bool = True, **kw) -> object:
-        """Call ``method`` under the deadline; UNAVAILABLE (nothing reached the server) is
-        retried with jittered exponential backoff unless ``retry`` is False (streams)."""
+        """Call ``method`` under the deadline; UNAVAILABLE is retried with jittered
+        exponential backoff unless ``retry`` is False (streams). UNAVAILABLE also comes from
+        a master that died after acting on the call, so a retry answers for the state it left:
+        a Remove it carried out comes back not found, a PutStart it placed AlreadyExists."""
         if self._targets.fails_over:
             return self._call_leader(method, request, retry, kw)
         if self._closed:

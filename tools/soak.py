@@ -7,7 +7,8 @@ then rebuilt from what the nodes re-announce). Every byte a client reads is chec
 key implies (derived from the key and the seed). At the end the auditor checks:
 
 - wrong bytes: zero, in every read during the run and in a final read of every live object;
-- lost objects: zero. An object is lost if its put committed, no remove of it succeeded, the
+- lost objects: zero. An object is lost if its put committed, no remove of it succeeded (nor
+  answered "not found" across a master kill: the killed master may have removed it), the
   master never evicted it (the master logs each eviction), one of its replicas was on a node
   process that was never killed (still running at the end), and yet it is gone or unreadable;
 - resurrected objects: zero removed keys may exist again, nor keys a get found absent -- except
@@ -111,6 +112,7 @@ class Report:
     evictions: int = 0
     dropped_with_node: int = 0
     recovery_misses: int = 0
+    calls_cut_by_kills: int = 0
     node_kills: int = 0
     master_kills: int = 0
     hung_clients: int = 0
@@ -162,6 +164,7 @@ class Report:
             ("master kills + restarts", str(self.master_kills)),
             ("objects dropped with their nodes", str(self.dropped_with_node)),
             ("misses while the master recovered", str(self.recovery_misses)),
+            ("not-found answers to calls a master kill cut", str(self.calls_cut_by_kills)),
             ("live objects re-read at the end", str(self.final_checked)),
             ("wrong bytes", str(self.wrong_bytes)),
             ("lost objects", str(len(self.lost))),
@@ -338,10 +341,9 @@ class Soak:
         alive = {(name, endpoint) for name, (_, endpoint) in self.running.items()}
         live = {k: v for r in results for k, v in r["live"].items()}
         missing = {k: v for r in results for k, v in r["missing"].items()}
-        for key, record in list(missing.items()):
-            if any(a <= record["missing_at"] <= b for a, b in self.recovery_windows):
-                live[key] = missing.pop(key)
-                self.report.recovery_misses += 1
+        back, cut = triage_misses(missing, self.recovery_windows)
+        live |= back
+        self.report.recovery_misses, self.report.calls_cut_by_kills = len(back), cut
         removed = {k: t for r in results for k, t in r["removed"].items()}
         attempted = [k for r in results for k in r["attempted"]]
         mc = MasterClient(self.cluster.master, timeout_s=30.0)
@@ -401,6 +403,24 @@ class Soak:
         self.report.leaked_bytes = sum(abs(g.used_bytes - g.indexed_bytes) for g in s.segments)
         self.report.stuck_quarantine_bytes = quarantined
         self.report.phantom_objects = s.objects + s.pending_objects - known_objects
+
+
+def triage_misses(missing: dict, recovery_windows: list[tuple[float, float]]
+                  ) -> tuple[dict, int]:
+    """Take out of ``missing`` (key -> put record, with when the call that found it absent
+    was made and answered) what is no loss. A remove the master was killed during: its retry
+    was answered by the successor, whose "not found" may mean the killed master carried the
+    remove out; outcome unknown, as for a failed remove, so no longer checked (counted). A
+    miss while a restarted master recovered: not re-announced yet, so audited as live
+    (returned). A get's call time is its answer's, so only removes are cut by a kill."""
+    back, cut = {}, 0
+    for key, record in list(missing.items()):
+        if any(record["asked_at"] <= a <= record["missing_at"] for a, _ in recovery_windows):
+            del missing[key]
+            cut += 1
+        elif any(a <= record["missing_at"] <= b for a, b in recovery_windows):
+            back[key] = missing.pop(key)
+    return back, cut
 
 
 def _chunked(call, keys: list[str], size: int = 4096) -> list:

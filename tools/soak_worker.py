@@ -184,20 +184,28 @@ def _get(kv: KVClient, cfg: WorkerConfig, rng: random.Random, key: str, live: di
     counts["wrong_bytes"] += wrong_bytes(got, expected_value(cfg.seed, key, live[key]["size"]))
 
 
-def _gone(key: str, live: dict, recent: _Recent, missing: dict) -> None:
-    """A committed key found absent: its put record moves to ``missing`` for the auditor."""
+def _gone(key: str, live: dict, recent: _Recent, missing: dict,
+          asked_at: float | None = None) -> None:
+    """A committed key found absent: its put record moves to ``missing`` for the auditor,
+    with when the remove that found it absent was called (``asked_at``; a get's is now)."""
     recent.discard(key)
     record = live.pop(key, None)
     if record is not None:
-        missing[key] = {**record, "missing_at": time.monotonic()}
+        now = time.monotonic()
+        missing[key] = {**record, "asked_at": now if asked_at is None else asked_at,
+                        "missing_at": now}
 
 
 def _remove(kv: KVClient, key: str, live: dict, recent: _Recent, missing: dict,
             removed: dict, counts: dict) -> None:
+    asked_at = time.monotonic()
     try:
         kv.remove(key)
     except ObjectNotFound:
-        _gone(key, live, recent, missing)
+        # Also the answer to a remove that a master killed mid-call had carried out: the
+        # client retries on the restarted master, which finds the key gone (the auditor
+        # tells the two apart by the kill times).
+        _gone(key, live, recent, missing, asked_at)
         return
     except KVPoolError:
         counts["remove_failed"] += 1   # unknown outcome: the key is no longer checked
