@@ -27,7 +27,7 @@ from typing import Self
 
 import msgpack
 from kvpool.client.router import RouterClient
-from kvpool.common.errors import HashSpecMismatch, InvalidArgument
+from kvpool.common.errors import HashSpecMismatch, InvalidArgument, KVPoolError
 from kvpool.common.hashing import HashSpec, block_hash
 from kvpool.common.kv_events import (
     LOCAL_TIERS,
@@ -38,8 +38,13 @@ from kvpool.common.kv_events import (
     tier_of_medium,
 )
 from kvpool.common.logging import get_logger
+from kvpool.common.loops import LoopCrashed, OnCrash, Supervisor
 
 log = get_logger(__name__)
+# A crash (a bug, or an engine message of a shape nobody expected) costs the batch being read;
+# the next ones are fine, so the bridge goes on. One that keeps coming ends the bridge like any
+# error of its own: in ``error``, raised by ``stop()``. Never the process: it may be the engine's.
+_ON_CRASH = OnCrash(restarts=5, why="the KV-event bridge stops")
 
 # Field order of vLLM's array-like structs (after the tag).
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
@@ -185,9 +190,8 @@ class ZMQEventBridge:
         self._sub.connect(self.endpoint)
         self._stream = self._router.event_stream(self.instance_id)
         self._stream.send([])       # announce the instance at once
-        self._thread = threading.Thread(target=self._run, name=f"vllm-events-{self.instance_id}",
-                                        daemon=True)
-        self._thread.start()
+        self._thread = Supervisor(fatal=self._give_up).start_thread(
+            f"vllm-events-{self.instance_id}", self._run, _ON_CRASH, self._stop)
         return self
 
     def _run(self) -> None:
@@ -218,9 +222,12 @@ class ZMQEventBridge:
                 self._stream.send(events)
                 self._last_send = time.monotonic()
                 self.batches += 1
-        except BaseException as e:  # noqa: BLE001  (re-raised by stop(): a dead bridge must not look alive)
+        except KVPoolError as e:   # re-raised by stop(): a dead bridge must not look alive
             self.error = e
             log.error("vllm_bridge_failed", instance=self.instance_id, error=str(e))
+
+    def _give_up(self, error: LoopCrashed) -> None:
+        self.error = error
 
     def _heartbeat_if_idle(self) -> None:
         if time.monotonic() - self._last_send >= self.heartbeat_s:

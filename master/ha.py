@@ -32,6 +32,7 @@ from kvpool.common.addresses import LEADER_METADATA, EtcdURL, parse_address
 from kvpool.common.config import MasterConfig
 from kvpool.common.errors import InvalidArgument, MasterUnavailable
 from kvpool.common.logging import get_logger
+from kvpool.common.loops import RESTART, Supervisor
 from kvpool.master.server import MasterServer
 
 log = get_logger(__name__)
@@ -313,13 +314,18 @@ async def serve_ha(config: MasterConfig, host: str, port: int, url: EtcdURL, *,
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     stopping = asyncio.create_task(stop.wait())
-    task = asyncio.create_task(election.campaign())
+    # Both restart after a crash: campaigning again is what campaign does after any failure,
+    # and fencing does not rest on hold (every call is checked against the lease's deadline):
+    # a hold that keeps crashing renews nothing, the lease runs out, and this master stops
+    # leading and exits as after any lost lease.
+    supervisor = Supervisor()
+    task = asyncio.create_task(supervisor.run("election", election.campaign, RESTART))
     lost = False
     try:
         await asyncio.wait([stopping, task], return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             task.result()
-            task = asyncio.create_task(election.hold())
+            task = asyncio.create_task(supervisor.run("lease", election.hold, RESTART))
             await asyncio.wait([stopping, task], return_when=asyncio.FIRST_COMPLETED)
             lost = task.done()
     finally:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 import grpc
 from kvpool.common.config import MasterConfig
 from kvpool.common.logging import get_logger
+from kvpool.common.loops import OnCrash, Supervisor
 from kvpool.master.lookup_server import LookupServer
 from kvpool.master.routing import RoutingIndex
 from kvpool.master.routing_servicer import RouterServicer, store_lookup
@@ -20,6 +21,12 @@ from kvpool.protos.kvpool.v1 import master_pb2_grpc, routing_pb2_grpc
 from kvpool.rpc.wire import GRPC_OPTIONS
 
 log = get_logger(__name__)
+# The tick expires nodes, puts, leases and moves. One that raised may have left the index half
+# changed, and going on without it would leak space and keep dead nodes indexed: the master
+# stops instead, and a new one rebuilds the index from what the nodes re-announce (the path a
+# master restart takes anyway, which loses no cached data).
+TICK_ON_CRASH = OnCrash(restarts=0, why="the master's index may be half updated; a restarted "
+                                        "master rebuilds it from the store nodes")
 
 
 def _log_eviction(key: str, version: int) -> None:
@@ -34,10 +41,12 @@ class MasterServer:
                  clock: Callable[[], float] = time.monotonic,
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
                  lookup_port: int | None = 0,
-                 lookup_refusal: Callable[[], str | None] = lambda: None):
+                 lookup_refusal: Callable[[], str | None] = lambda: None,
+                 supervisor: Supervisor | None = None):
         """``interceptors``: wrap every call (master/ha.py refuses them on a standby).
         ``lookup_port``: where to serve lookups besides gRPC (master/lookup_server.py; 0: any
-        free port, None: nowhere); ``lookup_refusal`` says why they are refused, if they are."""
+        free port, None: nowhere); ``lookup_refusal`` says why they are refused, if they are.
+        ``supervisor`` runs the tick (common/loops.py; a test's does not exit)."""
         self.config = config
         self._interceptors = list(interceptors)
         self._lookup_port, self._lookup_refusal = lookup_port, lookup_refusal
@@ -50,6 +59,7 @@ class MasterServer:
         self._host, self._port = host, port
         self._server: grpc.aio.Server | None = None
         self._ticker: asyncio.Task | None = None
+        self._supervisor = supervisor or Supervisor()
         self.port = 0
 
     @property
@@ -79,7 +89,8 @@ class MasterServer:
                 await self._server.stop(0)
                 raise OSError(f"cannot listen on {self._host}:{self._lookup_port} for "
                               f"lookups: {e.strerror or e}") from None
-        self._ticker = asyncio.create_task(self._tick_forever())
+        self._ticker = asyncio.create_task(
+            self._supervisor.run("tick", self._tick_forever, TICK_ON_CRASH))
         log.info("master_started", address=self.address, lookup_port=self._servicer.lookup_port,
                  **vars(self.config))
         return self.address
@@ -90,14 +101,11 @@ class MasterServer:
                                self.config.lease_ttl_s) / 10)
         while True:
             await asyncio.sleep(period)
-            try:
-                for node, silent_s, dropped in self.state.tick():
-                    log.warning("node_expired", node=node, silent_s=round(silent_s, 2),
-                                objects_dropped=dropped)
-                for instance in self.routing.tick():
-                    log.info("instance_aged_out", instance=instance)
-            except Exception:  # a bug in tick must not silently stop expiry forever
-                log.exception("tick_failed")
+            for node, silent_s, dropped in self.state.tick():
+                log.warning("node_expired", node=node, silent_s=round(silent_s, 2),
+                            objects_dropped=dropped)
+            for instance in self.routing.tick():
+                log.info("instance_aged_out", instance=instance)
 
     async def stop(self, grace_s: float = 1.0) -> None:
         if self._ticker:

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from typing import Self
 
 from kvpool.common.logging import get_logger
+from kvpool.common.loops import OnCrash, Supervisor
 from kvpool.net.data_port import (
     HANDOFF_REQUEST,
     MAX_SEGMENT_ID_BYTES,
@@ -51,6 +52,11 @@ log = get_logger(__name__)
 _LINGER_S = 2.0          # how long to drain a refused client before closing (see _linger_close)
 _JOIN_TIMEOUT_S = 5.0
 _UCRED = struct.Struct("3i")   # struct ucred: pid, uid, gid
+# The acceptor keeps nothing between runs (its poller is rebuilt), so a crash is retried; one
+# that keeps coming stops the node: the master would go on sending clients to a port that
+# no longer accepts them.
+_ACCEPT_ON_CRASH = OnCrash(restarts=5, why="a store node whose data port accepts no "
+                                           "connections must not stay in the cluster")
 
 
 class _Disconnected(Exception):
@@ -82,11 +88,12 @@ class DataServer:
     ``rdma`` (a :class:`kvpool.store_node.rdma.NodeRDMA`, or None) answers CONNECT_QP
     handshakes; each client's queue pair lives as long as its handshake connection.
     ``request_counts()`` tells how many requests of each op were served (the rdma path's
-    one-sidedness is asserted with it).
+    one-sidedness is asserted with it). ``supervisor`` runs the accepting thread
+    (common/loops.py).
     """
 
     def __init__(self, segments: Mapping[str, Segment], host: str = "127.0.0.1", port: int = 0,
-                 shm: bool = True, rdma=None) -> None:
+                 shm: bool = True, rdma=None, supervisor: Supervisor | None = None) -> None:
         self._segments = segments
         self._rdma = rdma
         self._counts: Counter[str] = Counter()
@@ -103,6 +110,7 @@ class DataServer:
         self._shm_listener: socket.socket | None = None
         self._wake_r = self._wake_w = -1
         self._acceptor: threading.Thread | None = None
+        self._supervisor = supervisor or Supervisor()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -135,9 +143,8 @@ class DataServer:
         self.tcp_endpoint = f"{host}:{port}"
         self._tcp_listener, self._shm_listener = tcp, shm_sock
         self._wake_r, self._wake_w = _pipe()
-        self._acceptor = threading.Thread(target=self._accept_loop, name="kvpool-data-accept",
-                                          daemon=True)
-        self._acceptor.start()
+        self._acceptor = self._supervisor.start_thread("data-accept", self._accept_loop,
+                                                       _ACCEPT_ON_CRASH, self._stopping)
         log.info("data_server_started", tcp_endpoint=self.tcp_endpoint,
                  shm_endpoint=self.shm_endpoint or None)
 

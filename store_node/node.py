@@ -15,6 +15,7 @@ from kvpool.common.config import format_size
 from kvpool.common.errors import Conflict, KVPoolError, MasterUnavailable, NoSpace, UnknownNode
 from kvpool.common.host import local_boot_id
 from kvpool.common.logging import get_logger
+from kvpool.common.loops import RESTART, OnCrash, Supervisor
 from kvpool.common.types import Move, NodeEndpoints, SegmentInfo
 from kvpool.rpc.master_client import MasterClient
 from kvpool.store_node.data_server import DataServer
@@ -31,19 +32,30 @@ ANNOUNCE_BATCH = 16384
 DEFAULT_SCRUB_BYTES_PER_S = 64 << 20
 # The manifest stream is re-opened this often: every RPC has a deadline, streams too.
 WATCH_DEADLINE_S = 60.0
+# The heartbeat and the manifest watch keep the master's view of this node true: without the
+# first the master expires the node (its objects vanish from the index while the data port
+# still serves them), without the second the puts it acknowledges on this node wait, and its
+# manifest (what a restarted master is told) falls behind them. Both are safe to run again
+# after a crash (what a run did not report, the next reports; a message not acknowledged comes
+# again), so a crash is retried; one that keeps coming stops the node, so that its supervisor
+# starts a fresh one (which re-announces what its disk tier holds) rather than keep a node
+# the cluster cannot use.
+VITAL = OnCrash(restarts=5, why="a store node that cannot heartbeat or follow its manifest "
+                                "must not go on serving")
 
 
 class StoreNode:
     """Pools DRAM segments into the cluster. ``start()`` returns once every segment is mounted."""
 
-    def __init__(self, master: str, segment_sizes: Sequence[int], *, host: str = "127.0.0.1",
-                 port: int = 0, node_id: str | None = None, heartbeat_interval_s: float = 1.0,
+    def __init__(self, master: str | MasterClient, segment_sizes: Sequence[int], *,
+                 host: str = "127.0.0.1", port: int = 0, node_id: str | None = None,
+                 heartbeat_interval_s: float = 1.0,
                  shm: bool = True, advertise_host: str | None = None,
                  rdma_device: str | bool | None = None,
                  scrub_bytes_per_s: int = DEFAULT_SCRUB_BYTES_PER_S,
                  scrub_interval_s: float = 60.0, disk_path: str | None = None,
                  disk_size: int = 0, hbm_size: int = 0, gpu: int = 0,
-                 hugepages: bool = False):
+                 hugepages: bool = False, supervisor: Supervisor | None = None):
         """``host``/``port``: where the tcp data server listens (port 0 = any free port);
         ``advertise_host``: the address clients should dial, if not ``host`` (e.g. 0.0.0.0).
         ``rdma_device``: register the segments with this RDMA device (an error if missing);
@@ -55,7 +67,9 @@ class StoreNode:
         the directory was created with, unless ``node_id`` is given (it must match).
         ``hbm_size``: an HBM tier of that size on GPU ``gpu`` (store_node/hbm.py).
         ``hugepages``: the DRAM segments in reserved 2 MiB huge pages (fewer TLB misses on
-        every copy; see memory.check_hugepages)."""
+        every copy; see memory.check_hugepages).
+        ``master``: the master's address, or a client of it (a test's, that fails on purpose).
+        ``supervisor``: runs the node's loops (common/loops.py; a test's does not exit)."""
         if not segment_sizes:
             raise ValueError("a store node needs at least one segment")
         # Opened first: a bad directory is an error before any memory is allocated.
@@ -71,7 +85,9 @@ class StoreNode:
         self._rdma = None                       # store_node.rdma.NodeRDMA where enabled
         self._published: dict[str, SegmentInfo] = {}   # as mounted: with the RDMA region
         self._interval_s = heartbeat_interval_s
-        self._master = MasterClient(master, timeout_s=max(1.0, 2 * heartbeat_interval_s))
+        self._master = master if isinstance(master, MasterClient) else \
+            MasterClient(master, timeout_s=max(1.0, 2 * heartbeat_interval_s))
+        self._supervisor = supervisor or Supervisor()
         self.segments: dict[str, Segment] = {}
         self._server: DataServer | None = None
         self._stop = threading.Event()
@@ -90,7 +106,7 @@ class StoreNode:
         self._wake = threading.Event()
         self._mover: threading.Thread | None = None
         self._scrubber = Scrubber(self.manifest, self.segments, self._report_corrupt,
-                                  scrub_bytes_per_s, scrub_interval_s) \
+                                  scrub_bytes_per_s, scrub_interval_s, self._supervisor) \
             if scrub_bytes_per_s > 0 else None
 
     def start(self, mount_timeout_s: float = 30.0) -> None:
@@ -128,7 +144,7 @@ class StoreNode:
                     if seg.info.tier in ("dram", "hbm"):
                         self._published[sid] = self._rdma.register(seg)
             self._server = DataServer(self.segments, self._host, self._port, shm=self._shm,
-                                      rdma=self._rdma)
+                                      rdma=self._rdma, supervisor=self._supervisor)
             self._server.start()
             host, _, port = self._server.tcp_endpoint.rpartition(":")
             self.endpoints = NodeEndpoints(
@@ -154,12 +170,12 @@ class StoreNode:
         except BaseException:
             self.stop(unmount=False)
             raise
-        self._thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
-        self._thread.start()
-        self._mover = threading.Thread(target=self._move_loop, name="mover", daemon=True)
-        self._mover.start()
-        self._watcher = threading.Thread(target=self._watch_loop, name="manifest", daemon=True)
-        self._watcher.start()
+        run = self._supervisor.start_thread
+        self._thread = run("heartbeat", self._heartbeat_loop, VITAL, self._stop)
+        # A move lost in a crash is given up by the master after its put timeout; serving
+        # goes on without it, so the mover is always restarted.
+        self._mover = run("mover", self._move_loop, RESTART, self._stop)
+        self._watcher = run("manifest", self._watch_loop, VITAL, self._stop)
         self._wait_stream_open()
         if self._scrubber is not None:
             self._scrubber.start()

@@ -16,7 +16,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from kvpool.common.checksum import checksum
+from kvpool.common.errors import KVPoolError
 from kvpool.common.logging import get_logger
+from kvpool.common.loops import RESTART, Supervisor
 from kvpool.common.types import ObjectRecord
 from kvpool.store_node.manifest import Manifest
 from kvpool.store_node.memory import Segment
@@ -29,15 +31,17 @@ class Scrubber:
 
     def __init__(self, manifest: Manifest, segments: Mapping[str, Segment],
                  report: Callable[[Sequence[ObjectRecord]], None], bytes_per_s: int,
-                 pass_interval_s: float = 60.0):
+                 pass_interval_s: float = 60.0, supervisor: Supervisor | None = None):
         """``report(records)``: tell the master these replicas are damaged. ``bytes_per_s``:
-        how fast to read; ``pass_interval_s``: rest between two passes over the manifest."""
+        how fast to read; ``pass_interval_s``: rest between two passes over the manifest;
+        ``supervisor``: runs the background thread (common/loops.py)."""
         if bytes_per_s <= 0:
             raise ValueError(f"bytes_per_s must be > 0, not {bytes_per_s}")
         self._manifest, self._segments, self._report = manifest, segments, report
         self._rate, self._rest_s = bytes_per_s, pass_interval_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._supervisor = supervisor or Supervisor()
         self.objects_checked = 0
         self.corrupt_found = 0
 
@@ -76,8 +80,9 @@ class Scrubber:
         return bad
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="scrubber", daemon=True)
-        self._thread.start()
+        # Scrubbing only finds damage sooner (readers check checksums too): whatever it hit,
+        # the node serves on, and the scrubber starts a new pass.
+        self._thread = self._supervisor.start_thread("scrubber", self._run, RESTART, self._stop)
 
     def stop(self) -> None:
         self._stop.set()
@@ -89,6 +94,6 @@ class Scrubber:
         while not self._stop.is_set():
             try:
                 self.scrub_once()
-            except Exception:   # a failed report is retried next pass; never die silently
-                log.exception("scrub_failed")
+            except KVPoolError as e:   # the report did not reach the master: next pass
+                log.warning("scrub_report_failed", error=str(e))
             self._stop.wait(self._rest_s)

@@ -7,7 +7,11 @@ import os
 import threading
 import time
 
+import pytest
+import structlog
 from kvpool.common.checksum import checksum
+from kvpool.common.errors import MasterUnavailable
+from kvpool.common.loops import Supervisor
 from kvpool.common.types import ObjectRecord
 from kvpool.store_node.manifest import Manifest
 from kvpool.store_node.memory import create_dram_segment
@@ -68,3 +72,45 @@ def test_scrubber_ignores_objects_replaced_during_its_pass():
     finally:
         seg.close()
 
+
+
+@pytest.mark.parametrize("error", [RuntimeError("injected"), MasterUnavailable("away")])
+def test_a_failed_pass_is_retried_and_only_a_bug_is_a_crash(error):
+    """A report that fails (the master away: expected; anything else: a bug, logged once with
+    its traceback by the supervisor) is made again by a later pass."""
+    seg = create_dram_segment("n1", 0, 1 << 20)
+    try:
+        sid = seg.info.segment_id
+        data = os.urandom(4096)
+        seg.buffer[:4096] = bytes(4096)           # not what the checksum says
+        manifest = Manifest()
+        manifest.apply([ObjectRecord("bad", sid, 0, 4096, checksum(data), 1)], [])
+        reports = []
+        done = threading.Event()
+
+        def report(records):
+            reports.append([r.key for r in records])
+            if len(reports) == 1:
+                raise error
+            done.set()
+
+        fatal = []
+        scrubber = Scrubber(manifest, {sid: seg}, report, bytes_per_s=1 << 30,
+                            pass_interval_s=0.01, supervisor=Supervisor(fatal.append))
+        with structlog.testing.capture_logs() as logs:
+            scrubber.start()
+            try:
+                assert done.wait(10)
+            finally:
+                scrubber.stop()
+        assert reports == [["bad"], ["bad"]] and manifest.get("bad") is None
+        crashes = [e for e in logs if e["event"] == "loop_crashed"]
+        failures = [e for e in logs if e["event"] == "scrub_report_failed"]
+        if isinstance(error, MasterUnavailable):
+            assert not crashes and [f["error"] for f in failures] == ["away"]
+        else:
+            assert [(c["loop"], c["exc_info"]) for c in crashes] == [("scrubber", error)]
+            assert not failures
+        assert not fatal
+    finally:
+        seg.close()
