@@ -26,7 +26,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterable
 
-from kvpool.master.state import ManifestDelta, MasterState
+from kvpool.master.manifest_log import ManifestDelta
+from kvpool.master.state import MasterState
 
 # Changes nobody waits for (evictions by the master's tick) go out at least this often.
 PUSH_INTERVAL_S = 0.5
@@ -145,6 +146,14 @@ class ManifestWatchers:
         elif waiters:
             orphans = self._orphans.setdefault(node_id, [])
             orphans[:] = [f for f in orphans if not f.done()] + waiters
+
+    def push(self, node_ids: Iterable[str]) -> None:
+        """Send the changes queued for these nodes on their open streams now, waiting for
+        nobody (a node with no stream open gets them when it opens one)."""
+        for node_id in node_ids:
+            watch = self._watches.get(node_id)
+            if watch is not None:
+                watch.wake.set()
 
     async def flush(self, node_ids: Iterable[str]) -> None:
         """Wait until the changes queued for these nodes were applied by their watchers, on

@@ -1,11 +1,15 @@
 """The thin gRPC layer: protobuf <-> domain calls on MasterState, exceptions -> per-key status.
 
-Every handler runs on the server's one asyncio loop, so MasterState needs no locks.
+Every handler runs on the server's one asyncio loop, so MasterState needs no locks. Every RPC
+is either declared read-only (``READ_ONLY``) or runs under ``@mutation``, which applies the
+effects MasterState recorded (manifest changes) in one place; tests/unit/test_servicer_effects.py
+checks each RPC of the service is one or the other.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import grpc
 from kvpool.common import checksum
@@ -16,14 +20,45 @@ from kvpool.common.errors import (
     status_for_error,
 )
 from kvpool.common.logging import get_logger
+from kvpool.master.manifest_log import ManifestDelta
 from kvpool.master.manifest_watch import ManifestWatchers
-from kvpool.master.state import ManifestDelta, MasterState
+from kvpool.master.state import MasterState
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
 from kvpool.protos.kvpool.v1 import master_pb2_grpc
 from kvpool.rpc import wire
 
 log = get_logger(__name__)
 MAX_BATCH = 65536
+# RPCs that change nothing a store node's manifest records: reads (leases, the eviction order,
+# hit counters and promotions started are this master's soft state, rebuilt after a restart)
+# and the manifest stream's own plumbing.
+READ_ONLY = frozenset({"GetReplicas", "Exists", "Stats", "WatchManifest", "AckManifest"})
+
+
+def mutation(handler=None, *, wait: bool = True):
+    """Run an RPC that changes the index, then apply its effects: if it recorded manifest
+    changes, every change queued for the nodes is pushed, and (``wait``) the answer goes only
+    once the nodes have applied them, so a master killed right after answering loses nothing
+    it acknowledged (master/manifest_watch.py). Every queued change, not only this call's: the
+    removal of an evicted object must reach its node before the commit of a new object of the
+    same key on another node is acknowledged, or a restarted master could index the old one.
+    ``wait=False``: for RPCs of a node's own session (mount, announce), whose changes repeat
+    what the nodes hold, and whose caller may not have its stream open yet."""
+    def wrap(handler):
+        @functools.wraps(handler)
+        async def run(self, request, context):
+            mark = self._state.manifest_mark()
+            response = await handler(self, request, context)
+            if self._state.manifest_mark() != mark:
+                nodes = self._state.nodes_with_changes()
+                if wait:
+                    await self._watchers.flush(nodes)
+                else:
+                    self._watchers.push(nodes)
+            return response
+        run.applies_effects = True
+        return run
+    return wrap if handler is None else wrap(handler)
 
 
 def _status(result: object) -> int:
@@ -49,6 +84,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self._watchers = ManifestWatchers(state)
         self.lookup_port = 0   # named in GetReplicas answers once the lookup port is bound
 
+    @mutation(wait=False)
     async def MountSegment(self, request, context):
         node, segment = wire.node_from_pb(request.node), wire.segment_from_pb(request.segment)
         if not node.node_id or not segment.segment_id or segment.size_bytes == 0:
@@ -65,6 +101,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                  size_bytes=segment.size_bytes, tcp=node.tcp_endpoint)
         return pb.MountSegmentResponse()
 
+    @mutation
     async def UnmountSegment(self, request, context):
         try:
             self._state.unmount_segment(request.node_id, request.segment_id)
@@ -73,14 +110,13 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         log.info("segment_unmounted", node=request.node_id, segment=request.segment_id)
         return pb.UnmountSegmentResponse(status=pb.STATUS_OK)
 
+    @mutation   # moved objects' new records reach the manifests before the answer
     async def Heartbeat(self, request, context):
         try:
             if request.moves_done or request.moves_failed:
                 self._state.heartbeat(request.node_id, take_manifest=False)
                 self._state.moves_finished(request.node_id, list(request.moves_done),
                                            list(request.moves_failed))
-                # Moved objects' new records reach the node's manifest stream first.
-                await self._watchers.flush(self._state.nodes_with_changes())
             # A watching node gets its changes on its stream, in order: not here as well.
             delta = self._state.heartbeat(
                 request.node_id, take_manifest=not self._watchers.delivers(request.node_id))
@@ -112,6 +148,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self._watchers.ack(request.node_id, request.seq)
         return pb.AckManifestResponse()
 
+    @mutation(wait=False)
     async def AnnounceObjects(self, request, context):
         records = wire.records_from_pb(request.objects)
         await _check_batch(records, context)
@@ -130,6 +167,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                         reasons=refused[:8])
         return pb.AnnounceObjectsResponse(statuses=map(_status, results))
 
+    @mutation
     async def ReportCorrupt(self, request, context):
         await _check_batch(request.keys, context)
         if not len(request.keys) == len(request.versions) == len(request.segment_ids):
@@ -137,11 +175,11 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                                 "keys, versions and segment_ids must be parallel")
         results = self._state.report_corrupt(list(request.keys), list(request.versions),
                                              list(request.segment_ids))
-        await self._watchers.flush(self._state.nodes_with_changes())
         log.warning("corrupt_replicas_dropped", keys=list(request.keys)[:8],
                     segments=sorted(set(request.segment_ids)))
         return pb.StatusesResponse(statuses=map(_status, results))
 
+    @mutation   # evictions' removals and the new extents' reservations reach the nodes first
     async def PutStart(self, request, context):
         await _check_batch(request.keys, context)
         if len(request.keys) != len(request.sizes):
@@ -161,13 +199,12 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             else:
                 statuses.append(pb.STATUS_OK)
                 columns.add(r)
-        # Evictions made room: their removals reach the nodes before anyone writes there.
-        await self._watchers.flush(self._state.nodes_with_changes())
         summary = self._state.space_summary() if pb.STATUS_NO_SPACE in statuses else ""
         return pb.PutStartResponse(put_timeout_s=self._state.config.put_timeout_s,
                                    statuses=statuses, replicas=columns.to_pb(),
                                    space_summary=summary)
 
+    @mutation   # the nodes holding the new objects were told before the answer
     async def PutEnd(self, request, context):
         await _check_batch(request.keys, context)
         sums = [checksum.decode(c) for c in request.checksums] if request.checksums else None
@@ -175,21 +212,21 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{len(request.keys)} keys but {len(sums)} checksums")
         results = self._state.put_end(list(request.keys), sums)
-        # Answer once the nodes holding the new objects were told (a master killed right
-        # after this answer loses none of them).
-        await self._watchers.flush(self._state.nodes_with_changes())
         return pb.StatusesResponse(statuses=map(_status, results))
 
+    @mutation
     async def PutRevoke(self, request, context):
         await _check_batch(request.keys, context)
-        return pb.StatusesResponse(statuses=map(_status, self._state.put_revoke(list(request.keys))))
+        results = self._state.put_revoke(list(request.keys))
+        return pb.StatusesResponse(statuses=map(_status, results))
 
+    @mutation
     async def Remove(self, request, context):
         await _check_batch(request.keys, context)
         results = self._state.remove(list(request.keys))
-        await self._watchers.flush(self._state.nodes_with_changes())
         return pb.StatusesResponse(statuses=map(_status, results))
 
+    @mutation   # hard pins are in the manifests (restored after a restart) once acknowledged
     async def Pin(self, request, context):
         await _check_batch(request.keys, context)
         if request.unpin:
@@ -198,8 +235,6 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ttl_s must be >= 0")
         else:
             results = self._state.pin(list(request.keys), request.ttl_s or None)
-        # Hard pins are in the nodes' manifests (restored after a restart) once acknowledged.
-        await self._watchers.flush(self._state.nodes_with_changes())
         return pb.StatusesResponse(statuses=map(_status, results))
 
     async def Exists(self, request, context):

@@ -9,14 +9,11 @@ in the result list, never raised, so one bad key fails only its own slot.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
-from kvpool.common import checksum
 from kvpool.common.config import MasterConfig
 from kvpool.common.errors import (
     AlreadyExists,
@@ -24,33 +21,30 @@ from kvpool.common.errors import (
     InvalidArgument,
     KVPoolError,
     NoSpace,
-    NotPending,
     ObjectNotFound,
-    UnknownNode,
     ValueTooLarge,
 )
 from kvpool.common.types import (
-    TIER_RANK,
     Extent,
     Move,
     NodeEndpoints,
     ObjectRecord,
-    ObjectState,
-    ObjectView,
     Replica,
     Reservation,
     SegmentInfo,
     validate_key,
 )
-from kvpool.master.allocator import RangeAllocator
+from kvpool.master.chains import Chains
 from kvpool.master.eviction import EvictionPolicy, make_eviction_policy
-from kvpool.master.placement import choose_segments
+from kvpool.master.index import COMPLETE, PENDING, LocatedColumns, ObjectEntry, ObjectIndex
+from kvpool.master.manifest_log import ManifestDelta, ManifestLog, Removal
+from kvpool.master.membership import Membership, Segment
+from kvpool.master.pins import Pins
+from kvpool.master.pressure import Pressure
+from kvpool.master.recovery import Recovery
+from kvpool.master.space import Space
+from kvpool.master.tiers import Tiers
 
-PENDING, COMPLETE = ObjectState.PENDING, ObjectState.COMPLETE
-_MAX_SHARED_SIZES = 1024
-# Children waiting for a parent that is not stored yet (see _put_end_one); past this many,
-# new ones are plain chain heads. Bounds the master's memory against parents that never come.
-_MAX_WAITING = 1 << 16
 T = TypeVar("T")
 
 
@@ -80,102 +74,11 @@ class MasterStats:
     promotions: int = 0      # moves one tier up completed
 
 
-@dataclass(frozen=True, slots=True)
-class LocatedColumns:
-    """:meth:`MasterState.locate_columns`' answer: per key (in request order) its size,
-    version, encoded checksum (common/checksum.py) and replica count, all 0 for a key in
-    ``errors``; then per replica, key by key, its segment id and offset."""
-
-    errors: dict[int, KVPoolError]   # position in the request -> why that key was not found
-    sizes: list[int]
-    versions: list[int]
-    checksums: list[int]
-    counts: list[int]
-    segment_ids: list[str]
-    offsets: list[int]
-
-
-@dataclass(frozen=True, slots=True)
-class ManifestDelta:
-    """What changed in one node's segments since its last heartbeat: objects committed there,
-    ``(key, version)`` of objects dropped from there (applied after the commits), and space a
-    restarted master must not reuse for a while (``Reservation``, on this master's clock)."""
-
-    committed: list[ObjectRecord]
-    removed: list[tuple[str, int]]
-    reserved: list[Reservation] = ()
-
-
-@dataclass(eq=False, slots=True)
-class _Node:
-    endpoints: NodeEndpoints
-    last_seen: float
-    segment_ids: set[str] = field(default_factory=set)
-    # For a node that keeps a manifest: ObjectRecords committed and (key, version) dropped in
-    # its segments, in order, until its next heartbeat takes them. None: it keeps none.
-    manifest_log: list | None = None
-
-
-@dataclass(eq=False, slots=True)
-class _Segment:
-    node_id: str
-    info: SegmentInfo
-    allocator: RangeAllocator
-    keys: set[str] = field(default_factory=set)   # indexed objects with a replica here
-    quarantined_bytes: int = 0
-    manifest_log: list | None = None   # its node's (shared), to append to without a lookup
-    moving_out_bytes: int = 0   # aligned bytes of in-flight moves out of here (leaving soon)
-    draining: bool = False      # passed the high watermark, not yet down to the low one
-
-
-@dataclass(eq=False, slots=True)
-class _MoveInFlight:
-    """A copy a node was told to make; the index switches to ``dst`` when it reports done."""
-
-    obj: _Object
-    src: Extent
-    dst: Extent
-    src_seg: _Segment
-    dst_seg: _Segment
-    deadline: float
-
-
-@dataclass(eq=False, slots=True)
-class _Object:
-    """One index entry, kept small: a master indexes millions of them. The first replica lives
-    inline (segment id and offset; every replica is ``size`` bytes long), further ones in
-    ``more``; ``replicas`` builds the Extents on demand."""
-
-    key: str
-    size: int
-    version: int
-    segment_id: str          # the first replica's segment ("" once every replica is gone)
-    offset: int
-    more: tuple[Extent, ...] = ()
-    state: ObjectState = PENDING
-    lease_until: float = 0.0
-    pinned: bool = False
-    checksum: int | None = None   # CRC-32C of the bytes, as the writer computed it
-    # The block this one extends (None: none), from PutStart until PutEnd hands it to the
-    # policy, then cleared: the request's copy of the parent's key would cost a str per object.
-    parent: str | None = None
-
-    @property
-    def replicas(self) -> list[Extent]:
-        """Extents in mounted segments only: dropped segments are stripped."""
-        if not self.segment_id:
-            return []
-        first = Extent(self.segment_id, self.offset, self.size)
-        return [first, *self.more] if self.more else [first]
-
-    @replicas.setter
-    def replicas(self, extents: Sequence[Extent]) -> None:
-        first = extents[0] if extents else Extent("", 0, self.size)
-        self.segment_id, self.offset, self.more = first.segment_id, first.offset, tuple(extents[1:])
-
-
 class MasterState:
-    """Segments, nodes and the object index, with leases, deferred frees and eviction."""
+    """The facade over the master's units, each owning its data: membership (nodes,
+    segments), the object index, space (frees, put deadlines), chains (eviction orders),
+    pins, recovery, tiers (moves), pressure (eviction) and the manifest log. An operation
+    that spans several units is composed here."""
 
     def __init__(self, config: MasterConfig, clock: Callable[[], float] = time.monotonic,
                  policy: EvictionPolicy | None = None,
@@ -186,63 +89,24 @@ class MasterState:
         (the server logs it, so an auditor can tell evictions from losses)."""
         self._config = config
         self._clock = clock
-        self._policy = policy if policy is not None else make_eviction_policy(config.eviction)
-        # Objects on a disk tier are ordered apart, by a policy of the same kind: there they
-        # can only be dropped, and a chain block whose children all went down to disk must
-        # become demotable itself (to the main policy, a child on disk is still a child).
-        self._disk_policy = make_eviction_policy(config.eviction)
-        # Chain links waiting for their parent to enter the child's policy (a child announced
-        # before its parent after a restart, a block on another tier than its parent): parent
-        # key -> children, and child -> parent. Linked when the parent arrives there; dropped
-        # with the parent (or the child) leaving the index, and once recovery ends.
-        self._waiting: dict[str, list[str]] = {}
-        self._waiting_for: dict[str, str] = {}
         self._on_evict = on_evict
-        self._nodes: dict[str, _Node] = {}
-        self._segments: dict[str, _Segment] = {}
-        self._objects: dict[str, _Object] = {}
-        # (free_at, seq, [(segment, extent)]): lease-deferred removals and put quarantine alike.
-        self._deferred: list[tuple[float, int, list[tuple[_Segment, Extent]]]] = []
-        # (deadline, seq, objects): one entry per PutStart batch, not per object.
-        self._put_deadlines: list[tuple[float, int, list[_Object]]] = []
-        self._versions = itertools.count(1)
-        self._seq = itertools.count()
-        self._pending = 0
-        # One int object per distinct object size, shared by every entry of that size (KV
-        # blocks mostly have one size): 28 bytes less per indexed object.
-        self._sizes: dict[int, int] = {}
-        self._hits = self._misses = self._evictions = 0
-        self._demotions = self._promotions = 0
-        # Tiers (see "-- tiers"): copies handed to nodes and not reported yet, by move id; the
-        # key of each object with one in flight; instructions not yet taken, per node; disk
-        # segment ids (a set lookup on the read path); disk objects read once, and when.
-        self._moves: dict[int, _MoveInFlight] = {}
-        self._moving: dict[str, int] = {}
-        self._outbox: dict[str, list[Move]] = {}
-        self._disk_segments: set[str] = set()
-        self._disk_reads: dict[str, float] = {}
-        # Pins (see ``pin``): soft ones by key with their end (and a heap of ends to expire
-        # them), and the bytes hard pins hold against their quota.
-        self._soft_pins: dict[str, float] = {}
-        self._soft_pin_expiry: list[tuple[float, str]] = []
-        self._hard_pinned_bytes = 0
-        # Segments whose node is still announcing what they hold: no new object goes there.
-        self._recovering: set[str] = set()
-        # Segments this master dropped because their node went silent (partition, crash). If
-        # the node comes back and announces what they hold, this index stays authoritative for
-        # them: only replicas of objects still indexed are taken back, so an object removed
-        # or evicted meanwhile does not return (a restarted master, knowing none, takes all).
-        self._expired_segments: set[str] = set()
-        # Objects removed, evicted or dropped as corrupt while nodes may still be announcing
-        # (key -> version): until twice node_ttl_s after the first mount (every live node has
-        # re-mounted and announced by then) and while a segment recovers. Another node's
-        # replica announced later must not bring such an object back.
-        self._tombstones: dict[str, int] = {}
-        self._announcing_until: float | None = None
-        # Nodes silent for a third of node_ttl_s (as of the last tick): probably dead, so new
-        # objects go elsewhere while the TTL runs out, instead of failing their writes there.
-        # Their next heartbeat clears them; if every node is silent, none is avoided.
-        self._silent: set[str] = set()
+        self._evictions = 0
+        self._manifests = ManifestLog()
+        self._members = Membership(config)
+        self._index = ObjectIndex()
+        # The two tables nearly every operation reads (membership and the index own them).
+        self._segments, self._objects = self._members.segments, self._index.objects
+        self._space = Space(self._segments)
+        self._chains = Chains(policy if policy is not None else
+                              make_eviction_policy(config.eviction),
+                              make_eviction_policy(config.eviction))
+        self._pins = Pins(config, self._segments)
+        self._recovery = Recovery(config.node_ttl_s)
+        closed = self._recovery.recovering   # no new object, nor move, goes there
+        self._tiers = Tiers(config, self._members, closed, self._index, self._chains,
+                            self._space)
+        self._pressure = Pressure(config, self._members, closed, self._index, self._chains,
+                                  self._pins, self._tiers, self._evict)
 
     @property
     def config(self) -> MasterConfig:
@@ -266,46 +130,20 @@ class MasterState:
         Idempotent for the same (node, segment). InvalidArgument for a segment id mounted by
         another node or with another size/tier, an empty id, or a segment below the alignment.
         """
-        if not node.node_id or not segment.segment_id:
-            raise InvalidArgument("node_id and segment_id must not be empty")
-        if segment.size_bytes < self._config.alignment_bytes:
-            raise InvalidArgument(f"segment {segment.segment_id!r} has {segment.size_bytes} "
-                                  f"bytes; at least {self._config.alignment_bytes} are needed")
-        seg = self._segments.get(segment.segment_id)
-        if seg is not None and seg.node_id != node.node_id:
-            raise InvalidArgument(f"segment {segment.segment_id!r} is mounted by node "
-                                  f"{seg.node_id!r}")
-        if seg is not None and seg.info != segment:
-            raise InvalidArgument(f"segment {segment.segment_id!r} is mounted as {seg.info}")
+        self._members.check_mount(node, segment)
         now = self._clock()
-        if self._announcing_until is None:
-            self._announcing_until = now + 2 * self._config.node_ttl_s
-        n = self._nodes.get(node.node_id)
-        if n is not None and n.endpoints != node:
-            # Endpoints are fixed for a node process's life: new ones mean the node restarted
-            # (within node_ttl_s, so it never looked dead). Its old segments are gone with it.
-            for sid in list(n.segment_ids):
-                self._drop_segment(self._segments[sid])
-            seg = None
-        if n is None:
-            n = self._nodes[node.node_id] = _Node(node, now)
-        n.endpoints, n.last_seen = node, now
-        self._silent.discard(node.node_id)
-        if keeps_manifest and n.manifest_log is None:
-            n.manifest_log = []
-        if seg is None:
-            alloc = RangeAllocator(segment.size_bytes, self._config.alignment_bytes)
-            seg = self._segments[segment.segment_id] = _Segment(node.node_id, segment, alloc)
-            n.segment_ids.add(segment.segment_id)
-            if segment.tier == "disk":
-                self._disk_segments.add(segment.segment_id)
-            if recovering:
-                self._recovering.add(segment.segment_id)
-        seg.manifest_log = n.manifest_log
+        self._recovery.mounted(now)
+        for old in self._members.restarted(node):
+            self._drop_segment(old)
+        if keeps_manifest:
+            self._manifests.keep(node.node_id)
+        if self._members.mount(node, segment, now, self._manifests.queue(node.node_id)) \
+                and recovering:
+            self._recovery.recovering.add(segment.segment_id)
 
     def unmount_segment(self, node_id: str, segment_id: str) -> None:
         """Drop a segment and every replica in it; a no-op if it is not mounted (retries)."""
-        self._live_node(node_id)
+        self._members.touch(node_id, self._clock())
         seg = self._segments.get(segment_id)
         if seg is not None and seg.node_id != node_id:
             raise InvalidArgument(f"segment {segment_id!r} is mounted by node {seg.node_id!r}")
@@ -316,36 +154,32 @@ class MasterState:
         """Keep ``node_id`` alive; UnknownNode tells the node to mount its segments again.
         For a node that keeps a manifest, what changed in its segments since it was last taken
         (unless ``take_manifest`` is False: the changes go another way, ``take_manifest``)."""
-        self._live_node(node_id)
+        self._members.touch(node_id, self._clock())
         return self.take_manifest(node_id) if take_manifest else None
 
     def take_manifest(self, node_id: str) -> ManifestDelta | None:
         """What was committed in and dropped from the node's segments since the last take;
         None for an unknown node or one that keeps no manifest."""
-        n = self._nodes.get(node_id)
-        if n is None or n.manifest_log is None:
-            return None
-        log, n.manifest_log[:] = list(n.manifest_log), []
-        return ManifestDelta([e for e in log if type(e) is ObjectRecord],
-                             [e for e in log if type(e) is tuple],
-                             [e for e in log if type(e) is Reservation])
+        return self._manifests.take(node_id)
 
     def requeue_manifest(self, node_id: str, delta: ManifestDelta) -> None:
         """Put a taken delta back in front of the node's queue (its stream broke before the
         node acknowledged it): the next take sends it again, before anything newer."""
-        n = self._nodes.get(node_id)
-        if n is not None and n.manifest_log is not None:
-            n.manifest_log[:0] = [*delta.reserved, *delta.committed, *delta.removed]
+        self._manifests.requeue(node_id, delta)
 
     def nodes_with_changes(self) -> list[str]:
         """The nodes whose manifest changes have not been taken yet."""
-        return [nid for nid, n in self._nodes.items() if n.manifest_log]
+        return self._manifests.nodes_with_changes()
+
+    def manifest_mark(self) -> int:
+        """How many manifest changes were recorded so far: a call that moved it changed what
+        some node's manifest must hold (the servicer then waits for the nodes to apply it)."""
+        return self._manifests.recorded
 
     def heard_from(self, node_id: str) -> bool:
         """Whether ``node_id`` is known and was heard from within a third of node_ttl_s (not
         probably dead)."""
-        n = self._nodes.get(node_id)
-        return n is not None and self._clock() - n.last_seen <= self._config.node_ttl_s / 3
+        return self._members.heard_from(node_id, self._clock())
 
     def announce_objects(self, node_id: str, records: Sequence[ObjectRecord],
                          done: bool = False, reserved: Sequence[Reservation] = ()
@@ -357,20 +191,16 @@ class MasterState:
         put or freed under a lease, kept out of reuse until each one's end (``until``, on this
         master's clock); one overlapping an object is stale and ignored. ``done``: the node has
         announced everything; its recovering segments take new objects from now on."""
-        n = self._live_node(node_id)
+        n = self._members.touch(node_id, self._clock())
         out = [_attempt(self._announce_one, node_id, r) for r in records]
         for r in reserved:
             seg = self._segments.get(r.segment_id)
             if seg is not None and seg.node_id == node_id and r.size > 0 \
                     and seg.allocator.allocate_at(r.offset, r.size):
-                self._free_later([Extent(r.segment_id, r.offset, r.size)], r.until)
-        if done:
-            self._recovering.difference_update(n.segment_ids)
-            if not self._recovering:   # every node announced: parents not indexed never come
-                for parent in [p for p in self._waiting if p not in self._objects]:
-                    for child in self._waiting.pop(parent):
-                        if self._waiting_for.get(child) == parent:
-                            del self._waiting_for[child]
+                self._space.free_later([Extent(r.segment_id, r.offset, r.size)], r.until)
+        if done and self._recovery.announced(n.segment_ids):
+            # Every node announced: parents not indexed by now never come.
+            self._chains.stop_waiting_for_absent(self._objects)
         return out
 
     def report_corrupt(self, keys: Sequence[str], versions: Sequence[int],
@@ -403,13 +233,12 @@ class MasterState:
         n = self._config.default_replicas if replicas is None else replicas
         now = self._clock()
         seen: set[str] = set()
-        started: list[_Object] = []
+        started: list[ObjectEntry] = []
         out = [_attempt(self._put_one, key, size, n, now, seen, started,
                         parents[i] if parents is not None else None)
                for i, (key, size) in enumerate(zip(keys, sizes))]
         if started:
-            heapq.heappush(self._put_deadlines,
-                           (now + self._config.put_timeout_s, next(self._seq), started))
+            self._space.put_deadline(now + self._config.put_timeout_s, started)
         return out
 
     def put_end(self, keys: Sequence[str], checksums: Sequence[int | None] | None = None
@@ -426,47 +255,24 @@ class MasterState:
         """Abandon PENDING objects; their space is free at once (the writer says it stopped)."""
         return [_attempt(self._put_revoke_one, key) for key in keys]
 
-    def get_replicas(self, keys: Sequence[str]) -> list[ObjectView | KVPoolError]:
-        """Where each complete object lives; each one found is leased for ``lease_ttl_s``."""
-        return [r if isinstance(r, KVPoolError) else
-                ObjectView(key, r[0], r[1], tuple(self._replica(Extent(sid, offset, r[0]))
-                                                  for sid, offset in r[2]), r[3])
-                for key, r in zip(keys, self.locate(keys))]
-
-    def locate(self, keys: Sequence[str]
-               ) -> list[tuple[int, int, tuple[tuple[str, int], ...], int | None] | KVPoolError]:
-        """``get_replicas`` in raw form: per key ``(size, version, ((segment_id, offset), ...),
-        checksum)`` or the error (:meth:`locate_columns` key by key).
-        :meth:`replica_in` describes each segment."""
-        c = self.locate_columns(keys)
-        out: list = []
-        decode, places = checksum.decode, zip(c.segment_ids, c.offsets)
-        for i, count in enumerate(c.counts):
-            error = c.errors.get(i)
-            out.append(error if error is not None else
-                       (c.sizes[i], c.versions[i], tuple(itertools.islice(places, count)),
-                        decode(c.checksums[i])))
-        return out
-
     def locate_columns(self, keys: Sequence[str]) -> LocatedColumns:
         """Where each complete object lives, in columns (GetReplicas' form): each one found is
         leased for ``lease_ttl_s``, touched in the eviction order and counted as a hit; a miss
-        is counted and explained in ``errors``. The per-key work is done by comprehensions
-        over the objects found, not a tuple per key: a lookup of a prompt is hundreds."""
+        is counted and explained in ``errors``."""
         now = self._clock()
         lease_until = now + self._config.lease_ttl_s
-        get, touch = self._objects.get, self._policy.on_access
-        disk = self._disk_segments
+        get, touch = self._objects.get, self._chains.policy.on_access
+        disk = self._members.disk_segments
         # None: a miss, explained in ``errors``. Keys are strs, the index's keys too: any
         # other hashable key finds nothing (and an unhashable one is looked at alone).
         try:
-            objs: list[_Object | None] = list(map(get, keys))
+            objs: list[ObjectEntry | None] = list(map(get, keys))
         except TypeError:
             objs = [get(k) if isinstance(k, str) else None for k in keys]
         errors: dict[int, KVPoolError] = {}
         for i, obj in enumerate(objs):
             if obj is None or obj.state is not COMPLETE:   # only the misses learn why
-                errors[i] = _attempt(self._get_one, keys[i], now)
+                errors[i] = self._why_missing(keys[i])
                 objs[i] = None
                 continue
             if obj.lease_until < lease_until:   # noqa: PLR1730 (max() costs a call per key)
@@ -474,43 +280,20 @@ class MasterState:
             if disk:   # a read may promote: touch in order, as locate does
                 touch(obj.key)
                 if obj.segment_id in disk or obj.more:
-                    self._note_disk_read(obj, now)
+                    self._tiers.note_disk_read(obj, now)
         found = [o for o in objs if o is not None] if errors else objs
         if not disk:   # the indexed strs, not the request's equal copies
-            self._policy.on_access_many([o.key for o in found])
-        self._hits += len(found)
-        present = checksum.PRESENT   # checksum.encode, inlined
-        if errors:   # a miss holds zeros (and no replica) in its slot
-            sizes = [0 if o is None else o.size for o in objs]
-            versions = [0 if o is None else o.version for o in objs]
-            sums = [0 if o is None or o.checksum is None else present | o.checksum
-                    for o in objs]
-        else:
-            sizes = [o.size for o in found]
-            versions = [o.version for o in found]
-            sums = [0 if o.checksum is None else present | o.checksum for o in found]
-        if any(o.more for o in found):   # extra replicas (rare): built key by key
-            counts = [0 if o is None else 1 + len(o.more) for o in objs]
-            segment_ids, offsets = [], []
-            for o in found:
-                segment_ids.append(o.segment_id)
-                offsets.append(o.offset)
-                segment_ids += [e.segment_id for e in o.more]
-                offsets += [e.offset for e in o.more]
-        else:
-            counts = [0 if o is None else 1 for o in objs] if errors else [1] * len(found)
-            segment_ids = [o.segment_id for o in found]
-            offsets = [o.offset for o in found]
-        return LocatedColumns(errors, sizes, versions, sums, counts, segment_ids, offsets)
+            self._chains.policy.on_access_many([o.key for o in found])
+        self._index.hits += len(found)
+        return self._index.columns(objs, found, errors)
 
     def replica_in(self, segment_id: str, offset: int = 0, length: int = 0) -> Replica:
         """The descriptor of ``[offset, offset + length)`` in a mounted segment."""
-        return self._replica(Extent(segment_id, offset, length))
+        return self._members.replica(Extent(segment_id, offset, length))
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is a complete object (no lease, no LRU touch, no hit counted)."""
-        return [isinstance(k, str) and (o := self._objects.get(k)) is not None
-                and o.state is COMPLETE for k in keys]
+        return self._index.exists(keys)
 
     def remove(self, keys: Sequence[str]) -> list[KVPoolError | None]:
         """Remove complete objects; a leased one vanishes now but its space waits for the lease."""
@@ -537,19 +320,21 @@ class MasterState:
     def stats(self, audit: bool = False) -> MasterStats:
         """Exact accounting of segments, objects and counters. ``audit``: also sum each
         segment's indexed objects one by one (``indexed_bytes``; O(objects), for checkers)."""
-        def indexed(s: _Segment) -> int | None:
+        def indexed(s: Segment) -> int | None:
             if not audit:
                 return None
             return sum(s.allocator.aligned_size(self._objects[k].size) for k in s.keys)
 
         segs = tuple(
             SegmentStats(s.node_id, s.info, s.allocator.used_bytes - s.quarantined_bytes,
-                         s.quarantined_bytes, len(s.keys), self._nodes[s.node_id].endpoints,
+                         s.quarantined_bytes, len(s.keys),
+                         self._members.nodes[s.node_id].endpoints,
                          indexed_bytes=indexed(s))
             for s in self._segments.values())
-        return MasterStats(segs, len(self._objects) - self._pending, self._pending,
-                           self._hits, self._misses, self._evictions, len(self._nodes),
-                           self._demotions, self._promotions)
+        idx = self._index
+        return MasterStats(segs, len(self._objects) - idx.pending, idx.pending,
+                           idx.hits, idx.misses, self._evictions, len(self._members.nodes),
+                           self._tiers.demotions, self._tiers.promotions)
 
     def tick(self) -> list[tuple[str, float, int]]:
         """Expire silent nodes, reclaim timed-out puts, run due frees, evict above watermarks.
@@ -557,18 +342,18 @@ class MasterState:
         replica and so dropped with it)."""
         now = self._clock()
         expired = self._expire_nodes(now)
-        self._end_tombstones(now)
+        self._recovery.end_tombstones(now)
         self._reclaim_pending(now)
-        self._expire_moves(now)
-        self._expire_soft_pins(now)
-        self._release_deferred(now)
-        self._evict_above_watermark(now)
+        self._tiers.expire(now)
+        self._pins.expire(now)
+        self._space.release_due(now)
+        self._pressure.drain(now)
         return expired
 
     # -- per-key operations -----------------------------------------------------------------
 
     def _put_one(self, key: str, size: int, n: int, now: float, seen: set[str],
-                 started: list[_Object], parent: str | None = None) -> tuple[Replica, ...]:
+                 started: list[ObjectEntry], parent: str | None = None) -> tuple[Replica, ...]:
         validate_key(key)
         # Before any other check, so a repeated key is refused whatever happened to the first.
         if key in seen:
@@ -597,112 +382,56 @@ class MasterState:
             # Checked up front: otherwise eviction would flush the cache for a put that can
             # never succeed.
             raise NoSpace(f"{key!r}: fewer than {n} nodes have a segment of {size} bytes")
-        extents = self._place(size, n, fits, now)
+        extents = self._pressure.place(size, n, fits, now)
         if extents is None:
             raise NoSpace(f"{key!r}: no room for {size} bytes x{n}, even after eviction: "
-                          + self._space_summary(segments))
-        if len(self._sizes) < _MAX_SHARED_SIZES:
-            size = self._sizes.setdefault(size, size)
-        obj = _Object(key, size, next(self._versions), extents[0].segment_id, extents[0].offset,
-                      tuple(extents[1:]), parent=parent or None)
-        self._objects[key] = obj
+                          + Space.summary(segments, self._index.pending))
+        obj = self._index.add(key, size, extents, parent=parent or None)
         # Until its writer is surely done (its put reclaimed, then quarantined), a restarted
         # master must not hand this space out: the nodes keep a reservation of it.
         until = now + self._config.put_timeout_s + self._config.quarantine_s
         for e in extents:
             seg = self._segments[e.segment_id]
             seg.keys.add(key)
-            if seg.manifest_log is not None:
-                seg.manifest_log.append(Reservation(key, e.segment_id, e.offset, e.length, until))
-        self._pending += 1
+            if seg.manifest is not None:
+                seg.manifest.append(Reservation(key, e.segment_id, e.offset, e.length, until))
         started.append(obj)
-        return self._replicas(obj)
+        return tuple(map(self._members.replica, obj.replicas))
 
     def space_summary(self) -> str:
         """How much room the cluster has for new objects, for a NoSpace message."""
-        return self._space_summary(self._open_segments())
-
-    def _space_summary(self, segments) -> str:
-        segments = list(segments)
-        free = sum(s.allocator.free_bytes - s.quarantined_bytes for s in segments)
-        total = sum(s.allocator.capacity_bytes for s in segments)
-        largest = max((s.allocator.largest_free_bytes for s in segments), default=0)
-        # What is left is held by pending, pinned or leased objects, which are never evicted.
-        return (f"the cluster has {free} of {total} bytes free in {len(segments)} segments "
-                f"(largest free range {largest} bytes), the rest held by objects that are "
-                f"pending, pinned or leased ({self._pending} pending)")
+        return Space.summary(self._open_segments(),
+                             self._index.pending)
 
     def _open_segments(self, replicas: int = 1):
-        """The segments new objects may go to: all but those still being announced, and
-        those of nodes gone silent unless ``replicas`` distinct nodes need them."""
-        if not self._recovering and not self._silent:
-            return self._segments.values()
-        open_ = [s for sid, s in self._segments.items() if sid not in self._recovering]
-        if self._silent:
-            fresh = [s for s in open_ if s.node_id not in self._silent]
-            if len({s.node_id for s in fresh}) >= replicas:
-                return fresh
-        return open_
+        """Where new objects may go: not to segments still being announced."""
+        return self._members.open_segments(replicas, self._recovery.recovering)
 
-    def _place(self, size: int, n: int, fits: list[_Segment], now: float) -> list[Extent] | None:
-        extents = choose_segments(self._open_segments(n), size, n)
-        if extents is not None:
-            return extents
-        # Only objects with a replica in a segment that could hold this one make room for it,
-        # and only a node's last tier drops data (a tier above it demotes instead: tick).
-        fit_ids = {s.info.segment_id for s in fits if self._lower_tier(s) is None}
-        if not fit_ids:
-            return None
-        for key in self._victims(now, fit_ids):
-            obj = self._objects.get(key)
-            if obj is None or not self._evictable(obj, now):
-                continue
-            if not any(e.segment_id in fit_ids for e in obj.replicas):
-                continue
-            self._evict(obj)
-            extents = choose_segments(self._open_segments(n), size, n)
-            if extents is not None:
-                return extents
-        return None
-
-    def _get_one(self, key: str, now: float
-                 ) -> tuple[int, int, tuple[tuple[str, int], ...], int | None]:
-        try:
-            obj = self._complete(key)
-        except ObjectNotFound:
-            self._misses += 1
-            raise
-        self._hits += 1
-        obj.lease_until = max(obj.lease_until, now + self._config.lease_ttl_s)
-        self._policy.on_access(obj.key)   # the indexed str, not the request's equal copy
-        where = ((obj.segment_id, obj.offset),)
-        if obj.more:
-            where += tuple((e.segment_id, e.offset) for e in obj.more)
-        return obj.size, obj.version, where, obj.checksum
+    def _why_missing(self, key) -> KVPoolError:
+        """Why a read finds no complete object at ``key`` (a miss is counted)."""
+        error = _attempt(self._index.complete, key)
+        assert isinstance(error, KVPoolError), f"{key!r} is complete: not a miss"
+        if isinstance(error, ObjectNotFound):
+            self._index.misses += 1
+        return error
 
     def _put_end_one(self, key: str, checksum: int | None) -> None:
-        obj = self._pending_object(key)
-        obj.state = COMPLETE
-        obj.checksum = checksum
-        self._pending -= 1
+        obj = self._index.pending_entry(key)
+        self._index.commit(obj, checksum)
         # The indexed strs, not the request's equal copies. A parent not stored yet (still
-        # pending, or put later) is waited for, up to _MAX_WAITING children: linked when it
+        # pending, or put later) is waited for, up to a bound (chains.py): linked when it
         # comes; meanwhile this block is a chain head to the policy (it can go first).
         parent = self._objects.get(obj.parent) if obj.parent else None
         if parent is not None and parent.state is COMPLETE:
             link: str | None = parent.key
         else:
-            link = obj.parent if obj.parent and self._may_wait() else None
+            link = obj.parent if obj.parent and self._chains.may_wait() else None
         # Put straight to disk (DRAM was full), the block waits there for its parent.
-        self._track(obj.key, link, obj.segment_id in self._disk_segments)
+        self._chains.track(obj.key, link, obj.segment_id in self._members.disk_segments)
         # The manifest records keep the parent named (linked again after a master restart);
-        # the index does not: the records go to the nodes with the next heartbeat.
+        # the index does not.
         named, obj.parent = obj.parent, None
-        for e in obj.replicas:
-            log = self._segments[e.segment_id].manifest_log
-            if log is not None:
-                log.append(ObjectRecord(obj.key, e.segment_id, e.offset, obj.size, checksum,
-                                        obj.version, named))
+        self._log_records(obj, named)
 
     def _announce_one(self, node_id: str, r: ObjectRecord) -> None:
         validate_key(r.key)
@@ -714,11 +443,8 @@ class MasterState:
         if obj is not None and (obj.state is not COMPLETE or obj.version != r.version
                                 or obj.size != r.size or obj.checksum != r.checksum):
             raise Conflict(f"{r.key!r}: indexed as another object")
-        if obj is None and self._tombstones.get(r.key) == r.version:
-            raise Conflict(f"{r.key!r}: removed or evicted since this master started")
-        if obj is None and r.segment_id in self._expired_segments:
-            raise Conflict(f"{r.key!r}: not indexed since its node was declared dead (removed, "
-                           "evicted, or it had no other replica)")
+        if obj is None:
+            self._recovery.check_unindexed(r)
         if obj is not None and extent in obj.replicas:
             return   # announced again (a node retrying a batch whose answer it lost)
         if obj is not None and any(e.segment_id == r.segment_id for e in obj.replicas):
@@ -731,22 +457,16 @@ class MasterState:
             obj.replicas = [*obj.replicas, extent]
             self._announce_pin(obj, r)
             return
-        size = self._sizes.setdefault(r.size, r.size) if len(self._sizes) < _MAX_SHARED_SIZES \
-            else r.size
-        obj = _Object(r.key, size, r.version, r.segment_id, r.offset, state=COMPLETE,
-                      checksum=r.checksum)
-        self._objects[r.key] = obj
+        obj = self._index.add(r.key, r.size, [extent], r.version, state=COMPLETE,
+                              checksum=r.checksum)
         # Linked to its parent as before the restart; a parent not announced yet (on another
         # node, later in the batch) links its children when it comes.
         parent = self._objects.get(r.parent) if r.parent else None
-        self._track(obj.key, parent.key if parent is not None else r.parent,
-                    r.segment_id in self._disk_segments)
-        # Versions stay unique per key across the restart: new ones come after every announced.
-        nxt = next(self._versions)
-        self._versions = itertools.count(max(nxt, r.version + 1))
+        self._chains.track(obj.key, parent.key if parent is not None else r.parent,
+                           r.segment_id in self._members.disk_segments)
         self._announce_pin(obj, r)
 
-    def _announce_pin(self, obj: _Object, r: ObjectRecord) -> None:
+    def _announce_pin(self, obj: ObjectEntry, r: ObjectRecord) -> None:
         """Hard-pin an announced object recorded as pinned. Not checked against the quota:
         it was granted within it, and after a master restart the quota counts only the
         segments mounted so far (the rest come with nodes still to announce)."""
@@ -764,201 +484,78 @@ class MasterState:
         seg = self._segments[segment_id]
         obj.replicas = [e for e in obj.replicas if e.segment_id != segment_id]
         seg.keys.discard(key)
-        if seg.manifest_log is not None:
-            seg.manifest_log.append((key, version))
+        if seg.manifest is not None:
+            seg.manifest.append(Removal(key, version))
         # Other readers may be copying it under their lease: reuse only after that.
-        self._free_later(bad, max(now, obj.lease_until))
+        self._space.free_later(bad, max(now, obj.lease_until))
         if not obj.replicas:
-            self._tombstone(obj)
+            self._recovery.tombstone(obj, self._clock())
             self._unindex(obj)
 
     def _put_revoke_one(self, key: str) -> None:
-        obj = self._pending_object(key)
+        obj = self._index.pending_entry(key)
         self._unindex(obj)
-        self._free_now(obj.replicas)
+        self._space.free_now(obj.replicas)
 
     def _remove_one(self, key: str, now: float) -> None:
-        obj = self._complete(key)
-        self._tombstone(obj)
+        obj = self._index.complete(key)
+        self._recovery.tombstone(obj, self._clock())
         self._unindex(obj)
         if obj.lease_until > now:
             # A reader may still be copying these bytes: reuse only after its lease.
-            self._free_later(obj.replicas, obj.lease_until)
+            self._space.free_later(obj.replicas, obj.lease_until)
         else:
-            self._free_now(obj.replicas)
+            self._space.free_now(obj.replicas)
 
     def _pin_one(self, key: str, ttl_s: float | None, now: float, quota: bool = True) -> None:
-        obj = self._complete(key)
-        if ttl_s is not None:
-            if not obj.pinned:
-                until = max(now + ttl_s, self._soft_pins.get(obj.key, 0.0))
-                self._soft_pins[obj.key] = until
-                heapq.heappush(self._soft_pin_expiry, (until, obj.key))
-            return
-        if obj.pinned:
-            return
-        size = self._pin_size(obj)
-        limit = self._config.pin_quota_fraction * sum(
-            s.allocator.capacity_bytes for s in self._segments.values())
-        if quota and self._hard_pinned_bytes + size > limit:
-            raise NoSpace(f"{key!r}: hard pins would hold {self._hard_pinned_bytes + size} "
-                          f"bytes, over the quota of {int(limit)} (pin_quota_fraction "
-                          f"{self._config.pin_quota_fraction} of the capacity); unpin some, "
-                          "or pin with a ttl_s (a soft pin)")
-        obj.pinned = True
-        self._hard_pinned_bytes += size
-        self._soft_pins.pop(obj.key, None)
-        self._log_records(obj)
+        obj = self._index.complete(key)
+        if self._pins.pin(obj, ttl_s, now, quota):
+            self._log_records(obj, self._parent_of(obj))
 
     def _unpin_one(self, key: str) -> None:
-        obj = self._complete(key)
-        if obj.pinned:
-            obj.pinned = False
-            self._hard_pinned_bytes -= self._pin_size(obj)
-            self._log_records(obj)
-        self._soft_pins.pop(obj.key, None)
+        if self._pins.unpin(obj := self._index.complete(key)):
+            self._log_records(obj, self._parent_of(obj))
 
-    def _log_records(self, obj: _Object) -> None:
-        """Tell the nodes holding ``obj`` its record again (a hard pin came or went): it
-        supersedes the one their manifests hold, by key."""
-        parent = self._parent_of(obj.key, obj.segment_id in self._disk_segments)
+    def _log_records(self, obj: ObjectEntry, parent: str | None) -> None:
+        """Tell the nodes holding ``obj`` its record (committed, or a hard pin came or went:
+        it supersedes the one their manifests hold, by key)."""
         for e in obj.replicas:
-            log = self._segments[e.segment_id].manifest_log
+            log = self._segments[e.segment_id].manifest
             if log is not None:
-                log.append(ObjectRecord(obj.key, e.segment_id, e.offset, obj.size,
-                                        obj.checksum, obj.version, parent, obj.pinned))
+                log.append(obj.record(e, parent))
 
-    def _pin_size(self, obj: _Object) -> int:
-        """What a hard pin of ``obj`` counts against the quota: its size (replicas come and
-        go with nodes; the count must not drift)."""
-        return obj.size
-
-    def _victims(self, now: float, segment_ids):
-        """Candidates with a replica in ``segment_ids`` possibly: those on disk (if any of
-        them is a disk segment) by LRU, then the policy's; soft-pinned ones (still within their
-        TTL) after all others: a soft pin is evicted last, not never."""
-        disk = self._disk_segments
-        walks = []
-        if any(sid in disk for sid in segment_ids):
-            walks.append(self._disk_policy.candidates())
-        if any(sid not in disk for sid in segment_ids):
-            walks.append(self._policy.candidates())
-        candidates = itertools.chain.from_iterable(walks)
-        if not self._soft_pins:
-            yield from candidates
-            return
-        deferred = []
-        for key in candidates:
-            if self._soft_pins.get(key, 0.0) > now:
-                deferred.append(key)
-            else:
-                yield key
-        yield from deferred
-
-    def _expire_soft_pins(self, now: float) -> None:
-        heap = self._soft_pin_expiry
-        while heap and heap[0][0] <= now:
-            until, key = heapq.heappop(heap)
-            if self._soft_pins.get(key) == until:   # not extended since
-                del self._soft_pins[key]
+    def _parent_of(self, obj: ObjectEntry) -> str | None:
+        return self._chains.parent_of(obj.key, obj.segment_id in self._members.disk_segments)
 
     # -- tick steps -------------------------------------------------------------------------
 
     def _expire_nodes(self, now: float) -> list[tuple[str, float, int]]:
-        ttl = self._config.node_ttl_s
-        silent = {k for k, n in self._nodes.items() if now - n.last_seen > ttl / 3}
-        self._silent = silent if len(silent) < len(self._nodes) else set()
         expired = []
-        for node_id in [k for k, n in self._nodes.items() if now - n.last_seen > ttl]:
-            self._silent.discard(node_id)
-            self._expired_segments.update(self._nodes[node_id].segment_ids)
+        for node_id in self._members.expired(now):
+            n = self._members.nodes[node_id]
+            self._recovery.expired_segments.update(n.segment_ids)
             before = len(self._objects)
-            for seg_id in list(self._nodes[node_id].segment_ids):
+            for seg_id in list(n.segment_ids):
                 self._drop_segment(self._segments[seg_id])
-            expired.append((node_id, now - self._nodes[node_id].last_seen,
-                            before - len(self._objects)))
-            del self._nodes[node_id]
-            self._outbox.pop(node_id, None)
+            expired.append((node_id, now - n.last_seen, before - len(self._objects)))
+            self._members.forget(node_id)
+            self._manifests.forget(node_id)
+            self._tiers.forget(node_id)
         return expired
 
     def _reclaim_pending(self, now: float) -> None:
-        while self._put_deadlines and self._put_deadlines[0][0] <= now:
-            _, _, started = heapq.heappop(self._put_deadlines)
-            for obj in started:
-                if self._objects.get(obj.key) is not obj or obj.state is not PENDING:
-                    continue   # committed, revoked or lost since: nothing to reclaim
-                self._unindex(obj)
-                # The writer may still be writing into these extents: keep them out of reuse.
-                self._free_later(obj.replicas, now + self._config.quarantine_s)
+        for obj in self._space.puts_due(now):
+            if self._objects.get(obj.key) is not obj or obj.state is not PENDING:
+                continue   # committed, revoked or lost since: nothing to reclaim
+            self._unindex(obj)
+            # The writer may still be writing into these extents: keep them out of reuse.
+            self._space.free_later(obj.replicas, now + self._config.quarantine_s)
 
-    def _release_deferred(self, now: float) -> None:
-        while self._deferred and self._deferred[0][0] <= now:
-            _, _, entries = heapq.heappop(self._deferred)
-            for seg, ext in entries:
-                # A dropped segment took its space with it (a re-mount of its id is a new
-                # segment with a new allocator); only its quarantine count would change.
-                if self._segments.get(ext.segment_id) is seg:
-                    seg.quarantined_bytes -= seg.allocator.aligned_size(ext.length)
-                    seg.allocator.free(ext.offset, ext.length)
-
-    def _evict_above_watermark(self, now: float) -> None:
-        """Bring every segment above its high watermark down to its low one, in policy order:
-        a segment with a lower tier on its node demotes (a move); a node's last tier drops.
-        Objects being moved count as gone from their source already."""
-        def fuller_than(seg: _Segment, mark: float) -> bool:
-            used = seg.allocator.used_bytes - seg.moving_out_bytes
-            return used > mark * seg.allocator.capacity_bytes
-
-        # Hysteresis across ticks: a segment past its high watermark drains down to its low one
-        # even when that takes several ticks (demotions complete asynchronously, and a chain
-        # block becomes a victim only once its children went down).
-        for s in self._segments.values():
-            if fuller_than(s, self._config.high_watermark):
-                s.draining = True
-            elif s.draining and not fuller_than(s, self._config.low_watermark):
-                s.draining = False
-        hot = {sid for sid, s in self._segments.items() if s.draining}
-        for _ in range(2):   # again if a demotion found its lower tier full: that one drops
-            if not hot:
-                return
-            full: set[str] = set()
-            for key in self._victims(now, hot):
-                obj = self._objects.get(key)
-                if obj is None or obj.state is not COMPLETE or obj.pinned:
-                    continue
-                touched = [e for e in obj.replicas if e.segment_id in hot]
-                if not touched:
-                    continue
-                segs = [self._segments[e.segment_id] for e in touched]
-                lower = [self._lower_tier(seg) for seg in segs]
-                if None in lower:   # a last tier: the object goes (all of it, as before)
-                    if self._evictable(obj, now):
-                        self._evict(obj)
-                # One move per object at a time: its first hot replica goes first.
-                elif key not in self._moving and not self._start_move(
-                        obj, touched[0], segs[0], lower[0], now):
-                    full.add(lower[0].info.segment_id)
-                for seg in segs:
-                    if not fuller_than(seg, self._config.low_watermark):
-                        hot.discard(seg.info.segment_id)
-                        seg.draining = False
-                if not hot:
-                    break
-            hot |= full
-
-    # -- tiers ------------------------------------------------------------------------------
-    #
-    # A node with segments of several tiers (hbm, dram, disk) keeps its objects in the fastest
-    # one with room; a tier above its high watermark demotes its policy-order victims one tier
-    # down, and a disk object read twice within ``promote_window_s`` is promoted one tier up.
-    # A move is an instruction (``take_moves``, sent with the node's heartbeat answer) to copy
-    # the bytes into an extent allocated here; the index switches to the copy only when the
-    # node reports it done (``moves_finished``), and the source is freed once no lease granted
-    # on it can still be read under: a reader never sees a half-copied replica.
+    # -- tiers (see master/tiers.py) --------------------------------------------------------
 
     def take_moves(self, node_id: str) -> list[Move]:
         """The moves ``node_id`` is to make (each is handed out once)."""
-        return self._outbox.pop(node_id, [])
+        return self._tiers.take(node_id)
 
     def moves_finished(self, node_id: str, done: Sequence[int] = (),
                        failed: Sequence[int] = ()) -> None:
@@ -968,274 +565,35 @@ class MasterState:
         now = self._clock()
         for ok, ids in ((True, done), (False, failed)):
             for move_id in ids:
-                m = self._moves.get(move_id)
-                if m is not None and m.src_seg.node_id == node_id:
-                    self._finish_move(move_id, ok, now)
-
-    def _note_disk_read(self, obj: _Object, now: float) -> None:
-        """``obj`` was read and may have replicas on disk: the second read within the window
-        promotes one of them (the first whose node has room above it)."""
-        on_disk = [e for e in obj.replicas if e.segment_id in self._disk_segments]
-        if not on_disk:
-            return
-        self._disk_policy.on_access(obj.key)
-        seen = self._disk_reads.pop(obj.key, None)
-        if seen is None or now - seen > self._config.promote_window_s:
-            if len(self._disk_reads) > 65536:   # bounded: forget reads older than the window
-                cutoff = now - self._config.promote_window_s
-                self._disk_reads = {k: t for k, t in self._disk_reads.items() if t >= cutoff}
-            self._disk_reads[obj.key] = now
-            return
-        if obj.key in self._moving:
-            return
-        for src in on_disk:
-            src_seg = self._segments[src.segment_id]
-            upper = self._upper_tier(src_seg)
-            if upper is None:
-                continue
-            alloc = upper.allocator
-            # Only into room below the high watermark: a promotion must not cause a demotion.
-            if alloc.used_bytes + alloc.aligned_size(obj.size) <= \
-                    self._config.high_watermark * alloc.capacity_bytes and \
-                    self._start_move(obj, src, src_seg, upper, now):
-                return
-
-    def _start_move(self, obj: _Object, src: Extent, src_seg: _Segment, dst_seg: _Segment,
-                    now: float) -> bool:
-        """Allocate the destination and queue the instruction; False if it has no room."""
-        offset = dst_seg.allocator.allocate(obj.size)
-        if offset is None:
-            return False
-        dst = Extent(dst_seg.info.segment_id, offset, obj.size)
-        move_id = next(self._seq)
-        self._moves[move_id] = _MoveInFlight(obj, src, dst, src_seg, dst_seg,
-                                             now + self._config.put_timeout_s)
-        self._moving[obj.key] = move_id
-        src_seg.moving_out_bytes += src_seg.allocator.aligned_size(obj.size)
-        self._outbox.setdefault(src_seg.node_id, []).append(
-            Move(move_id, obj.key, obj.version, src, dst))
-        return True
-
-    def _finish_move(self, move_id: int, ok: bool, now: float) -> None:
-        m = self._moves.pop(move_id)
-        obj = m.obj
-        if self._moving.get(obj.key) == move_id:
-            del self._moving[obj.key]
-        m.src_seg.moving_out_bytes -= m.src_seg.allocator.aligned_size(m.src.length)
-        dst_live = self._segments.get(m.dst.segment_id) is m.dst_seg
-        if ok and dst_live and self._objects.get(obj.key) is obj and m.src in obj.replicas:
-            was_on_disk = obj.segment_id in self._disk_segments
-            obj.replicas = [m.dst if e == m.src else e for e in obj.replicas]
-            if (obj.segment_id in self._disk_segments) != was_on_disk:
-                # Down to disk: its parent may become demotable; there it links to its parent
-                # once that comes down too (a chain is dropped from disk tail first). Back up:
-                # linked again to its parent in DRAM.
-                parent = self._parent_of(obj.key, was_on_disk)
-                (self._disk_policy if was_on_disk else self._policy).on_remove(obj.key)
-                self._waiting_for.pop(obj.key, None)
-                self._track(obj.key, parent, not was_on_disk)
-            # A new version: a reader whose read outlived its lease checks the version it read
-            # against the index's, and the source may be reused by then.
-            obj.version = next(self._versions)
-            m.src_seg.keys.discard(obj.key)
-            m.dst_seg.keys.add(obj.key)
-            if m.dst_seg.manifest_log is not None:   # supersedes the source's record (by key)
-                m.dst_seg.manifest_log.append(ObjectRecord(
-                    obj.key, m.dst.segment_id, m.dst.offset, obj.size, obj.checksum,
-                    obj.version, self._parent_of(obj.key, obj.segment_id in self._disk_segments),
-                    obj.pinned))
-            # Readers granted the source may still be copying from it: reuse after the lease.
-            self._free_later([m.src], max(now, obj.lease_until))
-            if TIER_RANK[m.dst_seg.info.tier] > TIER_RANK[m.src_seg.info.tier]:
-                self._demotions += 1
-            else:
-                self._promotions += 1
-                self._disk_reads.pop(obj.key, None)
-        elif dst_live:   # the node is done with the destination either way
-            self._free_now([m.dst])
-
-    def _expire_moves(self, now: float) -> None:
-        """Give up on moves not reported within ``put_timeout_s`` (a node that died or
-        restarted): the destination is freed after the quarantine, as a write may linger."""
-        expired = [i for i, m in self._moves.items() if m.deadline <= now]
-        if not expired:
-            return
-        gone = set(expired)
-        for node_id, moves in list(self._outbox.items()):   # never handed out now: too late
-            self._outbox[node_id] = [m for m in moves if m.move_id not in gone]
-        for move_id in expired:
-            m = self._moves.pop(move_id)
-            if self._moving.get(m.obj.key) == move_id:
-                del self._moving[m.obj.key]
-            m.src_seg.moving_out_bytes -= m.src_seg.allocator.aligned_size(m.src.length)
-            if self._segments.get(m.dst.segment_id) is m.dst_seg:
-                self._free_later([m.dst], now + self._config.quarantine_s)
-
-    def _track(self, key: str, parent: str | None, disk: bool) -> None:
-        """Hand a complete object to its tier's policy, linked to ``parent`` if that one is
-        there, else waiting for it; children waiting for ``key`` there are linked now."""
-        policy = self._disk_policy if disk else self._policy
-        if parent is not None and parent in policy:
-            policy.on_insert(key, parent)
-        else:
-            policy.on_insert(key)
-            if parent is not None:
-                kids = self._waiting.setdefault(parent, [])
-                if key not in kids:
-                    kids.append(key)
-                self._waiting_for[key] = parent
-        kids = self._waiting.pop(key, None) if self._waiting else None
-        if kids:
-            left = []
-            for child in kids:
-                if self._waiting_for.get(child) != key:
-                    continue   # gone, or linked since
-                if policy.link(child, key) or child in policy:
-                    del self._waiting_for[child]
-                else:   # on the other tier: waits for this block to come there
-                    left.append(child)
-            if left:
-                self._waiting[key] = left
-
-    def _may_wait(self) -> bool:
-        """Room for one more child waiting for its parent (entries of children that left
-        are pruned first when the table is full)."""
-        if len(self._waiting_for) < _MAX_WAITING and len(self._waiting) < _MAX_WAITING:
-            return True
-        waiting_for = self._waiting_for
-        self._waiting = {p: live for p, kids in self._waiting.items()
-                         if (live := [c for c in kids if waiting_for.get(c) == p])}
-        return len(waiting_for) < _MAX_WAITING and len(self._waiting) < _MAX_WAITING
-
-    def _parent_of(self, key: str, disk: bool) -> str | None:
-        """The parent ``key`` is linked to or waits for, in its tier's policy."""
-        linked = (self._disk_policy if disk else self._policy).parent_of(key)
-        if linked is not None:
-            return linked
-        return self._waiting_for.get(key) if self._waiting_for else None
-
-    def _lower_tier(self, seg: _Segment) -> _Segment | None:
-        """The roomiest segment of the next tier down on ``seg``'s node; None: a last tier."""
-        return self._neighbour_tier(seg, +1)
-
-    def _upper_tier(self, seg: _Segment) -> _Segment | None:
-        return self._neighbour_tier(seg, -1)
-
-    def _neighbour_tier(self, seg: _Segment, step: int) -> _Segment | None:
-        rank = TIER_RANK[seg.info.tier]
-        best: _Segment | None = None
-        best_rank = 0
-        for sid in self._nodes[seg.node_id].segment_ids:
-            other = self._segments[sid]
-            r = TIER_RANK[other.info.tier]
-            if (r - rank) * step <= 0 or sid in self._recovering:
-                continue
-            if best is None or (r - best_rank) * step < 0 or (
-                    r == best_rank and other.allocator.free_bytes > best.allocator.free_bytes):
-                best, best_rank = other, r
-        return best
+                self._tiers.finished(node_id, move_id, ok, now)
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _live_node(self, node_id: str) -> _Node:
-        n = self._nodes.get(node_id)
-        if n is None:
-            raise UnknownNode(f"node {node_id!r} is not known; mount its segments again")
-        n.last_seen = self._clock()
-        self._silent.discard(node_id)
-        return n
-
-    def _complete(self, key: str) -> _Object:
-        validate_key(key)
-        obj = self._objects.get(key)
-        if obj is None or obj.state is not COMPLETE:   # readers never see PENDING objects
-            raise ObjectNotFound(f"{key!r} not found")
-        return obj
-
-    def _pending_object(self, key: str) -> _Object:
-        validate_key(key)
-        obj = self._objects.get(key)
-        if obj is None or obj.state is not PENDING:
-            raise NotPending(f"{key!r} is not being put (timed out, revoked or complete)")
-        return obj
-
-    def _evictable(self, obj: _Object, now: float) -> bool:
-        return obj.state is COMPLETE and not obj.pinned and obj.lease_until <= now
-
-    def _evict(self, obj: _Object) -> None:
-        self._tombstone(obj)
+    def _evict(self, obj: ObjectEntry) -> None:
+        self._recovery.tombstone(obj, self._clock())
         self._unindex(obj)
-        self._free_now(obj.replicas)   # not leased, so no reader can be in flight
+        self._space.free_now(obj.replicas)   # not leased, so no reader can be in flight
         self._evictions += 1
         if self._on_evict is not None:
             self._on_evict(obj.key, obj.version)
 
-    def _replicas(self, obj: _Object) -> tuple[Replica, ...]:
-        # Endpoints are looked up now, so a node that re-mounted with new ones is reached there.
-        return tuple(self._replica(e) for e in obj.replicas)
-
-    def _replica(self, e: Extent) -> Replica:
-        seg = self._segments[e.segment_id]
-        info = seg.info   # carries the segment's RDMA region (rkey 0 = none) into the descriptor
-        return Replica(self._nodes[seg.node_id].endpoints, e, rdma_addr=info.rdma_addr,
-                       rdma_rkey=info.rdma_rkey,
-                       rdma_length=info.size_bytes if info.rdma_rkey else 0, tier=info.tier)
-
-    def _tombstone(self, obj: _Object) -> None:
-        """Remember ``obj`` gone while nodes may still announce it (see _tombstones)."""
-        if self._recovering or (self._announcing_until is not None
-                                and self._clock() < self._announcing_until):
-            self._tombstones[obj.key] = obj.version
-
-    def _end_tombstones(self, now: float) -> None:
-        if self._tombstones and not self._recovering and self._announcing_until is not None \
-                and now >= self._announcing_until:
-            self._tombstones.clear()
-
-    def _unindex(self, obj: _Object) -> None:
+    def _unindex(self, obj: ObjectEntry) -> None:
         """Forget ``obj``; its extents stay allocated until the caller frees them."""
-        del self._objects[obj.key]
-        if obj.state is PENDING:
-            self._pending -= 1
-        else:
-            self._policy.on_remove(obj.key)
-            self._disk_policy.on_remove(obj.key)
-            if self._waiting_for:
-                self._waiting_for.pop(obj.key, None)   # its entry in _waiting: dropped lazily
-            if self._waiting:
-                for child in self._waiting.pop(obj.key, ()):
-                    if self._waiting_for.get(child) == obj.key:
-                        del self._waiting_for[child]
-            if obj.pinned:
-                self._hard_pinned_bytes -= self._pin_size(obj)
-            if self._soft_pins:
-                self._soft_pins.pop(obj.key, None)
+        self._index.discard(obj)
+        if obj.state is COMPLETE:
+            self._chains.forget(obj.key)
+            self._pins.forget(obj)
         for e in obj.replicas:
             seg = self._segments[e.segment_id]
             seg.keys.discard(obj.key)
-            if seg.manifest_log is not None and obj.state is COMPLETE:
-                seg.manifest_log.append((obj.key, obj.version))
+            if seg.manifest is not None and obj.state is COMPLETE:
+                seg.manifest.append(Removal(obj.key, obj.version))
 
-    def _free_now(self, extents: list[Extent]) -> None:
-        for e in extents:
-            self._segments[e.segment_id].allocator.free(e.offset, e.length)
-
-    def _free_later(self, extents: list[Extent], free_at: float) -> None:
-        entries = [(self._segments[e.segment_id], e) for e in extents]
-        for seg, e in entries:
-            seg.quarantined_bytes += seg.allocator.aligned_size(e.length)
-            if seg.manifest_log is not None:   # so that a restarted master waits as well
-                seg.manifest_log.append(Reservation("", e.segment_id, e.offset, e.length,
-                                                    free_at))
-        heapq.heappush(self._deferred, (free_at, next(self._seq), entries))
-
-    def _drop_segment(self, seg: _Segment) -> None:
+    def _drop_segment(self, seg: Segment) -> None:
         """Forget a segment: its replicas go, and objects left without replicas vanish."""
         sid = seg.info.segment_id
-        del self._segments[sid]
-        self._recovering.discard(sid)
-        self._disk_segments.discard(sid)
-        self._nodes[seg.node_id].segment_ids.discard(sid)
+        self._members.remove_segment(seg)
+        self._recovery.recovering.discard(sid)
         for key in seg.keys:
             obj = self._objects[key]
             obj.replicas = [e for e in obj.replicas if e.segment_id != sid]

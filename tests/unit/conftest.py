@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
+from kvpool.common import checksum
+from kvpool.common.errors import KVPoolError
+from kvpool.common.types import ObjectView
 
 
 class FakeClock:
@@ -22,3 +27,16 @@ class FakeClock:
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
+
+
+def get_replicas(state, keys) -> list[ObjectView | KVPoolError]:
+    """``state.locate_columns(keys)`` as one row per key (the tests' form of GetReplicas'
+    answer; clients read the columns): leases, touches and counts hits as a read does."""
+    c = state.locate_columns(keys)
+    places = zip(c.segment_ids, c.offsets)
+    return [c.errors[i] if i in c.errors else
+            ObjectView(key, c.sizes[i], c.versions[i],
+                       tuple(state.replica_in(sid, offset, c.sizes[i])
+                             for sid, offset in itertools.islice(places, count)),
+                       checksum.decode(c.checksums[i]))
+            for i, (key, count) in enumerate(zip(keys, c.counts))]

@@ -17,8 +17,10 @@ from kvpool.common.errors import (
     UnknownNode,
     ValueTooLarge,
 )
-from kvpool.common.types import Extent, NodeEndpoints, Replica, SegmentInfo
-from kvpool.master.state import MasterState, ObjectView
+from kvpool.common.types import Extent, NodeEndpoints, ObjectView, Replica, SegmentInfo
+from kvpool.master.state import MasterState
+
+from .conftest import get_replicas
 
 # Nodes live long by default so that tests about time do not also have to heartbeat.
 LEASE_S, PUT_TIMEOUT_S, NODE_TTL_S, QUARANTINE_S = 5.0, 10.0, 100.0, 30.0
@@ -63,7 +65,7 @@ def test_put_is_invisible_until_put_end(clock):
     [replicas] = state.put_start(["k"], [100])
     assert replicas == (Replica(endpoints("n1"), Extent("s1", 0, 100)),)
     assert state.exists(["k"]) == [False]
-    [miss] = state.get_replicas(["k"])
+    [miss] = get_replicas(state, ["k"])
     assert isinstance(miss, ObjectNotFound)
     stats = state.stats()
     assert (stats.objects, stats.pending_objects, stats.misses) == (0, 1, 1)
@@ -71,7 +73,7 @@ def test_put_is_invisible_until_put_end(clock):
 
     assert state.put_end(["k"]) == [None]
     assert state.exists(["k"]) == [True]
-    [view] = state.get_replicas(["k"])
+    [view] = get_replicas(state, ["k"])
     assert view == ObjectView("k", 100, view.version, replicas)
     stats = state.stats()
     assert (stats.objects, stats.pending_objects, stats.hits) == (1, 0, 1)
@@ -110,11 +112,11 @@ def test_second_put_of_a_key_is_already_exists_and_changes_nothing(clock):
     state = make_state(clock)
     mount(state, "n1", "s1")
     replicas = put(state, "k", 64)
-    [before] = state.get_replicas(["k"])
+    [before] = get_replicas(state, ["k"])
     used = segment(state, "s1").used_bytes
     [err] = state.put_start(["k"], [999])
     assert isinstance(err, AlreadyExists)
-    [after] = state.get_replicas(["k"])
+    [after] = get_replicas(state, ["k"])
     assert after == before and after.replicas == replicas and after.size == 64
     assert segment(state, "s1").used_bytes == used
     # A PENDING key is taken too.
@@ -164,12 +166,12 @@ def test_versions_are_unique_and_change_when_a_key_is_put_again(clock):
     mount(state, "n1", "s1")
     put(state, "a")
     put(state, "b")
-    va, vb = (v.version for v in state.get_replicas(["a", "b"]))
+    va, vb = (v.version for v in get_replicas(state, ["a", "b"]))
     assert va != vb
     clock.advance(LEASE_S)
     assert state.remove(["a"]) == [None]
     put(state, "a")
-    [again] = state.get_replicas(["a"])
+    [again] = get_replicas(state, ["a"])
     assert again.version not in (va, vb)
 
 
@@ -191,18 +193,18 @@ def test_remove_of_leased_object_defers_the_free_until_the_lease_ends(clock):
     state = make_state(clock)
     mount(state, "n1", "s1", size=128)
     put(state, "a")
-    [view] = state.get_replicas(["a"])                   # lease until now + 5
+    [view] = get_replicas(state, ["a"])                   # lease until now + 5
     clock.advance(2)
     assert state.remove(["a"]) == [None]
     assert state.exists(["a"]) == [False]
-    assert isinstance(state.get_replicas(["a"])[0], ObjectNotFound)
+    assert isinstance(get_replicas(state, ["a"])[0], ObjectNotFound)
     s = segment(state, "s1")
     assert (s.used_bytes, s.quarantined_bytes, s.objects) == (0, 64, 0)
     # The key may be put again at once, but not into the leased bytes.
     [new] = state.put_start(["a"], [64])
     assert new[0].extent.offset != view.replicas[0].extent.offset
     assert state.put_end(["a"]) == [None]
-    state.get_replicas(["a"])                            # so the new "a" is not evicted
+    get_replicas(state, ["a"])                            # so the new "a" is not evicted
     assert isinstance(state.put_start(["c"], [64])[0], NoSpace)   # leased bytes not reusable
     clock.advance(2.5)
     state.tick()
@@ -218,9 +220,9 @@ def test_each_read_extends_the_lease(clock):
     state = make_state(clock)
     mount(state, "n1", "s1", size=64)
     put(state, "a")
-    state.get_replicas(["a"])
+    get_replicas(state, ["a"])
     clock.advance(4)
-    state.get_replicas(["a"])                            # lease now runs to t+9
+    get_replicas(state, ["a"])                            # lease now runs to t+9
     clock.advance(4.5)
     state.remove(["a"])
     assert segment(state, "s1").quarantined_bytes == 64
@@ -236,7 +238,7 @@ def test_put_evicts_least_recently_used_first(clock):
     mount(state, "n1", "s1", size=1024)
     for key in "abcd":
         put(state, key, 256)
-    state.get_replicas(["a"])                            # a is now the most recently used
+    get_replicas(state, ["a"])                            # a is now the most recently used
     clock.advance(LEASE_S)
     [e] = state.put_start(["e"], [256])
     assert isinstance(e, tuple)
@@ -256,7 +258,7 @@ def test_eviction_skips_pinned_leased_and_pending_objects(clock):
     state.put_start(["pending"], [64])
     put(state, "plain")
     assert state.pin(["pinned"]) == [None]
-    state.get_replicas(["leased"])
+    get_replicas(state, ["leased"])
     [x] = state.put_start(["x"], [64])
     assert isinstance(x, tuple)
     assert state.exists(["pinned", "leased", "plain"]) == [True, True, False]
@@ -299,7 +301,7 @@ def test_tick_evicts_above_high_watermark_down_to_low(clock):
     keys = [f"k{i:02d}" for i in range(96)]
     for key in keys:
         put(state, key)
-    state.get_replicas(["k00"])                          # recently used, and leased
+    get_replicas(state, ["k00"])                          # recently used, and leased
     state.pin(["k01"])
     clock.advance(1)
     state.tick()                                         # 96% > 95%: down to 85 blocks
@@ -316,7 +318,7 @@ def test_watermark_eviction_stops_when_nothing_is_evictable(clock):
     mount(state, "n1", "s1", size=640)
     for i in range(10):
         put(state, f"k{i}")
-    state.get_replicas([f"k{i}" for i in range(10)])
+    get_replicas(state, [f"k{i}" for i in range(10)])
     state.tick()
     assert state.stats().evictions == 0 and state.stats().objects == 10
     clock.advance(LEASE_S)
@@ -444,7 +446,7 @@ def test_node_restarted_within_ttl_loses_its_old_segments(clock):
     assert state.exists(["a"]) == [False]
     assert [g.info.segment_id for g in state.stats().segments] == ["s2"]
     put(state, "b")
-    [view] = state.get_replicas(["b"])
+    [view] = get_replicas(state, ["b"])
     assert view.replicas[0].node.tcp_endpoint == "n1:7001"
 
 
@@ -461,7 +463,7 @@ def test_unmount_and_heartbeat_of_unknown_node(clock):
         state.unmount_segment("n2", "s1")
     state.unmount_segment("n1", "s1")
     state.unmount_segment("n1", "s1")                   # a retry is harmless
-    [view] = state.get_replicas(["a"])
+    [view] = get_replicas(state, ["a"])
     assert nodes_of(view.replicas) == ["n2"] and view.replicas[0] in a
     state.unmount_segment("n2", "s2")
     assert state.exists(["a"]) == [False] and state.stats().objects == 0
@@ -499,7 +501,7 @@ def test_dead_node_loses_its_segments_and_replicas(clock):
     stats = state.stats()
     assert stats.nodes == 1 and [s.info.segment_id for s in stats.segments] == ["s2"]
     assert state.exists(["on1", "on2", "both"]) == [False, True, True]
-    [both] = state.get_replicas(["both"])
+    [both] = get_replicas(state, ["both"])
     assert nodes_of(both.replicas) == ["n2"]
     assert stats.pending_objects == 0
     assert isinstance(state.put_end(["pending1"])[0], NotPending)
@@ -513,7 +515,7 @@ def test_dead_node_remounting_gets_a_fresh_segment(clock):
     state = make_state(clock, node_ttl_s=2.0)
     mount(state, "n1", "s1", 256)
     put(state, "a")
-    state.get_replicas(["a"])
+    get_replicas(state, ["a"])
     state.remove(["a"])                                  # deferred free until the lease ends
     state.put_start(["p"], [64])
     clock.advance(3)
@@ -539,7 +541,7 @@ def test_stats_return_to_zero_after_everything_is_gone(clock):
         put(state, f"k{i}", 100, replicas=2)
     state.put_start(["p1", "p2"], [64, 64])
     state.put_revoke(["p2"])
-    state.get_replicas(["k0", "k1", "nope"])
+    get_replicas(state, ["k0", "k1", "nope"])
     stats = state.stats()
     assert (stats.objects, stats.pending_objects, stats.hits, stats.misses) == (10, 1, 2, 1)
     assert sum(s.used_bytes for s in stats.segments) == 10 * 2 * 128 + 64
@@ -569,7 +571,7 @@ def _check_books(state: MasterState) -> None:
         live = [(e.offset, seg.allocator.aligned_size(e.length)) for o in state._objects.values()
                 for e in o.replicas if e.segment_id == sid]
         deferred = [(e.offset, seg.allocator.aligned_size(e.length))
-                    for _, _, entries in state._deferred for s, e in entries
+                    for _, _, entries in state._space.deferred for s, e in entries
                     if s is seg and state._segments.get(sid) is s]
         spans = sorted(live + deferred)
         for (o1, l1), (o2, _) in pairwise(spans):
@@ -606,7 +608,7 @@ def test_random_operations_keep_allocators_and_index_consistent(clock, ops):
         elif op == "revoke":
             state.put_revoke([key])
         elif op == "get":
-            state.get_replicas([key])
+            get_replicas(state, [key])
         elif op == "remove":
             state.remove([key])
         elif op in ("pin", "unpin"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from kvpool.common import checksum
 from kvpool.common.errors import InvalidArgument, ObjectNotFound
 
+from .conftest import get_replicas
 from .test_state import LEASE_S, make_state, mount, put
 
 
@@ -27,7 +28,7 @@ def test_columns_hold_zeros_for_misses_and_every_replica_in_key_order(clock):
     assert c.counts == [2, 0, 1, 0, 0, 1]
     places = [(r.extent.segment_id, r.extent.offset) for r in (*two, *a, *a)]
     assert list(zip(c.segment_ids, c.offsets)) == places
-    versions = {v.key: v.version for v in state.get_replicas(["a", "two"])}
+    versions = {v.key: v.version for v in get_replicas(state, ["a", "two"])}
     assert c.versions == [versions["two"], 0, versions["a"], 0, 0, versions["a"]]
     stats = state.stats()
     # 2 more hits: the get_replicas above; a bad key is no miss
@@ -42,7 +43,7 @@ def test_a_batch_lookup_leases_and_touches_every_object_found(clock):
     clock.advance(LEASE_S / 2)
     read = [f"k{i}" for i in range(0, 300, 3)][::-1]     # newest first
     assert not state.locate_columns(read).errors
-    assert list(state._policy.candidates())[-len(read):] == read   # now the newest, in order
+    assert list(state._chains.policy.candidates())[-len(read):] == read   # now the newest, in order
     for key in read:
         assert state._objects[key].lease_until == clock.now + LEASE_S
     assert state._objects["k1"].lease_until < clock.now + LEASE_S

@@ -8,6 +8,7 @@ from kvpool.common.config import ConfigError, MasterConfig
 from kvpool.common.errors import InvalidArgument
 from kvpool.common.types import ObjectRecord, SegmentInfo
 
+from .conftest import get_replicas
 from .test_state import LEASE_S, endpoints, make_state
 
 BLOCK = 64   # one alignment unit: a segment of n * BLOCK bytes holds exactly n blocks
@@ -56,7 +57,7 @@ def test_eviction_lru_config_ignores_parents(clock):
 def test_reading_a_prefix_keeps_that_chain_and_its_parents(clock):
     state = make_state(clock)
     fill(state, clock)
-    state.get_replicas(["s0", "s1", "a0", "a1"])   # a prompt matched s0..a1: all touched
+    get_replicas(state, ["s0", "s1", "a0", "a1"])   # a prompt matched s0..a1: all touched
     assert evicted_by_new_puts(state, clock, 3) == ["b1", "b0", "a1"]
 
 
@@ -148,7 +149,7 @@ def test_announced_parent_on_another_node_links_its_children(clock):
     assert new.announce_objects("n2", [ObjectRecord("p0", "s-n2", 0, BLOCK, None, 1),
                                        ObjectRecord("r", "s-n2", BLOCK, BLOCK, None, 4)],
                                 done=True) == [None, None]
-    new.get_replicas(["p1"])   # the child is the newest block: unlinked it would go last
+    get_replicas(new, ["p1"])   # the child is the newest block: unlinked it would go last
     assert eviction_order(new, clock, ["p0", "p1", "q", "r"]) == ["q", "r", "p1", "p0"]
 
 
@@ -161,7 +162,7 @@ def test_a_parent_never_announced_leaves_its_child_a_plain_head(clock):
     recs = [ObjectRecord("c", "s", 0, BLOCK, None, 5, "lost"), ObjectRecord("d", "s", BLOCK,
                                                                             BLOCK, None, 6)]
     assert new.announce_objects("n1", recs, done=True) == [None, None]
-    assert not new._waiting and not new._waiting_for
+    assert not new._chains.waiting and not new._chains.waiting_for
     assert eviction_order(new, clock, ["c", "d"]) == ["c", "d"]
 
 
@@ -182,14 +183,14 @@ def test_a_parent_stored_after_its_child_is_linked_when_it_comes(clock, pending)
     clock.advance(1)
     state.put_start(["q"], [BLOCK])
     state.put_end(["q"])
-    state.get_replicas(["c"])   # the child is the most recently used
+    get_replicas(state, ["c"])   # the child is the most recently used
     assert eviction_order(state, clock, ["p", "c", "q"]) == ["q", "c", "p"]
-    assert not state._waiting and not state._waiting_for
+    assert not state._chains.waiting and not state._chains.waiting_for
 
 
 def test_children_waiting_for_parents_that_never_come_are_bounded(clock, monkeypatch):
-    import kvpool.master.state as master_state
-    monkeypatch.setattr(master_state, "_MAX_WAITING", 4)
+    from kvpool.master import chains
+    monkeypatch.setattr(chains, "_MAX_WAITING", 4)
     state = make_state(clock)
     state.mount_segment(endpoints("n1"), SegmentInfo("s", 16 * BLOCK))
     for i in range(10):
@@ -198,7 +199,8 @@ def test_children_waiting_for_parents_that_never_come_are_bounded(clock, monkeyp
         if i % 2:
             state.remove([f"c{i}"])   # a child that leaves stops waiting
     # The removed children's entries were pruned to make room; past 4, c8 waits for nothing.
-    assert sorted(state._waiting_for) == ["c0", "c2", "c4", "c6"] and len(state._waiting) == 4
+    assert sorted(state._chains.waiting_for) == ["c0", "c2", "c4", "c6"]
+    assert len(state._chains.waiting) == 4
     state.put_start(["lost0"], [BLOCK])
     state.put_end(["lost0"])
-    assert "c0" not in state._waiting_for and "lost0" not in state._waiting
+    assert "c0" not in state._chains.waiting_for and "lost0" not in state._chains.waiting

@@ -10,6 +10,7 @@ from kvpool.master.allocator import RangeAllocator
 from kvpool.master.state import MasterState
 from kvpool.store_node.manifest import Manifest
 
+from .conftest import get_replicas
 from .test_state import NODE_TTL_S, PUT_TIMEOUT_S, QUARANTINE_S, endpoints, make_state
 
 
@@ -44,7 +45,7 @@ def test_checksum_is_kept_and_returned(clock):
     state = make_state(clock)
     mount(state, "n1", "s1")
     put(state, "k", crc=0xDEADBEEF)
-    [view] = state.get_replicas(["k"])
+    [view] = get_replicas(state, ["k"])
     assert view.checksum == 0xDEADBEEF
 
 
@@ -53,9 +54,9 @@ def test_report_corrupt_drops_one_replica_then_the_object(clock):
     mount(state, "n1", "s1")
     mount(state, "n2", "s2")
     put(state, "k", replicas=2, crc=7)
-    [view] = state.get_replicas(["k"])   # leased now
+    [view] = get_replicas(state, ["k"])   # leased now
     assert state.report_corrupt(["k"], [view.version], ["s1"]) == [None]
-    [after] = state.get_replicas(["k"])
+    [after] = get_replicas(state, ["k"])
     assert [r.extent.segment_id for r in after.replicas] == ["s2"]
     # A stale report (another version) changes nothing; the last replica removes the object.
     state.report_corrupt(["k"], [view.version + 99], ["s2"])
@@ -104,13 +105,13 @@ def test_restarted_master_rebuilds_index_and_allocators_from_announcements(clock
         # Announcing again (a lost answer, retried) is harmless.
         assert new.announce_objects(n, manifests[n]) == [None] * len(manifests[n])
     assert sorted((s.info.segment_id, s.used_bytes) for s in new.stats().segments) == used
-    a, b = new.get_replicas(["a", "b"])
+    a, b = get_replicas(new, ["a", "b"])
     assert (a.size, a.checksum, len(a.replicas)) == (100, 11, 2)
     assert (b.size, b.checksum) == (200, 22)
     # New objects get new versions, and land outside the announced extents.
     [placed] = new.put_start(["c"], [64])
     assert new.put_end(["c"]) == [None]
-    [c] = new.get_replicas(["c"])
+    [c] = get_replicas(new, ["c"])
     assert c.version not in (a.version, b.version)
     taken = {(r.extent.segment_id, r.extent.offset) for v in (a, b) for r in v.replicas}
     assert (placed[0].extent.segment_id, placed[0].extent.offset) not in taken
@@ -127,7 +128,7 @@ def test_conflicting_announcements_are_refused(clock):
     assert results[0] is None
     assert all(isinstance(r, Conflict) for r in results[1:])
     with pytest.raises(ObjectNotFound):
-        raise state.get_replicas(["b"])[0]
+        raise get_replicas(state, ["b"])[0]
 
 
 # -- back-pressure --------------------------------------------------------------------------
@@ -171,7 +172,7 @@ def test_node_back_from_the_dead_gets_only_still_indexed_replicas_back(clock):
     assert results["kept"] is None
     assert isinstance(results["removed"], Conflict)    # a removal never comes back
     assert isinstance(results["only_n1"], Conflict)   # dropped with n1: the index moved on
-    [kept] = state.get_replicas(["kept"])
+    [kept] = get_replicas(state, ["kept"])
     assert sorted(r.extent.segment_id for r in kept.replicas) == ["s1", "s2"]
     assert state.exists(["removed", "only_n1"]) == [False, False]
     for s in state.stats(audit=True).segments:   # refused objects hold no space
@@ -279,7 +280,7 @@ def test_a_restarted_master_keeps_space_a_writer_or_reader_may_still_use_out_of_
     mount(old, "n1", "s1", size=4 * 64, keeps_manifest=True)
     [p] = old.put_start(["p"], [64])
     put(old, "r", crc=1)
-    [r] = old.get_replicas(["r"])           # leased
+    [r] = get_replicas(old, ["r"])           # leased
     assert old.remove(["r"]) == [None]
     delta = old.take_manifest("n1")
     assert [(x.key, x.offset) for x in delta.reserved] == \

@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvpool.common.errors import AlreadyExists, KVPoolError, NoSpace, ObjectNotFound
 from kvpool.common.types import SegmentInfo
 
-from .conftest import FakeClock
+from .conftest import FakeClock, get_replicas
 from .test_state import LEASE_S, PUT_TIMEOUT_S, endpoints, make_state
 
 B = 64   # one alignment unit: a segment of n * B bytes holds exactly n objects
@@ -34,7 +34,7 @@ def put(state, key):
 
 def where(state, key) -> list[tuple[str, str]]:
     """[(segment id, tier)] of ``key``'s replicas (a read: leases it)."""
-    [view] = state.get_replicas([key])
+    [view] = get_replicas(state, [key])
     return [(r.extent.segment_id, r.tier) for r in view.replicas]
 
 
@@ -71,7 +71,7 @@ def test_a_full_tier_demotes_in_policy_order_and_switches_only_when_the_copy_is_
     for i in range(4):
         put(state, f"k{i}")
         clock.advance(1)
-    state.get_replicas(["k0"])     # k0 is used again: k1 becomes the oldest
+    get_replicas(state, ["k0"])     # k0 is used again: k1 becomes the oldest
     clock.advance(LEASE_S + 1)
     state.tick()                   # 4/4 > 0.75: down to 0.5, i.e. two objects leave
     moves = state.take_moves("n")
@@ -83,7 +83,7 @@ def test_a_full_tier_demotes_in_policy_order_and_switches_only_when_the_copy_is_
     state.tick()
     assert state.take_moves("n") == []           # moving objects count as gone already
     state.moves_finished("n", [m.move_id for m in moves])
-    [view] = state.get_replicas(["k1"])
+    [view] = get_replicas(state, ["k1"])
     assert [r.extent for r in view.replicas] == [moves[0].dst]
     assert view.replicas[0].tier == "disk" and view.version != version
     s = state.stats()
@@ -174,9 +174,9 @@ def test_a_disk_object_read_twice_within_the_window_is_promoted(clock):
     state.tick()
     assert where(state, "k0") == [(where(state, "k0")[0][0], "disk")]   # read twice: but...
     assert state.take_moves("n") != []            # ...promoted (DRAM is at 2/4: room)
-    state.get_replicas(["k1"])
+    get_replicas(state, ["k1"])
     clock.advance(11)                             # outside the window: no promotion
-    state.get_replicas(["k1"])
+    get_replicas(state, ["k1"])
     moves = state.take_moves("n")
     assert moves == []
     state.moves_finished("n", [])
@@ -251,7 +251,7 @@ class TiersMachine(RuleBasedStateMachine):
     @rule(key=st.sampled_from(KEYS))
     def get(self, key):
         self._snapshot()
-        [view] = self.state.get_replicas([key])
+        [view] = get_replicas(self.state, [key])
         if key not in self.model:
             assert isinstance(view, ObjectNotFound)
             return
@@ -335,7 +335,7 @@ class TiersMachine(RuleBasedStateMachine):
         st_ = self.state
         for sid, seg in st_._segments.items():
             indexed = sum(B for k in seg.keys)
-            moving_in = sum(B for m in st_._moves.values() if m.dst_seg is seg)
+            moving_in = sum(B for m in st_._tiers._moves.values() if m.dst_seg is seg)
             assert seg.allocator.used_bytes == indexed + seg.quarantined_bytes + moving_in, sid
 
 
@@ -390,11 +390,11 @@ def test_chains_keep_their_links_down_on_disk_and_back_up(clock):
     clock.advance(LEASE_S + 1)
     state.remove(["z0"])   # room in DRAM below its high watermark for the promotion
     state.remove(["z1"])
-    state.get_replicas(["c1"])
-    state.get_replicas(["c1"])
+    get_replicas(state, ["c1"])
+    get_replicas(state, ["c1"])
     [move] = run_moves(state)
     assert move.key == "c1" and where(state, "c1")[0][1] == "dram"
-    assert state._parent_of("c1", disk=False) == "c0"
+    assert state._chains.parent_of("c1", disk=False) == "c0"
     [rec] = [r for r in state.take_manifest("n").committed if r.key == "c1"]
     assert rec.segment_id == "m" and rec.parent == "c0"
 
@@ -409,7 +409,7 @@ def test_promotion_considers_every_disk_replica(clock):
     state.put_end(["k"])
     state.mount_segment(endpoints("b"), SegmentInfo("b-m", 4 * B, "dram"))   # room above it
     assert where(state, "k") == [("a-m", "dram"), ("b-d", "disk")]
-    state.get_replicas(["k"])
+    get_replicas(state, ["k"])
     [move] = state.take_moves("b")
     assert (move.src.segment_id, move.dst.segment_id) == ("b-d", "b-m")
     state.moves_finished("b", [move.move_id])

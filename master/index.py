@@ -1,0 +1,165 @@
+"""The object index: entries by key, PENDING from PutStart, COMPLETE from PutEnd, with the
+versions that tell one object of a key from the next."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvpool.common import checksum
+from kvpool.common.errors import KVPoolError, NotPending, ObjectNotFound
+from kvpool.common.types import Extent, ObjectRecord, ObjectState, validate_key
+
+PENDING, COMPLETE = ObjectState.PENDING, ObjectState.COMPLETE
+_MAX_SHARED_SIZES = 1024
+
+
+@dataclass(eq=False, slots=True)
+class ObjectEntry:
+    """One index entry, kept small: a master indexes millions of them. The first replica lives
+    inline (segment id and offset; every replica is ``size`` bytes long), further ones in
+    ``more``; ``replicas`` builds the Extents on demand."""
+
+    key: str
+    size: int
+    version: int
+    segment_id: str          # the first replica's segment ("" once every replica is gone)
+    offset: int
+    more: tuple[Extent, ...] = ()
+    state: ObjectState = PENDING
+    lease_until: float = 0.0
+    pinned: bool = False
+    checksum: int | None = None   # CRC-32C of the bytes, as the writer computed it
+    # The block this one extends (None: none), from PutStart until PutEnd hands it to the
+    # policy, then cleared: the request's copy of the parent's key would cost a str per object.
+    parent: str | None = None
+
+    @property
+    def replicas(self) -> list[Extent]:
+        """Extents in mounted segments only: dropped segments are stripped."""
+        if not self.segment_id:
+            return []
+        first = Extent(self.segment_id, self.offset, self.size)
+        return [first, *self.more] if self.more else [first]
+
+    @replicas.setter
+    def replicas(self, extents: Sequence[Extent]) -> None:
+        first = extents[0] if extents else Extent("", 0, self.size)
+        self.segment_id, self.offset, self.more = first.segment_id, first.offset, tuple(extents[1:])
+
+    def record(self, e: Extent, parent: str | None) -> ObjectRecord:
+        """What the manifest of ``e``'s node holds of this object (``parent``: the key it
+        extends, named so that a restarted master links the chain again)."""
+        return ObjectRecord(self.key, e.segment_id, e.offset, self.size, self.checksum,
+                            self.version, parent, self.pinned)
+
+    def evictable(self, now: float) -> bool:
+        return self.state is COMPLETE and not self.pinned and self.lease_until <= now
+
+
+@dataclass(frozen=True, slots=True)
+class LocatedColumns:
+    """:meth:`MasterState.locate_columns`' answer: per key (in request order) its size,
+    version, encoded checksum (common/checksum.py) and replica count, all 0 for a key in
+    ``errors``; then per replica, key by key, its segment id and offset."""
+
+    errors: dict[int, KVPoolError]   # position in the request -> why that key was not found
+    sizes: list[int]
+    versions: list[int]
+    checksums: list[int]
+    counts: list[int]
+    segment_ids: list[str]
+    offsets: list[int]
+
+
+class ObjectIndex:
+    """Entries by key, the count of PENDING ones, and the read counters."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, ObjectEntry] = {}
+        self.pending = 0
+        self.hits = self.misses = 0
+        self._versions = itertools.count(1)
+        # One int object per distinct object size, shared by every entry of that size (KV
+        # blocks mostly have one size): 28 bytes less per indexed object.
+        self._sizes: dict[int, int] = {}
+
+    def add(self, key: str, size: int, extents: Sequence[Extent], version: int | None = None,
+            state: ObjectState = PENDING, checksum: int | None = None,
+            parent: str | None = None) -> ObjectEntry:
+        """Index ``key`` at ``extents`` with a new version, or with ``version`` (announced
+        after a restart: new ones come after it)."""
+        if len(self._sizes) < _MAX_SHARED_SIZES:
+            size = self._sizes.setdefault(size, size)
+        if version is None:
+            version = next(self._versions)
+        else:
+            self._versions = itertools.count(max(next(self._versions), version + 1))
+        obj = self.objects[key] = ObjectEntry(key, size, version, extents[0].segment_id,
+                                              extents[0].offset, tuple(extents[1:]), state,
+                                              checksum=checksum, parent=parent)
+        if state is PENDING:
+            self.pending += 1
+        return obj
+
+    def new_version(self) -> int:
+        return next(self._versions)
+
+    def commit(self, obj: ObjectEntry, checksum: int | None) -> None:
+        obj.state = COMPLETE
+        obj.checksum = checksum
+        self.pending -= 1
+
+    def discard(self, obj: ObjectEntry) -> None:
+        del self.objects[obj.key]
+        if obj.state is PENDING:
+            self.pending -= 1
+
+    def complete(self, key: str) -> ObjectEntry:
+        """The COMPLETE entry of ``key``; ObjectNotFound (readers never see PENDING ones)."""
+        validate_key(key)
+        obj = self.objects.get(key)
+        if obj is None or obj.state is not COMPLETE:
+            raise ObjectNotFound(f"{key!r} not found")
+        return obj
+
+    def pending_entry(self, key: str) -> ObjectEntry:
+        validate_key(key)
+        obj = self.objects.get(key)
+        if obj is None or obj.state is not PENDING:
+            raise NotPending(f"{key!r} is not being put (timed out, revoked or complete)")
+        return obj
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        return [isinstance(k, str) and (o := self.objects.get(k)) is not None
+                and o.state is COMPLETE for k in keys]
+
+    @staticmethod
+    def columns(objs: list[ObjectEntry | None], found: list[ObjectEntry],
+                errors: dict[int, KVPoolError]) -> LocatedColumns:
+        """``objs`` (None where ``errors`` explains a miss; ``found``: the others) in columns,
+        by comprehensions, not a tuple per key: a lookup of a prompt is hundreds."""
+        present = checksum.PRESENT   # checksum.encode, inlined
+        if errors:   # a miss holds zeros (and no replica) in its slot
+            sizes = [0 if o is None else o.size for o in objs]
+            versions = [0 if o is None else o.version for o in objs]
+            sums = [0 if o is None or o.checksum is None else present | o.checksum
+                    for o in objs]
+        else:
+            sizes = [o.size for o in found]
+            versions = [o.version for o in found]
+            sums = [0 if o.checksum is None else present | o.checksum for o in found]
+        if any(o.more for o in found):   # extra replicas (rare): built key by key
+            counts = [0 if o is None else 1 + len(o.more) for o in objs]
+            segment_ids, offsets = [], []
+            for o in found:
+                segment_ids.append(o.segment_id)
+                offsets.append(o.offset)
+                segment_ids += [e.segment_id for e in o.more]
+                offsets += [e.offset for e in o.more]
+        else:
+            counts = [0 if o is None else 1 for o in objs] if errors else [1] * len(found)
+            segment_ids = [o.segment_id for o in found]
+            offsets = [o.offset for o in found]
+        return LocatedColumns(errors, sizes, versions, sums, counts, segment_ids, offsets)

@@ -1,0 +1,84 @@
+"""Pins: hard ones (never evicted nor demoted, within a quota of the capacity) and soft ones
+(evicted or demoted after every unpinned candidate, until they end)."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Iterator
+
+from kvpool.common.config import MasterConfig
+from kvpool.common.errors import NoSpace
+from kvpool.master.index import ObjectEntry
+from kvpool.master.membership import Segment
+
+
+class Pins:
+    def __init__(self, config: MasterConfig, segments: dict[str, Segment]) -> None:
+        self._config = config
+        self._segments = segments
+        self._soft: dict[str, float] = {}            # key -> when its soft pin ends
+        self._soft_ends: list[tuple[float, str]] = []   # a heap of those; may be stale
+        # What hard pins hold against the quota: each object's size (replicas come and go
+        # with nodes; the count must not drift).
+        self.hard_bytes = 0
+
+    def pin(self, obj: ObjectEntry, ttl_s: float | None, now: float, quota: bool = True) -> bool:
+        """Pin ``obj`` softly for ``ttl_s`` (again: extended), or hard if ``ttl_s`` is None
+        (NoSpace past the quota, unless not ``quota``). True if a hard pin came now: the
+        object's record changed."""
+        if ttl_s is not None:
+            if not obj.pinned:   # a hard-pinned object stays hard
+                until = max(now + ttl_s, self._soft.get(obj.key, 0.0))
+                self._soft[obj.key] = until
+                heapq.heappush(self._soft_ends, (until, obj.key))
+            return False
+        if obj.pinned:
+            return False
+        limit = self._config.pin_quota_fraction * sum(
+            s.allocator.capacity_bytes for s in self._segments.values())
+        if quota and self.hard_bytes + obj.size > limit:
+            raise NoSpace(f"{obj.key!r}: hard pins would hold {self.hard_bytes + obj.size} "
+                          f"bytes, over the quota of {int(limit)} (pin_quota_fraction "
+                          f"{self._config.pin_quota_fraction} of the capacity); unpin some, "
+                          "or pin with a ttl_s (a soft pin)")
+        obj.pinned = True
+        self.hard_bytes += obj.size
+        self._soft.pop(obj.key, None)
+        return True
+
+    def unpin(self, obj: ObjectEntry) -> bool:
+        """Drop both kinds of pin (they do not nest); True if a hard one went."""
+        self._soft.pop(obj.key, None)
+        if not obj.pinned:
+            return False
+        obj.pinned = False
+        self.hard_bytes -= obj.size
+        return True
+
+    def forget(self, obj: ObjectEntry) -> None:
+        """``obj`` left the index, pins and all."""
+        if obj.pinned:
+            self.hard_bytes -= obj.size
+        if self._soft:
+            self._soft.pop(obj.key, None)
+
+    def expire(self, now: float) -> None:
+        heap = self._soft_ends
+        while heap and heap[0][0] <= now:
+            until, key = heapq.heappop(heap)
+            if self._soft.get(key) == until:   # not extended since
+                del self._soft[key]
+
+    def soft_last(self, candidates: Iterable[str], now: float) -> Iterator[str]:
+        """``candidates`` in order, but those soft-pinned (still within their TTL) after all
+        others: a soft pin is evicted last, not never."""
+        if not self._soft:
+            yield from candidates
+            return
+        deferred = []
+        for key in candidates:
+            if self._soft.get(key, 0.0) > now:
+                deferred.append(key)
+            else:
+                yield key
+        yield from deferred
