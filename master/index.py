@@ -118,17 +118,19 @@ class ObjectIndex:
 
     def complete(self, key: str) -> ObjectEntry:
         """The COMPLETE entry of ``key``; ObjectNotFound (readers never see PENDING ones)."""
-        validate_key(key)
-        obj = self.objects.get(key)
-        if obj is None or obj.state is not COMPLETE:
-            raise ObjectNotFound(f"{key!r} not found")
-        return obj
+        return self._in_state(key, COMPLETE, ObjectNotFound, "not found")
 
     def pending_entry(self, key: str) -> ObjectEntry:
+        """The PENDING entry of ``key`` (a put in progress); NotPending otherwise."""
+        return self._in_state(key, PENDING, NotPending,
+                              "is not being put (timed out, revoked or complete)")
+
+    def _in_state(self, key: str, state: ObjectState, error: type[KVPoolError], what: str
+                  ) -> ObjectEntry:
         validate_key(key)
         obj = self.objects.get(key)
-        if obj is None or obj.state is not PENDING:
-            raise NotPending(f"{key!r} is not being put (timed out, revoked or complete)")
+        if obj is None or obj.state is not state:
+            raise error(f"{key!r} {what}")
         return obj
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
