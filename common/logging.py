@@ -7,16 +7,24 @@ import sys
 
 import structlog
 
+LOG_FORMATS = ("console", "json")
 
-def configure(level: str = "info", component: str | None = None) -> None:
-    """Log to stderr as ``timestamp level event key=value``; call once per process."""
+
+def configure(level: str = "info", component: str | None = None, fmt: str = "console") -> None:
+    """Log to stderr, one event per line: ``timestamp level event key=value`` (``console``)
+    or one JSON object (``json``: ``timestamp``, ``level``, ``event``, the fields, and
+    ``exception`` with the traceback as text); call once per process."""
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"log format {fmt!r}: expected one of {', '.join(LOG_FORMATS)}")
     logging.basicConfig(stream=sys.stderr, level=level.upper(), format="%(message)s")
+    render = [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()] \
+        if fmt == "json" else [structlog.dev.ConsoleRenderer(colors=False)]
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.dev.ConsoleRenderer(colors=False),
+            *render,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),

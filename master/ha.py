@@ -293,8 +293,8 @@ def advertised(host: str, port: int, advertise: str | None) -> str:
 
 async def serve_ha(config: MasterConfig, host: str, port: int, url: EtcdURL, *,
                    advertise: str | None = None, lease_ttl_s: int = DEFAULT_LEASE_TTL_S,
-                   on_started: Callable[[str], None] | None = None,
-                   lookup_port: int | None = 0) -> None:
+                   on_started: Callable[[str, str | None], None] | None = None,
+                   lookup_port: int | None = 0, metrics_port: int | None = None) -> None:
     """Run a master that leads while it holds the etcd lease, until SIGINT/SIGTERM (then it
     resigns, for an immediate takeover). Raises MasterUnavailable if it loses the lease."""
     if advertise:
@@ -304,11 +304,12 @@ async def serve_ha(config: MasterConfig, host: str, port: int, url: EtcdURL, *,
     election = LeaderElection(url, "", lease_ttl_s)
     server = MasterServer(config, host, port, interceptors=[LeaderOnly(election)],
                           lookup_port=lookup_port, lookup_refusal=lambda: None
-                          if election.is_leader() else f"master {election.address} does not lead")
+                          if election.is_leader() else f"master {election.address} does not lead",
+                          metrics_port=metrics_port)
     await server.start()
     election.address = advertised(host, server.port, advertise)
-    if on_started:
-        on_started(election.address)
+    if on_started:   # the address clients use, and the metrics server's (if any)
+        on_started(election.address, server.metrics.address if server.metrics else None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -11,7 +11,9 @@ import grpc
 from kvpool.common.config import MasterConfig
 from kvpool.common.logging import get_logger
 from kvpool.common.loops import OnCrash, Supervisor
+from kvpool.common.metrics import MetricsServer, new_registry
 from kvpool.master.lookup_server import LookupServer
+from kvpool.master.metrics import MasterCollector
 from kvpool.master.routing import RoutingIndex
 from kvpool.master.routing_servicer import RouterServicer, store_lookup
 from kvpool.master.servicer import MAX_BATCH, MasterServicer
@@ -42,11 +44,13 @@ class MasterServer:
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
                  lookup_port: int | None = 0,
                  lookup_refusal: Callable[[], str | None] = lambda: None,
-                 supervisor: Supervisor | None = None):
+                 supervisor: Supervisor | None = None, metrics_port: int | None = None):
         """``interceptors``: wrap every call (master/ha.py refuses them on a standby).
         ``lookup_port``: where to serve lookups besides gRPC (master/lookup_server.py; 0: any
         free port, None: nowhere); ``lookup_refusal`` says why they are refused, if they are.
-        ``supervisor`` runs the tick (common/loops.py; a test's does not exit)."""
+        ``supervisor`` runs the tick (common/loops.py; a test's does not exit).
+        ``metrics_port``: where to serve /metrics, /healthz and /readyz (common/metrics.py;
+        0: any free port, None: nowhere)."""
         self.config = config
         self._interceptors = list(interceptors)
         self._lookup_port, self._lookup_refusal = lookup_port, lookup_refusal
@@ -60,6 +64,8 @@ class MasterServer:
         self._server: grpc.aio.Server | None = None
         self._ticker: asyncio.Task | None = None
         self._supervisor = supervisor or Supervisor()
+        self._metrics_port = metrics_port
+        self.metrics: MetricsServer | None = None
         self.port = 0
 
     @property
@@ -91,6 +97,13 @@ class MasterServer:
                               f"lookups: {e.strerror or e}") from None
         self._ticker = asyncio.create_task(
             self._supervisor.run("tick", self._tick_forever, TICK_ON_CRASH))
+        if self._metrics_port is not None:
+            self._collector = MasterCollector(self.state, asyncio.get_running_loop(),
+                                              lambda: self._lookup_refusal() is None)
+            registry = new_registry()
+            registry.register(self._collector)
+            self.metrics = MetricsServer(registry, self._not_ready, self._host,
+                                         self._metrics_port).start()
         log.info("master_started", address=self.address, lookup_port=self._servicer.lookup_port,
                  **vars(self.config))
         return self.address
@@ -107,7 +120,19 @@ class MasterServer:
             for instance in self.routing.tick():
                 log.info("instance_aged_out", instance=instance)
 
+    def _not_ready(self) -> str | None:
+        """Why this master should not take traffic now (readiness probe), or None."""
+        refusal = self._lookup_refusal()
+        if refusal:
+            return refusal   # a standby: it refuses every call
+        recovering = self._collector.snapshot().recovering_segments
+        if recovering:
+            return f"index being rebuilt: {recovering} segments not announced yet"
+        return None
+
     async def stop(self, grace_s: float = 1.0) -> None:
+        if self.metrics:
+            self.metrics.stop()
         if self._ticker:
             self._ticker.cancel()
         if self._lookup:
@@ -119,13 +144,14 @@ class MasterServer:
 
 
 async def serve(config: MasterConfig, host: str, port: int,
-                on_started: Callable[[str], None] | None = None,
-                lookup_port: int | None = 0) -> None:
+                on_started: Callable[[str, str | None], None] | None = None,
+                lookup_port: int | None = 0, metrics_port: int | None = None) -> None:
     """Run a master until SIGINT/SIGTERM."""
-    server = MasterServer(config, host, port, lookup_port=lookup_port)
+    server = MasterServer(config, host, port, lookup_port=lookup_port,
+                          metrics_port=metrics_port)
     address = await server.start()
-    if on_started:
-        on_started(address)
+    if on_started:   # the address clients use, and the metrics server's (if any)
+        on_started(address, server.metrics.address if server.metrics else None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

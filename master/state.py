@@ -72,6 +72,7 @@ class MasterStats:
     nodes: int
     demotions: int = 0       # moves one tier down completed (objects kept, not evicted)
     promotions: int = 0      # moves one tier up completed
+    recovering_segments: int = 0   # segments whose node is still announcing (after a restart)
 
 
 class MasterState:
@@ -334,7 +335,8 @@ class MasterState:
         idx = self._index
         return MasterStats(segs, len(self._objects) - idx.pending, idx.pending,
                            idx.hits, idx.misses, self._evictions, len(self._members.nodes),
-                           self._tiers.demotions, self._tiers.promotions)
+                           self._tiers.demotions, self._tiers.promotions,
+                           len(self._recovery.recovering))
 
     def tick(self) -> list[tuple[str, float, int]]:
         """Expire silent nodes, reclaim timed-out puts, run due frees, evict above watermarks.

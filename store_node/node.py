@@ -337,6 +337,24 @@ class StoreNode:
         log.info("objects_reannounced", node=self.node_id, indexed=indexed,
                  seconds=round(time.monotonic() - started, 3))
 
+    def not_ready(self) -> str | None:
+        """Why this node should not take traffic now (readiness probe), or None. Safe to call
+        from any thread, also before ``start`` ends."""
+        if self._stop.is_set():
+            return "stopping"
+        if self._thread is None:
+            return "starting: not mounted on the master yet"
+        if self._announcing:
+            return "announcing what it holds to a restarted master"
+        if not self._stream_open.is_set():
+            return "its manifest stream to the master is not open"
+        return None
+
+    @property
+    def moves_queued(self) -> int:
+        """Tier moves the master asked for and the mover has not made yet."""
+        return self._moves.qsize()
+
     def stop(self, unmount: bool = True) -> None:
         """Unmount (best effort), stop serving, release memory. Idempotent."""
         self._stop.set()

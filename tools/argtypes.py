@@ -67,3 +67,8 @@ def master_arg(p: argparse.ArgumentParser, required: bool = True) -> None:
 def log_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log verbosity on stderr (default: info)")
+    # common.logging.LOG_FORMATS, not imported here: structlog would double what --help loads.
+    p.add_argument("--log-format", default="console", choices=["console", "json"],
+                   help="one event per line on stderr: 'timestamp level event key=value' "
+                        "(console), or a JSON object for a log collector (json) (default: "
+                        "console)")

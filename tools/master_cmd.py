@@ -11,7 +11,8 @@ DEFAULT_PORT = 50051
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.description = "Run the master. Prints `master: HOST:PORT` once serving."
+    p.description = ("Run the master. Prints `master: HOST:PORT` once serving (then, with "
+                     "--metrics-port, `metrics: HOST:PORT`).")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; "
                    "0.0.0.0 for a multi-host cluster)")
     p.add_argument("--port", type=port_type, default=DEFAULT_PORT,
@@ -23,6 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "beside --port, or they keep using gRPC)")
     p.add_argument("--no-lookup-port", action="store_true",
                    help="answer lookups over gRPC only")
+    p.add_argument("--metrics-port", type=port_type, metavar="PORT",
+                   help="serve Prometheus metrics (/metrics) and probes (/healthz, /readyz) "
+                        "over HTTP on this port of --host; 0 = any free port (default: off)")
     p.add_argument("--config", metavar="FILE", help="YAML file of master settings (the long "
                    "option names with _ for -, e.g. put_timeout_s: 30s); flags override it")
     p.add_argument("--put-timeout", type=duration_type, metavar="DURATION",
@@ -69,14 +73,18 @@ def run(args: argparse.Namespace) -> int:
 
     from kvpool.common.logging import configure
     from kvpool.master.server import serve
-    configure(args.log_level, component="master")
+    configure(args.log_level, component="master", fmt=args.log_format)
     config = load(MasterConfig, args.config, put_timeout_s=args.put_timeout,
                   lease_ttl_s=args.lease_ttl, node_ttl_s=args.node_ttl,
                   quarantine_s=args.quarantine, high_watermark=args.high_watermark,
                   low_watermark=args.low_watermark, default_replicas=args.replicas,
                   eviction=args.eviction, promote_window_s=args.promote_window,
                   pin_quota_fraction=args.pin_quota)
-    announce = lambda addr: print(f"master: {addr}", flush=True)
+    def announce(address: str, metrics: str | None) -> None:
+        print(f"master: {address}", flush=True)
+        if metrics:
+            print(f"metrics: {metrics}", flush=True)
+
     lookup_port = None if args.no_lookup_port else args.lookup_port
     if args.ha:
         from kvpool.common.addresses import parse_etcd_url
@@ -84,10 +92,10 @@ def run(args: argparse.Namespace) -> int:
         url = parse_etcd_url(args.ha)
         asyncio.run(serve_ha(config, args.host, args.port, url, advertise=args.advertise,
                              lease_ttl_s=max(1, round(args.ha_lease_ttl)), on_started=announce,
-                             lookup_port=lookup_port))
+                             lookup_port=lookup_port, metrics_port=args.metrics_port))
         return 0
     if args.advertise:
         raise ConfigError("--advertise is for standby masters: give --ha etcd://HOST:PORT too")
     asyncio.run(serve(config, args.host, args.port, on_started=announce,
-                      lookup_port=lookup_port))
+                      lookup_port=lookup_port, metrics_port=args.metrics_port))
     return 0

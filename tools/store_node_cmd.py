@@ -20,7 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "Run a store node: allocates DRAM segments (and, with --disk-path / --hbm-size, a disk "
         "or HBM tier that full tiers demote to), mounts them on the master, serves tcp and "
         "same-host shm, and registers the segments for one-sided RDMA where a device exists. "
-        "Prints `store-node: NODE_ID` once mounted.")
+        "Prints `store-node: NODE_ID ...` once mounted (before it, with --metrics-port, "
+        "`metrics: HOST:PORT`: the probes answer while the node mounts).")
     master_arg(p)
     p.add_argument("--segment-size", type=size_type, action="append", metavar="SIZE",
                    help="size of one DRAM segment, e.g. 4GiB; repeat for several (default: one 4GiB)")
@@ -32,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=port_type, default=0, help="data server tcp port (default: 0 = any)")
     p.add_argument("--advertise-host", help="address clients dial, if not --host (e.g. the "
                    "node's LAN address when listening on 0.0.0.0)")
+    p.add_argument("--metrics-port", type=port_type, metavar="PORT",
+                   help="serve Prometheus metrics (/metrics) and probes (/healthz, /readyz) "
+                        "over HTTP on this port of --host; 0 = any free port (default: off)")
     p.add_argument("--node-id", help="stable name of this node (default: HOSTNAME-RANDOM)")
     p.add_argument("--heartbeat-interval", type=duration_type, default=1.0, metavar="DURATION",
                    help="how often to heartbeat the master; keep well under its --node-ttl "
@@ -70,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     from kvpool.common.logging import configure
     from kvpool.store_node.node import StoreNode
     from kvpool.tools.cluster import wait_for_signal
-    configure(args.log_level, component="store-node")
+    configure(args.log_level, component="store-node", fmt=args.log_format)
     if (args.disk_path is None) != (args.disk_size is None):
         raise ConfigError("--disk-path and --disk-size go together: give both or neither")
     if args.hbm_size is not None:
@@ -84,11 +88,26 @@ def run(args: argparse.Namespace) -> int:
                      scrub_bytes_per_s=args.scrub_rate, scrub_interval_s=args.scrub_interval,
                      disk_path=args.disk_path, disk_size=args.disk_size or 0,
                      hbm_size=args.hbm_size or 0, gpu=args.gpu, hugepages=args.hugepages)
-    node.start()
+    metrics = None
+    if args.metrics_port is not None:   # up first: /healthz answers while the node mounts
+        from kvpool.common.metrics import MetricsServer, new_registry
+        from kvpool.store_node.metrics import NodeCollector
+        registry = new_registry()
+        registry.register(NodeCollector(node))
+        metrics = MetricsServer(registry, node.not_ready, args.host, args.metrics_port).start()
+        print(f"metrics: {metrics.address}", flush=True)
+    try:
+        node.start()
+    except BaseException:
+        if metrics:
+            metrics.stop()
+        raise
     rdma = f" rdma={node.endpoints.rdma_device}" if node.endpoints.rdma_device else ""
     print(f"store-node: {node.node_id} tcp={node.endpoints.tcp_endpoint}{rdma}", flush=True)
     try:
         wait_for_signal()
     finally:
         node.stop()
+        if metrics:
+            metrics.stop()
     return 0

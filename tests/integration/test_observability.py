@@ -1,0 +1,131 @@
+"""/metrics, /healthz and /readyz (common/metrics.py) of a real master and store node, each a
+process of its own started with ``--metrics-port 0``; figures checked against what a client did."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from kvpool.client.kv_client import KVClient
+from kvpool.common.errors import ObjectNotFound
+from kvpool.tools.cluster import Proc
+from prometheus_client.parser import text_string_to_metric_families
+
+from .conftest import FAST_MASTER, FAST_NODE
+
+SEGMENT = 8 << 20
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def _samples(base: str) -> dict[tuple[str, frozenset], float]:
+    status, text = _get(base + "/metrics")
+    assert status == 200
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _eventually_ready(base: str) -> None:
+    deadline = time.monotonic() + 10
+    while (answer := _get(base + "/readyz")) != (200, "ready\n"):
+        assert time.monotonic() < deadline, answer
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def procs(tmp_path):
+    """Starts ``python -m kvpool ARGV`` as NAME (log: tmp_path/NAME.log); stops them all."""
+    started: list[Proc] = []
+    with contextlib.ExitStack() as logs:
+        def start(name: str, argv: list[str]) -> Proc:
+            log = logs.enter_context(open(tmp_path / f"{name}.log", "wb"))
+            started.append(Proc(name, argv, log))
+            return started[-1]
+        yield start
+        for p in reversed(started):
+            p.terminate()
+    for p in started:
+        assert "Traceback" not in (tmp_path / f"{p.name}.log").read_text(), p.name
+
+
+def test_master_and_node_serve_their_figures_and_probes(procs):
+    master = procs("master", ["master", "--port", "0", "--metrics-port", "0", *FAST_MASTER])
+    address = master.wait_ready("master")
+    mm = "http://" + master.wait_ready("metrics")
+    assert _get(mm + "/healthz") == (200, "ok\n")
+    assert _get(mm + "/readyz") == (200, "ready\n")
+    assert _get(mm + "/nothing")[0] == 404
+
+    node = procs("node0", ["store-node", "--master", address, "--segment-size", str(SEGMENT),
+                           "--node-id", "node0", "--metrics-port", "0", *FAST_NODE])
+    nm = "http://" + node.wait_ready("metrics")
+    node.wait_ready("store-node")
+    _eventually_ready(nm)
+
+    with KVClient(address) as kv:
+        kv.put("a", b"x" * 1000)
+        kv.put("b", b"y" * 3000)
+        assert kv.get("a") == b"x" * 1000
+        with pytest.raises(ObjectNotFound):
+            kv.get("absent")
+
+    m = _samples(mm)
+    assert m["kvpool_master_objects", frozenset({("state", "complete")})] == 2
+    assert m["kvpool_master_objects", frozenset({("state", "pending")})] == 0
+    assert m["kvpool_master_nodes", frozenset()] == 1
+    assert m["kvpool_master_leader", frozenset()] == 1
+    assert m["kvpool_master_recovering_segments", frozenset()] == 0
+    assert m["kvpool_master_lookups_total", frozenset({("result", "hit")})] >= 1
+    assert m["kvpool_master_lookups_total", frozenset({("result", "miss")})] >= 1
+    assert m["kvpool_master_evictions_total", frozenset()] == 0
+    [(labels, capacity)] = [(dict(k[1]), v) for k, v in m.items()
+                            if k[0] == "kvpool_segment_capacity_bytes"]
+    assert (labels["node"], labels["tier"], capacity) == ("node0", "dram", SEGMENT)
+    seg = frozenset(labels.items())
+    assert m["kvpool_segment_objects", seg] == 2
+    assert m["kvpool_segment_used_bytes", seg] >= 4000   # aligned sizes of both objects
+    assert m["process_resident_memory_bytes", frozenset()] > 0
+
+    n = _samples(nm)
+    assert n["kvpool_node_segment_capacity_bytes", seg] == SEGMENT
+    assert n["kvpool_node_manifest_objects", frozenset({("node", "node0")})] == 2
+    assert n["kvpool_node_ready", frozenset({("node", "node0")})] == 1
+    assert n["kvpool_node_moves_queued", frozenset({("node", "node0")})] == 0
+
+
+def test_a_node_that_cannot_mount_is_alive_but_not_ready(procs):
+    # A port that refuses connections: the node keeps retrying its mount meanwhile.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nowhere = f"127.0.0.1:{s.getsockname()[1]}"
+        node = procs("node0", ["store-node", "--master", nowhere, "--segment-size",
+                               str(SEGMENT), "--metrics-port", "0", *FAST_NODE])
+        nm = "http://" + node.wait_ready("metrics")
+        assert _get(nm + "/healthz") == (200, "ok\n")
+        assert _get(nm + "/readyz") == (
+            503, "not ready: starting: not mounted on the master yet\n")
+        [ready] = [v for (name, _), v in _samples(nm).items() if name == "kvpool_node_ready"]
+        assert ready == 0
+
+
+def test_json_logs_are_one_object_per_line_with_the_events_fields(procs, tmp_path):
+    master = procs("master", ["master", "--port", "0", "--log-format", "json"])
+    address = master.wait_ready("master")
+    master.terminate()
+    lines = (tmp_path / "master.log").read_text().splitlines()
+    events = [json.loads(line) for line in lines if line.startswith("{")]
+    assert len(events) == len(lines), lines   # every line a JSON object
+    [started] = [e for e in events if e["event"] == "master_started"]
+    assert started["address"] == address and started["level"] == "info"
+    assert started["component"] == "master" and "timestamp" in started
