@@ -123,12 +123,13 @@ class LocalCluster:
                  port: int = 0, master_args: Sequence[str] = (), node_args: Sequence[str] = (),
                  log_dir: str | os.PathLike | None = None, masters: int = 1,
                  ha: str | None = None, disk_size: str | None = None,
-                 disk_path: str | os.PathLike | None = None):
+                 disk_path: str | os.PathLike | None = None, metrics: bool = False):
         """``ha``: an ``etcd://`` URL: run ``masters`` standby masters electing on it (on
         free ports); ``master`` is then that URL, which the nodes and clients follow.
         ``disk_size``: give every node a disk tier of that size, in ``disk_path``/NODE (kept:
         a cluster started again on it finds its nodes' objects) or, without ``disk_path``, in
-        a temporary directory removed by ``stop``."""
+        a temporary directory removed by ``stop``. ``metrics``: every process serves
+        /metrics and its probes on a free port (``metrics_addresses``, by process name)."""
         if masters > 1 and not ha:
             raise ValueError("several masters need an etcd URL to elect on (ha=)")
         self.n_masters, self.ha = masters, ha
@@ -147,6 +148,8 @@ class LocalCluster:
         self.disk_size = disk_size
         self.disk_path = Path(disk_path) if disk_path is not None else None
         self._disk_tmp: str | None = None   # created here, removed by stop
+        self._metrics = ["--metrics-port", "0"] if metrics else []
+        self.metrics_addresses: dict[str, str] = {}
 
     @property
     def disk_dir(self) -> Path | None:
@@ -177,15 +180,20 @@ class LocalCluster:
                 self.leader()
             else:
                 self.master_proc = Proc("master", ["master", "--host", self.host, "--port",
-                                                   str(self.port), *self.master_args],
-                                        self._log("master"))
+                                                   str(self.port), *self._metrics,
+                                                   *self.master_args], self._log("master"))
                 self.master = self.master_proc.wait_ready("master")
+                self._note_metrics(self.master_proc)
             for i in range(self.n_nodes):
                 self.add_node(f"node{i}")
         except BaseException:
             self.stop()
             raise
         return self.master
+
+    def _note_metrics(self, proc: Proc) -> None:
+        if self._metrics:
+            self.metrics_addresses[proc.name] = proc.wait_ready("metrics")
 
     def kill_master(self) -> None:
         """SIGKILL the master (a crash: no clean shutdown); the nodes keep running."""
@@ -200,17 +208,20 @@ class LocalCluster:
         self.kill_master()
         _, _, port = self.master.rpartition(":")
         self.master_proc = Proc("master", ["master", "--host", self.host, "--port", port,
-                                           *self.master_args], self._log("master"))
+                                           *self._metrics, *self.master_args],
+                                self._log("master"))
         address = self.master_proc.wait_ready("master")
         assert address == self.master, (address, self.master)
+        self._note_metrics(self.master_proc)
         return address
 
     def add_master(self) -> str:
         """With ``ha``: start one more master (a standby unless none leads); its address."""
         name = f"master{len(self.standbys)}"
         proc = Proc(name, ["master", "--host", self.host, "--port", "0", "--ha", str(self.ha),
-                           *self.master_args], self._log(name))
+                           *self._metrics, *self.master_args], self._log(name))
         address = proc.wait_ready("master")
+        self._note_metrics(proc)
         self.standbys[address] = proc
         return address
 
@@ -243,8 +254,9 @@ class LocalCluster:
             disk = ["--disk-path", str(self.disk_dir / name), "--disk-size", str(self.disk_size)]
         proc = Proc(name, ["store-node", "--master", self.master, "--host", self.host,
                            "--segment-size", self.segment_size, "--node-id", name, *disk,
-                           *self.node_args, *extra_args], self._log(name))
+                           *self._metrics, *self.node_args, *extra_args], self._log(name))
         self.nodes.append(proc)
+        self._note_metrics(proc)   # printed before the node mounts
         proc.wait_ready("store-node")
         return proc
 

@@ -25,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --disk-size: keep each node's disk tier in DIR/NODE, so a "
                         "cluster started again on DIR finds its objects (default: a temporary "
                         "directory, removed on exit)")
+    p.add_argument("--metrics", action="store_true",
+                   help="every process serves Prometheus metrics and probes over HTTP on a "
+                        "free port (see master --metrics-port); their addresses are printed")
     p.add_argument("--hugepages", action="store_true",
                    help="the nodes' DRAM segments in reserved 2 MiB huge pages (see "
                         "store-node --hugepages)")
@@ -37,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
                            port=args.port,
                            disk_size=str(args.disk_size) if args.disk_size else None,
                            disk_path=args.disk_path,
-                           node_args=["--hugepages"] if args.hugepages else [])
+                           node_args=["--hugepages"] if args.hugepages else [],
+                           metrics=args.metrics)
     try:
         cluster.start()
     except (ClusterError, OSError) as e:   # the message carries the process's log tail
@@ -45,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     try:
         print(f"master: {cluster.master}", flush=True)
+        for name, address in cluster.metrics_addresses.items():
+            print(f"metrics of {name}: http://{address}/metrics", flush=True)
         disk = (f" + a {format_size(args.disk_size)} disk tier in "
                 f"{cluster.disk_dir}" if args.disk_size else "")
         print(f"{args.nodes} store nodes, {format_size(args.segment_size)} DRAM each{disk}. "

@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 from kvpool.client.kv_client import KVClient
 from kvpool.common.errors import ObjectNotFound
-from kvpool.tools.cluster import Proc
+from kvpool.tools.cluster import LocalCluster, Proc
 from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import FAST_MASTER, FAST_NODE
@@ -59,18 +59,21 @@ def procs(tmp_path):
         assert "Traceback" not in (tmp_path / f"{p.name}.log").read_text(), p.name
 
 
-def test_master_and_node_serve_their_figures_and_probes(procs):
-    master = procs("master", ["master", "--port", "0", "--metrics-port", "0", *FAST_MASTER])
-    address = master.wait_ready("master")
-    mm = "http://" + master.wait_ready("metrics")
+def test_master_and_node_serve_their_figures_and_probes(tmp_path):
+    c = LocalCluster(nodes=1, segment_size=str(SEGMENT), master_args=FAST_MASTER,
+                     node_args=FAST_NODE, log_dir=tmp_path / "logs", metrics=True)
+    with c:
+        address = c.master
+        mm, nm = (f"http://{c.metrics_addresses[name]}" for name in ("master", "node0"))
+        _check_figures(address, mm, nm)
+    for log in (tmp_path / "logs").glob("*.log"):
+        assert "Traceback" not in log.read_text(), log.name
+
+
+def _check_figures(address: str, mm: str, nm: str) -> None:
     assert _get(mm + "/healthz") == (200, "ok\n")
     assert _get(mm + "/readyz") == (200, "ready\n")
     assert _get(mm + "/nothing")[0] == 404
-
-    node = procs("node0", ["store-node", "--master", address, "--segment-size", str(SEGMENT),
-                           "--node-id", "node0", "--metrics-port", "0", *FAST_NODE])
-    nm = "http://" + node.wait_ready("metrics")
-    node.wait_ready("store-node")
     _eventually_ready(nm)
 
     with KVClient(address) as kv:
