@@ -13,7 +13,7 @@ from kvpool.common.logging import get_logger
 from kvpool.common.loops import OnCrash, Supervisor
 from kvpool.common.metrics import MetricsServer, new_registry
 from kvpool.master.lookup_server import LookupServer
-from kvpool.master.metrics import MasterCollector
+from kvpool.master.metrics import MasterCollector, RpcMetrics
 from kvpool.master.routing import RoutingIndex
 from kvpool.master.routing_servicer import RouterServicer, store_lookup
 from kvpool.master.servicer import MAX_BATCH, MasterServicer
@@ -74,8 +74,11 @@ class MasterServer:
 
     async def start(self) -> str:
         """Bind and serve; return the bound ``host:port``."""
-        self._server = grpc.aio.server(options=GRPC_OPTIONS,
-                                       interceptors=self._interceptors or None)
+        interceptors = list(self._interceptors)
+        if self._metrics_port is not None:
+            registry = new_registry()
+            interceptors.insert(0, RpcMetrics(registry))   # first: refused calls count too
+        self._server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors or None)
         self._servicer = MasterServicer(self.state)
         master_pb2_grpc.add_MasterServicer_to_server(self._servicer, self._server)
         routing_pb2_grpc.add_RouterServicer_to_server(RouterServicer(self.routing), self._server)
@@ -100,7 +103,6 @@ class MasterServer:
         if self._metrics_port is not None:
             self._collector = MasterCollector(self.state, asyncio.get_running_loop(),
                                               lambda: self._lookup_refusal() is None)
-            registry = new_registry()
             registry.register(self._collector)
             self.metrics = MetricsServer(registry, self._not_ready, self._host,
                                          self._metrics_port).start()

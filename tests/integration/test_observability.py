@@ -12,7 +12,8 @@ import urllib.request
 
 import pytest
 from kvpool.client.kv_client import KVClient
-from kvpool.common.errors import ObjectNotFound
+from kvpool.common.errors import InvalidArgument, ObjectNotFound
+from kvpool.rpc.master_client import MasterClient
 from kvpool.tools.cluster import LocalCluster, Proc
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -82,6 +83,8 @@ def _check_figures(address: str, mm: str, nm: str) -> None:
         assert kv.get("a") == b"x" * 1000
         with pytest.raises(ObjectNotFound):
             kv.get("absent")
+    with MasterClient(address) as mc, pytest.raises(InvalidArgument):
+        mc.put_start(["c", "d"], [10])   # the master aborts the call: INVALID_ARGUMENT
 
     m = _samples(mm)
     assert m["kvpool_master_objects", frozenset({("state", "complete")})] == 2
@@ -99,6 +102,18 @@ def _check_figures(address: str, mm: str, nm: str) -> None:
     assert m["kvpool_segment_objects", seg] == 2
     assert m["kvpool_segment_used_bytes", seg] >= 4000   # aligned sizes of both objects
     assert m["process_resident_memory_bytes", frozenset()] > 0
+    # Each gRPC call timed and counted: two puts (a PutStart and a PutEnd each, OK), and
+    # the refused PutStart.
+    for method, calls in (("PutStart", 3), ("PutEnd", 2)):
+        assert m["kvpool_master_rpcs_total", frozenset({("method", method), ("code", "OK")})] \
+            == 2
+        assert m["kvpool_master_rpc_seconds_count", frozenset({("method", method)})] == calls
+        assert m["kvpool_master_rpc_seconds_sum", frozenset({("method", method)})] > 0
+    mounts = m["kvpool_master_rpcs_total", frozenset({("method", "MountSegment"),
+                                                      ("code", "OK")})]
+    assert mounts >= 1
+    assert m["kvpool_master_rpcs_total", frozenset({("method", "PutStart"),
+                                                   ("code", "INVALID_ARGUMENT")})] == 1
 
     n = _samples(nm)
     assert n["kvpool_node_segment_capacity_bytes", seg] == SEGMENT
