@@ -67,6 +67,9 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
                    help="keys per master RPC (default: 256, one prompt's blocks)")
     b.add_argument("--no-master-bench", action="store_true", help="skip the master figures")
     b.add_argument("--no-redis", action="store_true", help="skip the Redis baseline")
+    b.add_argument("--metrics", action="store_true",
+                   help="run the local cluster's master and node with --metrics-port (to "
+                        "measure what metrics cost: compare with a run without)")
     b.add_argument("--disk-tier", action="store_true",
                    help="instead: the disk tier's demotion and read GB/s beside a plain "
                         "sequential file read of the same bytes (tools/bench_disk.py)")
@@ -102,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
         (args.master_objects or preset["master_objects"]),
         master_batch=args.master_batch, master_lookups=preset["master_lookups"],
         redis=not args.no_redis,
-        peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()))
+        peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()),
+        metrics=args.metrics)
     bad = set(config.transports) - {"shm", "tcp", "rdma"}
     if bad:
         print(f"kvpool bench: error: unknown transport(s) {sorted(bad)}; known: shm, tcp, rdma",

@@ -54,6 +54,7 @@ class BenchConfig:
     master_lookups: int
     redis: bool = True
     peers: tuple[str, ...] = ()
+    metrics: bool = False        # kvpool's processes serve /metrics (their cost measured)
 
     def shapes(self) -> list[w.Shape]:
         return ([w.Shape("single", s, 1, self.single_calls) for s in self.sizes]
@@ -169,7 +170,8 @@ def _kvpool(config: BenchConfig, data: dict, figures: list, skipped: dict, maste
     _say(f"starting a local cluster: master + 1 store node ({format_size(segment)})")
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as logs:
         cluster = LocalCluster(nodes=1, segment_size=str(segment),
-                               master_args=["--lease-ttl", f"{_LEASE_S}s"], log_dir=logs)
+                               master_args=["--lease-ttl", f"{_LEASE_S}s"], log_dir=logs,
+                               metrics=config.metrics)
         try:
             _kvpool_on(config, data, figures, skipped, cluster.start(), run_id, segment)
         finally:
@@ -245,7 +247,7 @@ def _master(config: BenchConfig, master: str | None) -> dict:
     _say(f"master: indexing {config.master_objects:,} objects of "
          f"{format_size(config.block_bytes)} in batches of {config.master_batch}")
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as logs:
-        cluster = LocalCluster(nodes=0, log_dir=logs)
+        cluster = LocalCluster(nodes=0, log_dir=logs, metrics=config.metrics)
         try:
             address = cluster.start()
             return w.master_figures(address, cluster.master_proc.popen.pid,
