@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from kvpool.common.config import format_size
 from kvpool.tools.argtypes import master_arg
@@ -11,6 +12,8 @@ from kvpool.tools.argtypes import master_arg
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = "Print the cluster's state as the master sees it."
     master_arg(p)
+    p.add_argument("--json", action="store_true",
+                   help="print it as one JSON object, for scripts (sizes in bytes)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -20,6 +23,9 @@ def run(args: argparse.Namespace) -> int:
         s = mc.stats()
     finally:
         mc.close()
+    if args.json:
+        print(json.dumps(_as_dict(args.master, s), indent=2))
+        return 0
     total = sum(g.segment.size_bytes for g in s.segments)
     used = sum(g.used_bytes for g in s.segments)
     lookups = s.hits + s.misses
@@ -37,6 +43,18 @@ def run(args: argparse.Namespace) -> int:
         _print_tiers(s.segments)
         _print_node_transports(s.segments)
     return 0
+
+
+def _as_dict(master: str, s) -> dict:
+    from kvpool.rpc.wire import segment_from_pb
+    fields = ("nodes", "objects", "pending_objects", "hits", "misses", "evictions", "demotions",
+              "promotions")
+    return {"master": master, **{f: getattr(s, f) for f in fields},
+            "segments": [{"node_id": g.node_id, "segment_id": g.segment.segment_id,
+                          "tier": segment_from_pb(g.segment).tier,
+                          "size_bytes": g.segment.size_bytes, "used_bytes": g.used_bytes,
+                          "quarantined_bytes": g.quarantined_bytes, "objects": g.objects}
+                         for g in s.segments]}
 
 
 def _print_tiers(segments) -> None:

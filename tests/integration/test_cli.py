@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -110,6 +111,11 @@ def test_up_stat_and_clean_ctrl_c(tmp_path):
         assert stat.returncode == 0, stat.stderr
         assert "2 nodes, 2 segments" in stat.stdout
         assert "objects 1" in stat.stdout and "hits 1, misses 1" in stat.stdout
+        figures = json.loads(kvpool("stat", "--master", master, "--json").stdout)
+        assert (figures["nodes"], figures["objects"], figures["hits"], figures["misses"]) \
+            == (2, 1, 1, 1)
+        assert [g["size_bytes"] for g in figures["segments"]] == [64 << 20] * 2
+        assert sum(g["objects"] for g in figures["segments"]) == 1
         up.send_signal(signal.SIGINT)
         assert up.wait(30) == 0
     finally:
