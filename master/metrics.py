@@ -60,7 +60,9 @@ class MasterCollector:
         for name, value, doc in (
                 ("evictions", s.evictions, "Objects evicted to make room"),
                 ("demotions", s.demotions, "Objects moved one tier down (kept)"),
-                ("promotions", s.promotions, "Objects moved one tier up")):
+                ("promotions", s.promotions, "Objects moved one tier up"),
+                ("corrupt_replicas", s.corrupt_replicas, ("Replicas dropped because their "
+                 "bytes failed the checksum (a reader's or the scrubber's report)"))):
             yield CounterMetricFamily(f"kvpool_master_{name}", doc, value=value)
         families = {
             "capacity": gauge("kvpool_segment_capacity_bytes", "Segment size", _SEGMENT),

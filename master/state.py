@@ -73,6 +73,7 @@ class MasterStats:
     demotions: int = 0       # moves one tier down completed (objects kept, not evicted)
     promotions: int = 0      # moves one tier up completed
     recovering_segments: int = 0   # segments whose node is still announcing (after a restart)
+    corrupt_replicas: int = 0      # replicas dropped because their bytes failed the checksum
 
 
 class MasterState:
@@ -92,6 +93,7 @@ class MasterState:
         self._clock = clock
         self._on_evict = on_evict
         self._evictions = 0
+        self._corrupt_replicas = 0
         self._manifests = ManifestLog()
         self._members = Membership(config)
         self._index = ObjectIndex()
@@ -336,7 +338,7 @@ class MasterState:
         return MasterStats(segs, len(self._objects) - idx.pending, idx.pending,
                            idx.hits, idx.misses, self._evictions, len(self._members.nodes),
                            self._tiers.demotions, self._tiers.promotions,
-                           len(self._recovery.recovering))
+                           len(self._recovery.recovering), self._corrupt_replicas)
 
     def tick(self) -> list[tuple[str, float, int]]:
         """Expire silent nodes, reclaim timed-out puts, run due frees, evict above watermarks.
@@ -484,6 +486,7 @@ class MasterState:
         if not bad:
             return
         seg = self._segments[segment_id]
+        self._corrupt_replicas += 1
         obj.replicas = [e for e in obj.replicas if e.segment_id != segment_id]
         seg.keys.discard(key)
         if seg.manifest is not None:

@@ -27,6 +27,8 @@ if [ "$tests" = 1 ]; then
     command -v redis-server >/dev/null || need+=(redis-server)   # the bench's Redis baseline
     command -v ip >/dev/null || need+=(iproute2)                 # tests/chaos: namespaces ...
     command -v iptables >/dev/null || need+=(iptables)           # ... partitions, packet loss
+    # tests/unit/test_alert_rules.py: promtool (its server is not started: no init system here)
+    command -v promtool >/dev/null || need+=(prometheus)
     # The Mooncake peer's native library (mooncake/store.so) links these three.
     has_lib libibverbs.so.1 || need+=(libibverbs1)
     has_lib libnuma.so.1 || need+=(libnuma1)

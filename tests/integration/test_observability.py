@@ -95,6 +95,7 @@ def _check_figures(address: str, mm: str, nm: str) -> None:
     assert m["kvpool_master_lookups_total", frozenset({("result", "hit")})] >= 1
     assert m["kvpool_master_lookups_total", frozenset({("result", "miss")})] >= 1
     assert m["kvpool_master_evictions_total", frozenset()] == 0
+    assert m["kvpool_master_corrupt_replicas_total", frozenset()] == 0
     [(labels, capacity)] = [(dict(k[1]), v) for k, v in m.items()
                             if k[0] == "kvpool_segment_capacity_bytes"]
     assert (labels["node"], labels["tier"], capacity) == ("node0", "dram", SEGMENT)
