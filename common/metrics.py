@@ -13,10 +13,10 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import CancelledError
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Self
 
 from kvpool.common.logging import get_logger
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.process_collector import ProcessCollector
 
 log = get_logger(__name__)
@@ -27,10 +27,6 @@ def new_registry() -> CollectorRegistry:
     registry = CollectorRegistry()   # collectors are not asked to describe themselves
     ProcessCollector(registry=registry)
     return registry
-
-
-def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, labels=list(labels))
 
 
 class MetricsServer:
@@ -54,7 +50,7 @@ class MetricsServer:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def start(self) -> MetricsServer:
+    def start(self) -> Self:
         self._thread.start()
         log.info("metrics_serving", address=self.address)
         return self
@@ -64,6 +60,12 @@ class MetricsServer:
             self._http.shutdown()
             self._thread.join()
         self._http.server_close()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -99,5 +101,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, format: str, *args: object) -> None:
-        pass   # one line per scrape is noise; errors still reach log_error
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        pass   # a line per scrape is noise
+
+    def log_error(self, format: str, *args: object) -> None:
+        log.warning("metrics_request_failed", error=format % args)   # e.g. a malformed request

@@ -14,16 +14,23 @@ import time
 from collections.abc import Callable
 
 import grpc
-from kvpool.common.metrics import gauge
 from kvpool.master.state import MasterState, MasterStats
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 SNAPSHOT_TIMEOUT_S = 5.0
 # From 0.25 ms (a lookup on an idle loop) to 5 s (a put held by a node slow to acknowledge).
 RPC_BUCKETS_S = (0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                  2.5, 5.0)
-_SEGMENT = ("node", "segment", "tier")
+# Per segment, as the master accounts it: (name, help, the figure from a SegmentStats).
+_SEGMENT_FIGURES = (
+    ("capacity_bytes", "Segment size", lambda g: g.info.size_bytes),
+    ("used_bytes", "Bytes held by indexed objects (aligned; pending and complete)",
+     lambda g: g.used_bytes),
+    ("quarantined_bytes", ("Bytes freed but kept out of reuse until a lease or put quarantine "
+                           "ends"), lambda g: g.quarantined_bytes),
+    ("objects", "Objects with a replica in the segment", lambda g: g.objects),
+)
 
 
 class MasterCollector:
@@ -42,16 +49,18 @@ class MasterCollector:
 
     def collect(self):
         s = self.snapshot()
-        objects = gauge("kvpool_master_objects", "Objects indexed, by state", ("state",))
+        objects = GaugeMetricFamily("kvpool_master_objects", "Objects indexed, by state",
+                                    labels=["state"])
         objects.add_metric(["complete"], s.objects)
         objects.add_metric(["pending"], s.pending_objects)
         yield objects
-        yield _one("kvpool_master_nodes", "Store nodes alive (mounted, heard from within "
-                   "node_ttl_s)", s.nodes)
-        yield _one("kvpool_master_recovering_segments", "Segments whose node is still "
-                   "announcing what they hold after a master restart", s.recovering_segments)
-        yield _one("kvpool_master_leader", "1 if this master leads (serves), 0 on a standby",
-                   int(self._leading()))
+        yield GaugeMetricFamily("kvpool_master_nodes", "Store nodes alive (mounted, heard from "
+                                "within node_ttl_s)", value=s.nodes)
+        yield GaugeMetricFamily("kvpool_master_recovering_segments", "Segments whose node is "
+                                "still announcing what they hold after a master restart",
+                                value=s.recovering_segments)
+        yield GaugeMetricFamily("kvpool_master_leader", "1 if this master leads (serves), 0 on "
+                                "a standby", value=int(self._leading()))
         lookups = CounterMetricFamily("kvpool_master_lookups", "Keys looked up (GetReplicas), "
                                       "by result", labels=["result"])
         lookups.add_metric(["hit"], s.hits)
@@ -64,28 +73,12 @@ class MasterCollector:
                 ("corrupt_replicas", s.corrupt_replicas, ("Replicas dropped because their "
                  "bytes failed the checksum (a reader's or the scrubber's report)"))):
             yield CounterMetricFamily(f"kvpool_master_{name}", doc, value=value)
-        families = {
-            "capacity": gauge("kvpool_segment_capacity_bytes", "Segment size", _SEGMENT),
-            "used": gauge("kvpool_segment_used_bytes", "Bytes held by indexed objects "
-                          "(aligned; pending and complete)", _SEGMENT),
-            "quarantined": gauge("kvpool_segment_quarantined_bytes", "Bytes freed but kept "
-                                 "out of reuse until a lease or put quarantine ends", _SEGMENT),
-            "objects": gauge("kvpool_segment_objects", "Objects with a replica in the "
-                             "segment", _SEGMENT),
-        }
-        for g in s.segments:
-            labels = [g.node_id, g.info.segment_id, g.info.tier]
-            families["capacity"].add_metric(labels, g.info.size_bytes)
-            families["used"].add_metric(labels, g.used_bytes)
-            families["quarantined"].add_metric(labels, g.quarantined_bytes)
-            families["objects"].add_metric(labels, g.objects)
-        yield from families.values()
-
-
-def _one(name: str, doc: str, value: float):
-    g = gauge(name, doc)
-    g.add_metric([], value)
-    return g
+        for name, doc, figure in _SEGMENT_FIGURES:
+            family = GaugeMetricFamily(f"kvpool_segment_{name}", doc,
+                                       labels=["node", "segment", "tier"])
+            for g in s.segments:
+                family.add_metric([g.node_id, g.info.segment_id, g.info.tier], figure(g))
+            yield family
 
 
 class RpcMetrics(grpc.aio.ServerInterceptor):

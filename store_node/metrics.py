@@ -3,8 +3,8 @@ the data path). The names: README "Metrics, probes and logs"."""
 
 from __future__ import annotations
 
-from kvpool.common.metrics import gauge
 from kvpool.store_node.node import StoreNode
+from prometheus_client.core import GaugeMetricFamily
 
 
 class NodeCollector:
@@ -13,8 +13,9 @@ class NodeCollector:
 
     def collect(self):
         node = self._node
-        capacity = gauge("kvpool_node_segment_capacity_bytes", "Size of each segment this node "
-                         "serves", ("node", "segment", "tier"))
+        capacity = GaugeMetricFamily("kvpool_node_segment_capacity_bytes", "Size of each "
+                                     "segment this node serves",
+                                     labels=["node", "segment", "tier"])
         for seg in list(node.segments.values()):   # a copy: start() may be adding segments
             capacity.add_metric([node.node_id, seg.info.segment_id, seg.info.tier],
                                 seg.info.size_bytes)
@@ -25,6 +26,6 @@ class NodeCollector:
                 ("moves_queued", "Tier moves asked for and not made yet", node.moves_queued),
                 ("ready", "1 when the node takes traffic (mounted, manifest stream open)",
                  int(node.not_ready() is None))):
-            g = gauge(f"kvpool_node_{name}", doc, ("node",))
+            g = GaugeMetricFamily(f"kvpool_node_{name}", doc, labels=["node"])
             g.add_metric([node.node_id], value)
             yield g
