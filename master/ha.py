@@ -309,7 +309,7 @@ async def serve_ha(config: MasterConfig, host: str, port: int, url: EtcdURL, *,
     await server.start()
     election.address = advertised(host, server.port, advertise)
     if on_started:   # the address clients use, and the metrics server's (if any)
-        on_started(election.address, server.metrics.address if server.metrics else None)
+        on_started(election.address, server.metrics_address)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

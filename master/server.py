@@ -72,12 +72,39 @@ class MasterServer:
     def address(self) -> str:
         return f"{self._host}:{self.port}"
 
+    @property
+    def metrics_address(self) -> str | None:
+        """Where /metrics and the probes are served, if they are."""
+        return self.metrics.address if self.metrics else None
+
     async def start(self) -> str:
         """Bind and serve; return the bound ``host:port``."""
         interceptors = list(self._interceptors)
         if self._metrics_port is not None:
+            # Bound first: a port that is taken fails the start before anything serves.
             registry = new_registry()
+            self._collector = MasterCollector(self.state, asyncio.get_running_loop(),
+                                              lambda: self._lookup_refusal() is None)
+            registry.register(self._collector)
             interceptors.insert(0, RpcMetrics(registry))   # first: refused calls count too
+            self.metrics = MetricsServer(registry, self._not_ready, self._host,
+                                         self._metrics_port)
+        try:
+            await self._serve(interceptors)
+        except BaseException:
+            if self.metrics:
+                self.metrics.stop()
+            raise
+        self._ticker = asyncio.create_task(
+            self._supervisor.run("tick", self._tick_forever, TICK_ON_CRASH))
+        if self.metrics:
+            self.metrics.start()
+        log.info("master_started", address=self.address, lookup_port=self._servicer.lookup_port,
+                 **vars(self.config))
+        return self.address
+
+    async def _serve(self, interceptors: list[grpc.aio.ServerInterceptor]) -> None:
+        """Serve gRPC, and lookups on their port; nothing left serving if either fails."""
         self._server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors or None)
         self._servicer = MasterServicer(self.state)
         master_pb2_grpc.add_MasterServicer_to_server(self._servicer, self._server)
@@ -98,17 +125,6 @@ class MasterServer:
                 await self._server.stop(0)
                 raise OSError(f"cannot listen on {self._host}:{self._lookup_port} for "
                               f"lookups: {e.strerror or e}") from None
-        self._ticker = asyncio.create_task(
-            self._supervisor.run("tick", self._tick_forever, TICK_ON_CRASH))
-        if self._metrics_port is not None:
-            self._collector = MasterCollector(self.state, asyncio.get_running_loop(),
-                                              lambda: self._lookup_refusal() is None)
-            registry.register(self._collector)
-            self.metrics = MetricsServer(registry, self._not_ready, self._host,
-                                         self._metrics_port).start()
-        log.info("master_started", address=self.address, lookup_port=self._servicer.lookup_port,
-                 **vars(self.config))
-        return self.address
 
     async def _tick_forever(self) -> None:
         # Expiry resolution: a tenth of the shortest timeout, never busier than 20 Hz.
@@ -153,7 +169,7 @@ async def serve(config: MasterConfig, host: str, port: int,
                           metrics_port=metrics_port)
     address = await server.start()
     if on_started:   # the address clients use, and the metrics server's (if any)
-        on_started(address, server.metrics.address if server.metrics else None)
+        on_started(address, server.metrics_address)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -6,13 +6,17 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 
 import pytest
 from kvpool.client.kv_client import KVClient
+from kvpool.common.config import MasterConfig
 from kvpool.common.errors import InvalidArgument, ObjectNotFound
+from kvpool.master.server import MasterServer
 from kvpool.rpc.master_client import MasterClient
 from kvpool.tools.cluster import LocalCluster, Proc
 from prometheus_client.parser import text_string_to_metric_families
@@ -148,3 +152,28 @@ def test_json_logs_are_one_object_per_line_with_the_events_fields(procs, tmp_pat
     [started] = [e for e in events if e["event"] == "master_started"]
     assert started["address"] == address and started["level"] == "info"
     assert started["component"] == "master" and "timestamp" in started
+
+
+@pytest.mark.parametrize("argv", [["master", "--port", "0"],
+                                  ["store-node", "--master", "127.0.0.1:1", "--segment-size",
+                                   str(SEGMENT)]], ids=["master", "store-node"])
+def test_a_taken_metrics_port_fails_the_start_with_a_clear_error(argv):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "kvpool", *argv, "--metrics-port", str(port)],
+                           capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"cannot listen on 127.0.0.1:{port} for metrics" in r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+async def test_a_master_whose_metrics_port_is_taken_serves_nothing():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = MasterServer(MasterConfig(), metrics_port=taken.getsockname()[1])
+        with pytest.raises(OSError, match="for metrics"):
+            await server.start()
+    assert server.port == 0   # its gRPC port was never bound
