@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 from kvpool.common.config import ConfigError, parse_size
 from kvpool.tools.argtypes import (
@@ -88,26 +89,18 @@ def run(args: argparse.Namespace) -> int:
                      scrub_bytes_per_s=args.scrub_rate, scrub_interval_s=args.scrub_interval,
                      disk_path=args.disk_path, disk_size=args.disk_size or 0,
                      hbm_size=args.hbm_size or 0, gpu=args.gpu, hugepages=args.hugepages)
-    metrics = None
-    if args.metrics_port is not None:   # up first: /healthz answers while the node mounts
-        from kvpool.common.metrics import MetricsServer, new_registry
-        from kvpool.store_node.metrics import NodeCollector
-        registry = new_registry()
-        registry.register(NodeCollector(node))
-        metrics = MetricsServer(registry, node.not_ready, args.host, args.metrics_port).start()
-        print(f"metrics: {metrics.address}", flush=True)
-    try:
+    with contextlib.ExitStack() as running:
+        if args.metrics_port is not None:   # up first: /healthz answers while the node mounts
+            from kvpool.common.metrics import MetricsServer, new_registry
+            from kvpool.store_node.metrics import NodeCollector
+            registry = new_registry()
+            registry.register(NodeCollector(node))
+            metrics = running.enter_context(
+                MetricsServer(registry, node.not_ready, args.host, args.metrics_port))
+            print(f"metrics: {metrics.address}", flush=True)
         node.start()
-    except BaseException:
-        if metrics:
-            metrics.stop()
-        raise
-    rdma = f" rdma={node.endpoints.rdma_device}" if node.endpoints.rdma_device else ""
-    print(f"store-node: {node.node_id} tcp={node.endpoints.tcp_endpoint}{rdma}", flush=True)
-    try:
+        running.callback(node.stop)   # before the metrics port closes
+        rdma = f" rdma={node.endpoints.rdma_device}" if node.endpoints.rdma_device else ""
+        print(f"store-node: {node.node_id} tcp={node.endpoints.tcp_endpoint}{rdma}", flush=True)
         wait_for_signal()
-    finally:
-        node.stop()
-        if metrics:
-            metrics.stop()
     return 0
