@@ -15,6 +15,9 @@ from typing import Any
 
 import yaml
 
+# How kvpool processes write their log lines (common/logging.py; --log-format).
+LOG_FORMATS = ("console", "json")
+
 _SIZE_UNITS = {
     "": 1, "b": 1,
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,

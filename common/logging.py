@@ -6,8 +6,7 @@ import logging
 import sys
 
 import structlog
-
-LOG_FORMATS = ("console", "json")
+from kvpool.common.config import LOG_FORMATS
 
 
 def configure(level: str = "info", component: str | None = None, fmt: str = "console") -> None:

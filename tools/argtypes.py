@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from kvpool.common.config import ConfigError, parse_duration, parse_size
+from kvpool.common.config import LOG_FORMATS, ConfigError, parse_duration, parse_size
 
 
 def size_type(text: str) -> int:
@@ -67,8 +67,7 @@ def master_arg(p: argparse.ArgumentParser, required: bool = True) -> None:
 def log_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log verbosity on stderr (default: info)")
-    # common.logging.LOG_FORMATS, not imported here: structlog would double what --help loads.
-    p.add_argument("--log-format", default="console", choices=["console", "json"],
+    p.add_argument("--log-format", default="console", choices=LOG_FORMATS,
                    help="one event per line on stderr: 'timestamp level event key=value' "
                         "(console), or a JSON object for a log collector (json) (default: "
                         "console)")
