@@ -35,13 +35,12 @@ class MetricsServer:
 
     def __init__(self, registry: CollectorRegistry, not_ready: Callable[[], str | None],
                  host: str = "127.0.0.1", port: int = 0) -> None:
-        handler = type("Handler", (_Handler,), {"registry": registry, "not_ready": not_ready})
         try:
-            self._http = ThreadingHTTPServer((host, port), handler)
+            self._http = _Server((host, port), _Handler)
         except OSError as e:
             raise OSError(f"cannot listen on {host}:{port} for metrics: "
                           f"{e.strerror or e}") from None
-        self._http.daemon_threads = True
+        self._http.registry, self._http.not_ready = registry, not_ready
         self.host, self.port = host, self._http.server_address[1]
         self._thread = threading.Thread(target=self._http.serve_forever, name="metrics",
                                         daemon=True)
@@ -68,9 +67,14 @@ class MetricsServer:
         self.stop()
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True   # a scrape in progress does not hold up the process's exit
     registry: CollectorRegistry
     not_ready: Callable[[], str | None]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
 
     def do_GET(self) -> None:
         try:
@@ -82,11 +86,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _get(self, path: str) -> None:
         if path == "/metrics":
-            self._answer(200, generate_latest(self.registry), CONTENT_TYPE_LATEST)
+            self._answer(200, generate_latest(self.server.registry), CONTENT_TYPE_LATEST)
         elif path == "/healthz":
             self._answer(200, b"ok\n")
         elif path == "/readyz":
-            why = type(self).not_ready()
+            why = self.server.not_ready()
             if why:
                 self._answer(503, f"not ready: {why}\n".encode())
             else:
