@@ -88,8 +88,9 @@ class DataServer:
     ``rdma`` (a :class:`kvpool.store_node.rdma.NodeRDMA`, or None) answers CONNECT_QP
     handshakes; each client's queue pair lives as long as its handshake connection.
     ``request_counts()`` tells how many requests of each op were served (the rdma path's
-    one-sidedness is asserted with it). ``supervisor`` runs the accepting thread
-    (common/loops.py).
+    one-sidedness is asserted with it), ``byte_counts()`` how many bytes READ and WRITE moved,
+    ``connections()`` how many clients are connected by tcp and by the shm socket (the node's
+    metrics). ``supervisor`` runs the accepting thread (common/loops.py).
     """
 
     def __init__(self, segments: Mapping[str, Segment], host: str = "127.0.0.1", port: int = 0,
@@ -97,6 +98,7 @@ class DataServer:
         self._segments = segments
         self._rdma = rdma
         self._counts: Counter[str] = Counter()
+        self._bytes: Counter[str] = Counter()
         self._host = host
         self._port = port
         self._shm = shm
@@ -191,9 +193,22 @@ class DataServer:
         with self._lock:
             return dict(self._counts)
 
-    def _count(self, op: str) -> None:
+    def byte_counts(self) -> dict[str, int]:
+        """Payload bytes moved since start by READ and WRITE requests served."""
+        with self._lock:
+            return dict(self._bytes)
+
+    def connections(self) -> dict[str, int]:
+        """Clients connected now: ``tcp`` (the data port) and ``shm`` (the hand-off socket)."""
+        with self._lock:
+            shm = sum(c.family == socket.AF_UNIX for c in self._conns)
+            return {"tcp": len(self._conns) - shm, "shm": shm}
+
+    def _count(self, op: str, nbytes: int = 0) -> None:
         with self._lock:
             self._counts[op] += 1
+            if nbytes:
+                self._bytes[op] += nbytes
 
     # ---------------------------------------------------------------- accepting
 
@@ -283,9 +298,10 @@ class DataServer:
             except UnicodeDecodeError:
                 return self._refuse_malformed(conn, peer, "segment id is not utf-8")
             op = Op(op)
-            self._count(op.name)
             if self._serve_by_segment(conn, op, segment_id, offset, length):
+                self._count(op.name, length)
                 continue
+            self._count(op.name)
             status, message = self._refusal(segment_id, offset, length)
             log.warning("request_refused", peer=peer, op=op.name, segment=segment_id,
                         offset=offset, length=length, status=status.name)

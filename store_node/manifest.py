@@ -35,6 +35,7 @@ class Manifest:
         self._lock = threading.Lock()
         self._by_key: dict[str, ObjectRecord] = {}
         self._by_place: dict[tuple[str, int], str] = {}
+        self._bytes: dict[str, int] = {}   # segment id -> bytes of its committed objects
         # Space a restarted master must not reuse yet, by place (``until`` on ``clock``).
         self._reserved: dict[tuple[str, int], Reservation] = {}
         self._clock = clock
@@ -64,6 +65,7 @@ class Manifest:
                     self._drop(stale)
                 self._by_key[r.key] = r
                 self._by_place[(r.segment_id, r.offset)] = r.key
+                self._bytes[r.segment_id] = self._bytes.get(r.segment_id, 0) + r.size
             for key, version in removed:
                 r = self._by_key.get(key)
                 if r is not None and r.version == version:
@@ -105,6 +107,11 @@ class Manifest:
             for place in [p for p, r in self._reserved.items() if r.until <= now]:
                 del self._reserved[place]
 
+    def bytes_by_segment(self) -> dict[str, int]:
+        """Bytes of the committed objects in each segment (object sizes, not aligned)."""
+        with self._lock:
+            return {sid: n for sid, n in self._bytes.items() if n}
+
     def get(self, key: str) -> ObjectRecord | None:
         """The record of ``key``, or None."""
         return self._by_key.get(key)
@@ -123,3 +130,4 @@ class Manifest:
         r = self._by_key.pop(key, None)
         if r is not None:
             self._by_place.pop((r.segment_id, r.offset), None)
+            self._bytes[r.segment_id] -= r.size

@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from kvpool.common.config import format_size
 from kvpool.common.errors import Conflict, KVPoolError, MasterUnavailable, NoSpace, UnknownNode
@@ -42,6 +43,18 @@ WATCH_DEADLINE_S = 60.0
 # the cluster cannot use.
 VITAL = OnCrash(restarts=5, why="a store node that cannot heartbeat or follow its manifest "
                                 "must not go on serving")
+
+
+@dataclass(frozen=True)
+class NodeFigures:
+    """What a node has done and holds, for its metrics (store_node/metrics.py)."""
+    requests: dict[str, int] = field(default_factory=dict)     # data-port/shm requests, by op
+    bytes: dict[str, int] = field(default_factory=dict)        # READ/WRITE payload bytes
+    connections: dict[str, int] = field(default_factory=dict)  # open now: tcp, shm
+    scrubbed_objects: int = 0
+    scrubbed_bytes: int = 0
+    corrupt_found: int = 0
+    segment_bytes: dict[str, int] = field(default_factory=dict)   # committed, per segment
 
 
 class StoreNode:
@@ -349,6 +362,15 @@ class StoreNode:
         if not self._stream_open.is_set():
             return "its manifest stream to the master is not open"
         return None
+
+    def figures(self) -> NodeFigures:
+        """Counters and figures for the metrics; safe from any thread, also before ``start``."""
+        server, scrub = self._server, self._scrubber
+        return NodeFigures(
+            server.request_counts() if server else {}, server.byte_counts() if server else {},
+            server.connections() if server else {},
+            scrub.objects_checked if scrub else 0, scrub.bytes_checked if scrub else 0,
+            scrub.corrupt_found if scrub else 0, self.manifest.bytes_by_segment())
 
     @property
     def moves_queued(self) -> int:

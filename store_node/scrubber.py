@@ -42,7 +42,9 @@ class Scrubber:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._supervisor = supervisor or Supervisor()
+        # Read by the node's metrics (plain ints: one writer, readers tolerate a stale value).
         self.objects_checked = 0
+        self.bytes_checked = 0
         self.corrupt_found = 0
 
     def scrub_once(self) -> list[ObjectRecord]:
@@ -66,6 +68,7 @@ class Scrubber:
             except ValueError:   # the segment was closed: the node is stopping
                 break
             self.objects_checked += 1
+            self.bytes_checked += r.size
             if crc != r.checksum and self._manifest.get(r.key) == r:
                 bad.append(r)
             read += r.size
