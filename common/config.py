@@ -96,6 +96,9 @@ class MasterConfig:
     promote_window_s: float = 60.0
     # Hard pins (never evicted) may hold at most this fraction of the cluster's capacity.
     pin_quota_fraction: float = 0.5
+    # Key components that name a namespace in the per-namespace lookup counts (3: the vLLM
+    # connector's "kvpool/vllm1/<model namespace>"; 0: not counted). master/namespaces.py.
+    namespace_depth: int = 3
 
     def __post_init__(self) -> None:
         if self.eviction not in EVICTION_POLICIES:
@@ -105,6 +108,8 @@ class MasterConfig:
             raise ConfigError("watermarks must satisfy 0 < low_watermark < high_watermark <= 1")
         if not 0 <= self.pin_quota_fraction <= 1:
             raise ConfigError("pin_quota_fraction must be between 0 and 1")
+        if self.namespace_depth < 0:
+            raise ConfigError("namespace_depth must be 0 or more")
         if self.default_replicas < 1:
             raise ConfigError("default_replicas must be at least 1")
         for f in ("put_timeout_s", "lease_ttl_s", "node_ttl_s", "quarantine_s",

@@ -33,6 +33,7 @@ class LookupServer:
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.StreamWriter] = set()
         self.port = 0
+        self.calls: dict[int, int] = dict.fromkeys(self._handlers, 0)   # by method, answered
 
     async def start(self, host: str, port: int = 0) -> int:
         """Listen on ``host:port`` (0: any free port); return the bound port."""
@@ -68,6 +69,7 @@ class LookupServer:
                     await writer.drain()
                     return
                 writer.write(self._answer(method, await reader.readexactly(length)))
+                self.calls[method] += 1
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass    # the client went away

@@ -57,6 +57,13 @@ class ManifestWatchers:
         # stream's message that arrives late can never release a newer stream's waiters.
         self._seqs: dict[str, int] = {}
         self._closed = False
+        # Calls answered without every node's acknowledgement (MAX_WAIT_S ran out): each is
+        # a window in which a master killed at once loses what the call changed.
+        self.wait_timeouts = 0
+
+    def unacked(self) -> dict[str, int]:
+        """Messages sent on each open stream and not acknowledged yet (the node's lag)."""
+        return {node_id: len(w.unacked) for node_id, w in self._watches.items()}
 
     def close(self) -> None:
         """End every stream (the master is stopping): each handler returns and its node's
@@ -176,7 +183,8 @@ class ManifestWatchers:
                 orphans = self._orphans.setdefault(node_id, [])
                 orphans[:] = [o for o in orphans if not o.done()] + [f]
         if futures:
-            await asyncio.wait(futures, timeout=MAX_WAIT_S)
+            _, late = await asyncio.wait(futures, timeout=MAX_WAIT_S)
+            self.wait_timeouts += bool(late)
             for f in futures:
                 f.cancel()   # given up on (done ones are unaffected): no longer held anywhere
 

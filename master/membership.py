@@ -104,6 +104,11 @@ class Membership:
         self._silent.discard(node_id)
         return n
 
+    @property
+    def silent_count(self) -> int:
+        """Nodes marked silent at the last :meth:`expired` (probably dead, not expired yet)."""
+        return len(self._silent)
+
     def heard_from(self, node_id: str, now: float) -> bool:
         n = self.nodes.get(node_id)
         return n is not None and now - n.last_seen <= self._config.node_ttl_s / 3

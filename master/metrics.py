@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import grpc
 from kvpool.master.state import MasterState, MasterStats
@@ -33,22 +34,32 @@ _SEGMENT_FIGURES = (
 )
 
 
+@dataclass(frozen=True)
+class ServerFigures:
+    """What the server around the state counts (master/server.py)."""
+    lookup_port_calls: dict[str, int] = field(default_factory=dict)   # by method
+    manifest_unacked: dict[str, int] = field(default_factory=dict)    # by node
+    manifest_wait_timeouts: int = 0
+
+
 class MasterCollector:
-    """Collects ``state``'s figures on ``loop``; ``leading()`` says whether this master serves
-    (False on an HA standby)."""
+    """Collects ``state``'s figures, and the server's (``figures()``), on ``loop``;
+    ``leading()`` says whether this master serves (False on an HA standby)."""
 
     def __init__(self, state: MasterState, loop: asyncio.AbstractEventLoop,
-                 leading: Callable[[], bool]) -> None:
-        self._state, self._loop, self._leading = state, loop, leading
+                 leading: Callable[[], bool],
+                 figures: Callable[[], ServerFigures] = ServerFigures) -> None:
+        self._state, self._loop, self._leading, self._figures = state, loop, leading, figures
 
-    def snapshot(self) -> MasterStats:
-        """The state's stats, taken on its event loop (from any other thread)."""
-        async def take() -> MasterStats:
-            return self._state.stats()
+    def snapshot(self) -> tuple[MasterStats, ServerFigures]:
+        """The state's stats and the server's figures, taken on the event loop (from any
+        other thread)."""
+        async def take() -> tuple[MasterStats, ServerFigures]:
+            return self._state.stats(), self._figures()
         return asyncio.run_coroutine_threadsafe(take(), self._loop).result(SNAPSHOT_TIMEOUT_S)
 
     def collect(self):
-        s = self.snapshot()
+        s, f = self.snapshot()
         objects = GaugeMetricFamily("kvpool_master_objects", "Objects indexed, by state",
                                     labels=["state"])
         objects.add_metric(["complete"], s.objects)
@@ -66,7 +77,40 @@ class MasterCollector:
         lookups.add_metric(["hit"], s.hits)
         lookups.add_metric(["miss"], s.misses)
         yield lookups
+        yield GaugeMetricFamily("kvpool_master_silent_nodes", "Store nodes not heard from "
+                                "for a third of node_ttl_s (probably dead, not expired yet)",
+                                value=s.silent_nodes)
+        yield GaugeMetricFamily("kvpool_master_pinned_bytes", "Bytes held by hard pins "
+                                "(never evicted)", value=s.pinned_bytes)
+        if s.recovery_s is not None:
+            yield GaugeMetricFamily("kvpool_master_recovery_seconds", "How long the last "
+                                    "rebuild of the index took (nodes re-announcing what they "
+                                    "hold after a master restart)", value=s.recovery_s)
+        by_ns = CounterMetricFamily("kvpool_master_namespace_lookups", "Keys looked up, by "
+                                    "key namespace and result (master/namespaces.py)",
+                                    labels=["namespace", "result"])
+        for ns, hits, misses in s.namespaces:
+            by_ns.add_metric([ns, "hit"], hits)
+            by_ns.add_metric([ns, "miss"], misses)
+        yield by_ns
+        calls = CounterMetricFamily("kvpool_master_lookup_port_calls", "Calls answered on "
+                                    "the lookup port (plain tcp; the gRPC ones are in "
+                                    "kvpool_master_rpcs_total)", labels=["method"])
+        for method, n in f.lookup_port_calls.items():
+            calls.add_metric([method], n)
+        yield calls
+        unacked = GaugeMetricFamily("kvpool_master_manifest_unacked", "Manifest messages a "
+                                    "store node has not acknowledged yet (its lag)",
+                                    labels=["node"])
+        for node, n in f.manifest_unacked.items():
+            unacked.add_metric([node], n)
+        yield unacked
         for name, value, doc in (
+                ("nodes_expired", s.nodes_expired, "Store nodes declared dead (silent for "
+                 "node_ttl_s): their segments and replicas dropped"),
+                ("manifest_wait_timeouts", f.manifest_wait_timeouts, ("Calls answered before "
+                 "every node acknowledged their manifest change (a node slower than 3 s): "
+                 "what they changed is at risk if the master dies at once")),
                 ("evictions", s.evictions, "Objects evicted to make room"),
                 ("demotions", s.demotions, "Objects moved one tier down (kept)"),
                 ("promotions", s.promotions, "Objects moved one tier up"),

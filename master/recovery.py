@@ -26,15 +26,26 @@ class Recovery:
         # replica announced later must not bring such an object back.
         self._tombstones: dict[str, int] = {}
         self._announcing_until: float | None = None
+        self._recovering_since: float | None = None
+        self.last_duration_s: float | None = None   # from a first recovering segment to none
 
     def mounted(self, now: float) -> None:
         """A segment was mounted: the first one starts the window nodes announce in."""
         if self._announcing_until is None:
             self._announcing_until = now + 2 * self._node_ttl_s
 
-    def announced(self, segment_ids: Iterable[str]) -> bool:
+    def recover(self, segment_id: str, now: float) -> None:
+        """A segment was mounted whose node will announce what it holds."""
+        if not self.recovering:
+            self._recovering_since = now
+        self.recovering.add(segment_id)
+
+    def announced(self, segment_ids: Iterable[str], now: float) -> bool:
         """These segments' node announced all it holds; True if no segment recovers now."""
+        was = bool(self.recovering)
         self.recovering.difference_update(segment_ids)
+        if was and not self.recovering and self._recovering_since is not None:
+            self.last_duration_s = now - self._recovering_since
         return not self.recovering
 
     def tombstone(self, obj: ObjectEntry, now: float) -> None:

@@ -13,7 +13,7 @@ from kvpool.common.logging import get_logger
 from kvpool.common.loops import OnCrash, Supervisor
 from kvpool.common.metrics import MetricsServer, new_registry
 from kvpool.master.lookup_server import LookupServer
-from kvpool.master.metrics import MasterCollector, RpcMetrics
+from kvpool.master.metrics import MasterCollector, RpcMetrics, ServerFigures
 from kvpool.master.routing import RoutingIndex
 from kvpool.master.routing_servicer import RouterServicer, store_lookup
 from kvpool.master.servicer import MAX_BATCH, MasterServicer
@@ -84,7 +84,8 @@ class MasterServer:
             # Bound first: a port that is taken fails the start before anything serves.
             registry = new_registry()
             self._collector = MasterCollector(self.state, asyncio.get_running_loop(),
-                                              lambda: self._lookup_refusal() is None)
+                                              lambda: self._lookup_refusal() is None,
+                                              self._figures)
             registry.register(self._collector)
             interceptors.insert(0, RpcMetrics(registry))   # first: refused calls count too
             self.metrics = MetricsServer(registry, self._not_ready, self._host,
@@ -102,6 +103,13 @@ class MasterServer:
         log.info("master_started", address=self.address, lookup_port=self._servicer.lookup_port,
                  **vars(self.config))
         return self.address
+
+    def _figures(self) -> ServerFigures:
+        """What the server around the state counts, for the metrics (on the event loop)."""
+        unacked, timeouts = self._servicer.manifest_lag()
+        calls = self._lookup.calls if self._lookup else {}
+        return ServerFigures({lookup_port.METHOD_NAMES[m]: n for m, n in calls.items()},
+                             unacked, timeouts)
 
     async def _serve(self, interceptors: list[grpc.aio.ServerInterceptor]) -> None:
         """Serve gRPC, and lookups on their port; nothing left serving if either fails."""
@@ -143,7 +151,7 @@ class MasterServer:
         refusal = self._lookup_refusal()
         if refusal:
             return refusal   # a standby: it refuses every call
-        recovering = self._collector.snapshot().recovering_segments
+        recovering = self._collector.snapshot()[0].recovering_segments
         if recovering:
             return f"index being rebuilt: {recovering} segments not announced yet"
         return None

@@ -130,6 +130,11 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                                     removed_keys=[k for k, _ in delta.removed],
                                     removed_versions=[v for _, v in delta.removed], moves=moves)
 
+    def manifest_lag(self) -> tuple[dict[str, int], int]:
+        """Unacknowledged manifest messages per watching node, and how many calls were
+        answered without waiting out every node's acknowledgement (master/manifest_watch.py)."""
+        return self._watchers.unacked(), self._watchers.wait_timeouts
+
     def close_streams(self) -> None:
         """End the open WatchManifest streams (before the server stops)."""
         self._watchers.close()

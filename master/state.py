@@ -39,6 +39,7 @@ from kvpool.master.eviction import EvictionPolicy, make_eviction_policy
 from kvpool.master.index import COMPLETE, PENDING, LocatedColumns, ObjectEntry, ObjectIndex
 from kvpool.master.manifest_log import ManifestDelta, ManifestLog, Removal
 from kvpool.master.membership import Membership, Segment
+from kvpool.master.namespaces import NamespaceLookups
 from kvpool.master.pins import Pins
 from kvpool.master.pressure import Pressure
 from kvpool.master.recovery import Recovery
@@ -74,6 +75,11 @@ class MasterStats:
     promotions: int = 0      # moves one tier up completed
     recovering_segments: int = 0   # segments whose node is still announcing (after a restart)
     corrupt_replicas: int = 0      # replicas dropped because their bytes failed the checksum
+    silent_nodes: int = 0          # alive, not heard from within a third of node_ttl_s
+    nodes_expired: int = 0         # nodes declared dead (silent for node_ttl_s) so far
+    pinned_bytes: int = 0          # held by hard pins
+    recovery_s: float | None = None   # how long the last re-announcement took (None: none yet)
+    namespaces: tuple[tuple[str, int, int], ...] = ()   # (namespace, hits, misses)
 
 
 class MasterState:
@@ -94,6 +100,8 @@ class MasterState:
         self._on_evict = on_evict
         self._evictions = 0
         self._corrupt_replicas = 0
+        self._nodes_expired = 0
+        self._namespaces = NamespaceLookups(config.namespace_depth)
         self._manifests = ManifestLog()
         self._members = Membership(config)
         self._index = ObjectIndex()
@@ -142,7 +150,7 @@ class MasterState:
             self._manifests.keep(node.node_id)
         if self._members.mount(node, segment, now, self._manifests.queue(node.node_id)) \
                 and recovering:
-            self._recovery.recovering.add(segment.segment_id)
+            self._recovery.recover(segment.segment_id, now)
 
     def unmount_segment(self, node_id: str, segment_id: str) -> None:
         """Drop a segment and every replica in it; a no-op if it is not mounted (retries)."""
@@ -201,7 +209,7 @@ class MasterState:
             if seg is not None and seg.node_id == node_id and r.size > 0 \
                     and seg.allocator.allocate_at(r.offset, r.size):
                 self._space.free_later([Extent(r.segment_id, r.offset, r.size)], r.until)
-        if done and self._recovery.announced(n.segment_ids):
+        if done and self._recovery.announced(n.segment_ids, self._clock()):
             # Every node announced: parents not indexed by now never come.
             self._chains.stop_waiting_for_absent(self._objects)
         return out
@@ -273,6 +281,7 @@ class MasterState:
         except TypeError:
             objs = [get(k) if isinstance(k, str) else None for k in keys]
         errors: dict[int, KVPoolError] = {}
+        misses_before = self._index.misses
         for i, obj in enumerate(objs):
             if obj is None or obj.state is not COMPLETE:   # only the misses learn why
                 errors[i] = self._why_missing(keys[i])
@@ -288,6 +297,8 @@ class MasterState:
         if not disk:   # the indexed strs, not the request's equal copies
             self._chains.policy.on_access_many([o.key for o in found])
         self._index.hits += len(found)
+        if keys:
+            self._namespaces.count(keys[0], len(found), self._index.misses - misses_before)
         return self._index.columns(objs, found, errors)
 
     def replica_in(self, segment_id: str, offset: int = 0, length: int = 0) -> Replica:
@@ -338,7 +349,10 @@ class MasterState:
         return MasterStats(segs, len(self._objects) - idx.pending, idx.pending,
                            idx.hits, idx.misses, self._evictions, len(self._members.nodes),
                            self._tiers.demotions, self._tiers.promotions,
-                           len(self._recovery.recovering), self._corrupt_replicas)
+                           len(self._recovery.recovering), self._corrupt_replicas,
+                           self._members.silent_count, self._nodes_expired,
+                           self._pins.hard_bytes, self._recovery.last_duration_s,
+                           tuple((ns, h, m) for ns, (h, m) in self._namespaces.counts.items()))
 
     def tick(self) -> list[tuple[str, float, int]]:
         """Expire silent nodes, reclaim timed-out puts, run due frees, evict above watermarks.
@@ -543,6 +557,7 @@ class MasterState:
             for seg_id in list(n.segment_ids):
                 self._drop_segment(self._segments[seg_id])
             expired.append((node_id, now - n.last_seen, before - len(self._objects)))
+            self._nodes_expired += 1
             self._members.forget(node_id)
             self._manifests.forget(node_id)
             self._tiers.forget(node_id)

@@ -33,6 +33,7 @@ REQUEST = struct.Struct("!4sB3xI")
 RESPONSE = struct.Struct("!B3xI")
 GET_REPLICAS = 1
 EXISTS = 2
+METHOD_NAMES = {GET_REPLICAS: "GetReplicas", EXISTS: "Exists"}   # as the gRPC methods
 # As gRPC's message limit here (rpc/wire.py GRPC_OPTIONS).
 MAX_BODY_BYTES = 64 << 20
 

@@ -55,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "from the tail (blocks name their parent; shared prefixes go last, plain "
                         "LRU for objects without one), 'lru' is plain least-recently-used and "
                         "indexes each object in ~170 fewer bytes (default: prefix)")
+    p.add_argument("--namespace-depth", type=int, metavar="N",
+                   help="count lookups per key namespace, a key's first N '/'-separated parts, "
+                        "in kvpool_master_namespace_lookups_total (default: 3, the vLLM "
+                        "connector's 'kvpool/vllm1/<model>'; 0: off)")
     p.add_argument("--ha", metavar="etcd://HOST:PORT[,HOST:PORT][/CLUSTER]",
                    help="run as one of several standby masters electing a leader on etcd "
                         "(CLUSTER names the election, default 'default'); standbys refuse "
@@ -79,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
                   quarantine_s=args.quarantine, high_watermark=args.high_watermark,
                   low_watermark=args.low_watermark, default_replicas=args.replicas,
                   eviction=args.eviction, promote_window_s=args.promote_window,
-                  pin_quota_fraction=args.pin_quota)
+                  pin_quota_fraction=args.pin_quota, namespace_depth=args.namespace_depth)
     def announce(address: str, metrics: str | None) -> None:
         print(f"master: {address}", flush=True)
         if metrics:

@@ -82,11 +82,16 @@ def _check_figures(address: str, mm: str, nm: str) -> None:
     _eventually_ready(nm)
 
     with KVClient(address) as kv:
-        kv.put("a", b"x" * 1000)
-        kv.put("b", b"y" * 3000)
+        kv.put("a", b"x" * 1000)                  # over shm: one segment hand-off
         assert kv.get("a") == b"x" * 1000
         with pytest.raises(ObjectNotFound):
             kv.get("absent")
+    with KVClient(address, transports=["tcp"]) as kv:
+        kv.put("ns1/sub/b", b"y" * 3000)          # over tcp: WRITE then READ, 3000 bytes each
+        assert kv.get("ns1/sub/b") == b"y" * 3000
+        n = _samples(nm)
+        assert n["kvpool_node_connections", frozenset({("node", "node0"),
+                                                        ("transport", "tcp")})] >= 1
     with MasterClient(address) as mc, pytest.raises(InvalidArgument):
         mc.put_start(["c", "d"], [10])   # the master aborts the call: INVALID_ARGUMENT
 
@@ -125,6 +130,31 @@ def _check_figures(address: str, mm: str, nm: str) -> None:
     assert n["kvpool_node_manifest_objects", frozenset({("node", "node0")})] == 2
     assert n["kvpool_node_ready", frozenset({("node", "node0")})] == 1
     assert n["kvpool_node_moves_queued", frozenset({("node", "node0")})] == 0
+    def node(**labels: str) -> frozenset:
+        return frozenset({("node", "node0"), *labels.items()})
+    assert n["kvpool_node_requests_total", node(transport="shm", op="HANDOFF")] >= 1
+    for op in ("WRITE", "READ"):
+        assert n["kvpool_node_requests_total", node(transport="tcp", op=op)] == 1
+        assert n["kvpool_node_bytes_total", node(transport="tcp", op=op)] == 3000
+    assert n["kvpool_node_segment_used_bytes",
+             node(segment=labels["segment"], tier="dram")] == 4000   # sizes, not aligned
+    for name in ("scrub_checked_objects", "scrub_checked_bytes", "scrub_mismatches"):
+        assert n[f"kvpool_node_{name}_total", node()] >= 0
+    # Hits and misses per namespace: "a" and "absent" have none, "ns1/sub/b" has "ns1/sub".
+    assert m["kvpool_master_namespace_lookups_total",
+             frozenset({("namespace", ""), ("result", "hit")})] == 1
+    assert m["kvpool_master_namespace_lookups_total",
+             frozenset({("namespace", ""), ("result", "miss")})] == 1
+    assert m["kvpool_master_namespace_lookups_total",
+             frozenset({("namespace", "ns1/sub"), ("result", "hit")})] == 1
+    # The gets' lookups went to the lookup port (the client finds it in gRPC answers).
+    assert m["kvpool_master_lookup_port_calls_total", frozenset({("method", "GetReplicas")})] \
+        >= 1
+    assert m["kvpool_master_manifest_unacked", frozenset({("node", "node0")})] == 0
+    assert m["kvpool_master_manifest_wait_timeouts_total", frozenset()] == 0
+    assert m["kvpool_master_silent_nodes", frozenset()] == 0
+    assert m["kvpool_master_nodes_expired_total", frozenset()] == 0
+    assert m["kvpool_master_pinned_bytes", frozenset()] == 0
 
 
 def test_a_node_that_cannot_mount_is_alive_but_not_ready(procs):

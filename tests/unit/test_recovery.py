@@ -28,21 +28,26 @@ def test_tombstones_last_for_twice_the_node_ttl_after_the_first_mount_and_while_
     with pytest.raises(Conflict, match="removed or evicted"):
         r.check_unindexed(record("gone", 3))
     r.check_unindexed(record("gone", 4))   # another version of the key is welcome
-    r.recovering.add("s")
+    r.recover("s", 10.5)
     r.end_tombstones(11.0)                  # the window is over, but a segment still recovers
     with pytest.raises(Conflict):
         r.check_unindexed(record("gone", 3))
-    assert r.announced(["s"])
+    assert r.announced(["s"], 11.0)
     r.end_tombstones(11.0)
     r.check_unindexed(record("gone", 3))
     r.tombstone(entry("late", 1), 12.0)    # after the window, with none recovering: none kept
     r.check_unindexed(record("late", 1))
 
 
-def test_announced_says_whether_any_segment_still_recovers():
+def test_announced_says_whether_any_segment_still_recovers_and_times_the_recovery():
     r = Recovery(node_ttl_s=5.0)
-    r.recovering.update({"a", "b"})
-    assert not r.announced(["a"]) and r.announced(["b", "c"])
+    r.recover("a", 1.0)
+    r.recover("b", 2.0)
+    assert not r.announced(["a"], 3.0) and r.last_duration_s is None
+    assert r.announced(["b", "c"], 4.5)
+    assert r.last_duration_s == 3.5        # from the first segment to recover to the last done
+    r.recover("d", 10.0)
+    assert r.announced(["d"], 10.25) and r.last_duration_s == 0.25
 
 
 def test_an_expired_segment_brings_back_nothing_the_index_does_not_hold():
