@@ -15,6 +15,7 @@ from typing import Self
 
 import numpy as np
 from kvpool.client.buffers import address_of, byte_view, writable_rows
+from kvpool.client.metrics import client_metrics
 from kvpool.client.transport.base import IoOp, Transport
 from kvpool.client.transport.registry import TRANSPORT_PREFERENCE, create_transports
 from kvpool.common.checksum import checksum
@@ -30,6 +31,7 @@ from kvpool.common.errors import (
 from kvpool.common.types import MAX_KEY_BYTES, ObjectView, Replica, validate_key
 from kvpool.rpc.located import Located
 from kvpool.rpc.master_client import MasterClient
+from prometheus_client import CollectorRegistry
 
 # A read that outlived its lease is checked against the master; if the object changed under
 # it, it is read again, at most this many times.
@@ -49,10 +51,14 @@ class KVClient:
     """A thread-safe client of one kvpool cluster. Use as a context manager, or call close()."""
 
     def __init__(self, master: str, *, replicas: int = 0,
-                 transports: Sequence[str | Transport] | None = None, timeout_s: float = 10.0):
+                 transports: Sequence[str | Transport] | None = None, timeout_s: float = 10.0,
+                 metrics: CollectorRegistry | None = None):
         """``replicas``: copies per put (0 = the master's default). ``transports``: schemes
         (or Transport instances) to use; whatever the order given, the client prefers shm,
-        then rdma, then tcp per replica (default: every transport available here)."""
+        then rdma, then tcp per replica (default: every transport available here).
+        ``metrics``: a Prometheus registry (e.g. ``prometheus_client.REGISTRY``) to count
+        this client's keys, bytes and call times in (client/metrics.py); None: not counted."""
+        self._metrics = None if metrics is None else client_metrics(metrics)
         self._master = MasterClient(master, timeout_s=timeout_s)
         given = [t for t in transports or () if isinstance(t, Transport)]
         try:
@@ -178,6 +184,15 @@ class KVClient:
         NoSpace, InvalidArgument, NodeUnavailable, ...). Keys that fail are never half-stored.
         ``parents``: parallel to ``keys``, the key each block extends (None: none); a parent
         may be earlier in the same batch."""
+        if self._metrics is None:
+            return self._put(keys, values, replicas, parents)
+        started = time.perf_counter()
+        results = self._put(keys, values, replicas, parents)
+        self._metrics.done("put", results, started)
+        return results
+
+    def _put(self, keys: Sequence[str], values: Sequence, replicas: int | None,
+             parents: Sequence[str | None] | None) -> list[KVPoolError | None]:
         self._check_open()
         if len(keys) != len(values):
             raise InvalidArgument(f"{len(keys)} keys but {len(values)} values")
@@ -283,6 +298,17 @@ class KVClient:
     def _get(self, keys: Sequence[str], buffer_for: Callable[[int, int], memoryview],
              rows: tuple[int, int] | None = None, *, verify: bool = False
              ) -> list[int | KVPoolError]:
+        if self._metrics is None:
+            return self._locate_and_read(keys, buffer_for, rows, verify=verify)
+        started = time.perf_counter()
+        results = self._locate_and_read(keys, buffer_for, rows, verify=verify)
+        self._metrics.done("get", results, started)
+        return results
+
+    def _locate_and_read(self, keys: Sequence[str],
+                         buffer_for: Callable[[int, int], memoryview],
+                         rows: tuple[int, int] | None = None, *, verify: bool = False
+                         ) -> list[int | KVPoolError]:
         """Locate and read each key; a read that outlived its lease is checked against the
         master, and read again if the object changed under it. ``verify``: each key's bytes
         are checked against its checksum, replica after replica (see :meth:`_read`); a
@@ -382,7 +408,10 @@ class KVClient:
                                located.sizes[positions], addresses)
             for loc in {int(where[positions[k]]) for k in failed}:
                 self._unreachable[segments[loc].node.node_id] = time.monotonic() + _UNREACHABLE_S
-            done += (np.delete(positions, list(failed)) if failed else positions).tolist()
+            read = np.delete(positions, list(failed)) if failed else positions
+            if self._metrics is not None:
+                self._metrics.moved("get", t.scheme, int(located.sizes[read].sum()))
+            done += read.tolist()
         return done
 
     def stats(self):
@@ -503,6 +532,10 @@ class KVClient:
             else:
                 errs = t.read([op for _, op in group])
             out += [(i, e) for (i, _), e in zip(group, errs)]
+            if self._metrics is not None:
+                self._metrics.moved("put" if write else "get", t.scheme,
+                                    sum(op.buffer.nbytes for (_, op), e in zip(group, errs)
+                                        if e is None))
         return out, sums
 
 

@@ -14,7 +14,10 @@ loaded block against the checksum taken when it was stored; default true), ``rep
 per block, 0 = the master's default), ``timeout_s`` (per master call, default 5), ``retry_s``
 (after the store was unreachable, how long the connector leaves it alone before trying again;
 default 10), ``model_id`` (the key namespace's model name; default the served model name: set
-it when engines load the same weights from different paths).
+it when engines load the same weights from different paths), ``metrics`` (count the
+connector's keys, bytes and call times as ``kvpool_client_*`` in prometheus-client's default
+registry, which vLLM's ``/metrics`` serves, its worker processes' too through its
+multiprocess collector; default true).
 
 Scheduler side: for a new request, the longest prefix of its blocks (``request.block_hashes``,
 beyond what the engine's own cache holds) whose every layer is in kvpool, found with one
@@ -102,6 +105,7 @@ class _Options:
     timeout_s: float
     retry_s: float
     model_id: str | None
+    metrics: bool = True
 
     @classmethod
     def read(cls, kv_transfer_config) -> _Options:
@@ -116,7 +120,7 @@ class _Options:
         return cls(master=str(master), transports=transports,
                    verify=_as_bool(get("verify", True)), replicas=int(get("replicas", 0)),
                    timeout_s=float(get("timeout_s", 5.0)), retry_s=float(get("retry_s", 10.0)),
-                   model_id=get("model_id", None))
+                   model_id=get("model_id", None), metrics=_as_bool(get("metrics", True)))
 
 
 def _as_bool(v: Any) -> bool:
@@ -143,10 +147,12 @@ class _Store:
         with self._lock:
             if self._client is None:
                 from kvpool.client.kv_client import KVClient
+                from prometheus_client import REGISTRY
                 try:
                     self._client = KVClient(self._options.master, replicas=self._options.replicas,
                                             transports=self._options.transports,
-                                            timeout_s=self._options.timeout_s)
+                                            timeout_s=self._options.timeout_s,
+                                            metrics=REGISTRY if self._options.metrics else None)
                 except KVPoolError as e:
                     self.failed(e)
                     return None

@@ -107,6 +107,11 @@ class Engine:
     def keys(self, prompt: list[int]) -> list[str]:
         return self._ask({"keys": prompt})["keys"]
 
+    def metrics(self, name: str, **labels: str) -> float:
+        """The value of the connector's sample ``name`` with ``labels`` (0 if absent)."""
+        return sum(v for n, ls, v in self._ask({"metrics": True})["metrics"]
+                   if n == name and ls == labels)
+
     def close(self, timeout_s: float = 120) -> dict:
         """Shut the engine down (the connector flushes its saves); the driver's goodbye, with
         the log lines of the shutdown. Asserts a clean exit."""

@@ -119,6 +119,10 @@ def test_prefix_kv_is_shared_across_engine_processes(engine, kv_cluster, cold):
     # A again, in a third process: every full block (the last token is always computed).
     a2 = engine(master=c.master)
     again = a2.generate(PROMPT_A)
+    # The connector counts in the engine's registry (what vLLM's /metrics serves).
+    assert a2.metrics("kvpool_client_keys_total", op="get", result="hit") == 14 * 2
+    assert a2.metrics("kvpool_client_bytes_total", op="get", transport="shm") \
+        == 14 * 2 * 2 * 32 * 128 * 4
     a2.close()
     assert again["cached_tokens"] == 14 * BLOCK
     assert loaded_blocks(again) == (14, 0)

@@ -4,7 +4,8 @@ Run with the engine venv's Python (scripts/engines/vllm-env.sh). Starts ``LLM(mo
 with KVPoolConnector when ``--master`` is given, prints ``DRIVER {"ready": ...}``, then for each
 stdin line ``{"prompt": [token ids], "max_tokens": N}`` generates greedily and prints
 ``DRIVER {"tokens": [...], "seconds": S, "cached_tokens": C}``; ``{"keys": [token ids]}`` answers
-the store keys of those tokens' full blocks. EOF or ``quit`` shuts the engine
+the store keys of those tokens' full blocks, ``{"metrics": true}`` the connector's
+``kvpool_client_*`` samples. EOF or ``quit`` shuts the engine
 down (flushing the connector's saves) and exits. Everything else on stdout is vLLM's log; the
 engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the log lines of a
 request come before its DRIVER line.
@@ -90,6 +91,11 @@ def main() -> int:
         req = json.loads(line)
         if "keys" in req:
             _say({"keys": block_keys(args.model, req["keys"])})
+            continue
+        if "metrics" in req:   # what the connector counted in this process's registry
+            from prometheus_client import REGISTRY
+            _say({"metrics": [[m.name, m.labels, m.value] for f in REGISTRY.collect()
+                              for m in f.samples if m.name.startswith("kvpool_client_")]})
             continue
         params = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 8),
                                 ignore_eos=True)

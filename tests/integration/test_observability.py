@@ -19,6 +19,7 @@ from kvpool.common.errors import InvalidArgument, ObjectNotFound
 from kvpool.master.server import MasterServer
 from kvpool.rpc.master_client import MasterClient
 from kvpool.tools.cluster import LocalCluster, Proc
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import FAST_MASTER, FAST_NODE
@@ -207,3 +208,32 @@ async def test_a_master_whose_metrics_port_is_taken_serves_nothing():
         with pytest.raises(OSError, match="for metrics"):
             await server.start()
     assert server.port == 0   # its gRPC port was never bound
+
+
+def test_a_client_counts_its_keys_bytes_and_call_times_in_the_callers_registry(tmp_path):
+    registry = CollectorRegistry()
+
+    def value(name: str, **labels: str) -> float:
+        return registry.get_sample_value(name, labels) or 0.0
+
+    with LocalCluster(nodes=1, segment_size=str(SEGMENT), master_args=FAST_MASTER,
+                      node_args=FAST_NODE, log_dir=tmp_path / "logs") as c:
+        with KVClient(c.master, metrics=registry) as kv:        # shm, this host's node
+            kv.batch_put(["a", "b"], [b"x" * 1000, b"y" * 500])
+            assert kv.batch_put(["a"], [b"z"])[0] is not None   # AlreadyExists
+            assert kv.get("a") == b"x" * 1000
+            with pytest.raises(ObjectNotFound):
+                kv.get("absent")
+        # A second client of the same registry adds to the same series.
+        with KVClient(c.master, transports=["tcp"], metrics=registry) as kv:
+            assert kv.batch_get(["a", "b"]) == [b"x" * 1000, b"y" * 500]
+    assert value("kvpool_client_keys_total", op="put", result="stored") == 2
+    assert value("kvpool_client_keys_total", op="put", result="exists") == 1
+    assert value("kvpool_client_keys_total", op="get", result="hit") == 3
+    assert value("kvpool_client_keys_total", op="get", result="miss") == 1
+    assert value("kvpool_client_bytes_total", op="put", transport="shm") == 1500
+    assert value("kvpool_client_bytes_total", op="get", transport="shm") == 1000
+    assert value("kvpool_client_bytes_total", op="get", transport="tcp") == 1500
+    assert value("kvpool_client_op_seconds_count", op="put") == 2
+    assert value("kvpool_client_op_seconds_count", op="get") == 3
+    assert value("kvpool_client_op_seconds_sum", op="get") > 0
