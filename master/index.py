@@ -80,6 +80,8 @@ class ObjectIndex:
         self.objects: dict[str, ObjectEntry] = {}
         self.pending = 0
         self.hits = self.misses = 0
+        self.hit_bytes = 0                 # sizes of the objects found by lookups
+        self.committed = self.committed_bytes = 0   # puts completed (PutEnd), their sizes
         self._versions = itertools.count(1)
         # One int object per distinct object size, shared by every entry of that size (KV
         # blocks mostly have one size): 28 bytes less per indexed object.
@@ -110,6 +112,8 @@ class ObjectIndex:
         obj.state = COMPLETE
         obj.checksum = checksum
         self.pending -= 1
+        self.committed += 1
+        self.committed_bytes += obj.size
 
     def discard(self, obj: ObjectEntry) -> None:
         del self.objects[obj.key]

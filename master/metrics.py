@@ -77,6 +77,12 @@ class MasterCollector:
         lookups.add_metric(["hit"], s.hits)
         lookups.add_metric(["miss"], s.misses)
         yield lookups
+        for name, value, doc in (
+                ("hit_bytes", s.hit_bytes, "Sizes of the objects lookups found (the bytes "
+                 "readers were sent to read)"),
+                ("committed", s.committed, "Puts completed (objects committed by PutEnd)"),
+                ("committed_bytes", s.committed_bytes, "Sizes of the objects committed")):
+            yield CounterMetricFamily(f"kvpool_master_{name}", doc, value=value)
         yield GaugeMetricFamily("kvpool_master_silent_nodes", "Store nodes not heard from "
                                 "for a third of node_ttl_s (probably dead, not expired yet)",
                                 value=s.silent_nodes)

@@ -282,4 +282,5 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                       for g in s.segments],
             objects=s.objects, pending_objects=s.pending_objects, hits=s.hits, misses=s.misses,
             evictions=s.evictions, nodes=s.nodes, demotions=s.demotions,
-            promotions=s.promotions)
+            promotions=s.promotions, hit_bytes=s.hit_bytes, committed=s.committed,
+            committed_bytes=s.committed_bytes)

@@ -80,6 +80,9 @@ class MasterStats:
     pinned_bytes: int = 0          # held by hard pins
     recovery_s: float | None = None   # how long the last re-announcement took (None: none yet)
     namespaces: tuple[tuple[str, int, int], ...] = ()   # (namespace, hits, misses)
+    hit_bytes: int = 0             # sizes of the objects lookups found (handed to readers)
+    committed: int = 0             # puts completed
+    committed_bytes: int = 0
 
 
 class MasterState:
@@ -299,7 +302,9 @@ class MasterState:
         self._index.hits += len(found)
         if keys:
             self._namespaces.count(keys[0], len(found), self._index.misses - misses_before)
-        return self._index.columns(objs, found, errors)
+        columns = self._index.columns(objs, found, errors)
+        self._index.hit_bytes += sum(columns.sizes)
+        return columns
 
     def replica_in(self, segment_id: str, offset: int = 0, length: int = 0) -> Replica:
         """The descriptor of ``[offset, offset + length)`` in a mounted segment."""
@@ -352,7 +357,8 @@ class MasterState:
                            len(self._recovery.recovering), self._corrupt_replicas,
                            self._members.silent_count, self._nodes_expired,
                            self._pins.hard_bytes, self._recovery.last_duration_s,
-                           tuple((ns, h, m) for ns, (h, m) in self._namespaces.counts.items()))
+                           tuple((ns, h, m) for ns, (h, m) in self._namespaces.counts.items()),
+                           idx.hit_bytes, idx.committed, idx.committed_bytes)
 
     def tick(self) -> list[tuple[str, float, int]]:
         """Expire silent nodes, reclaim timed-out puts, run due frees, evict above watermarks.

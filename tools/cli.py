@@ -20,6 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "store-node": ("run a store node that pools memory segments", "kvpool.tools.store_node_cmd"),
     "up": ("run a local cluster (a master and store nodes) until Ctrl-C", "kvpool.tools.up_cmd"),
     "stat": ("show segments, usage, objects, hits and misses", "kvpool.tools.stat_cmd"),
+    "top": ("a live view of the cluster: nodes, tiers, hit rate, ops/s, bytes/s",
+            "kvpool.tools.top_cmd"),
     "demo": ("a shared-prefix serving workload on a local cluster", "kvpool.tools.demo"),
     "bench": ("measure put/get throughput and latency against memcpy, raw TCP and Redis",
               "kvpool.tools.bench"),

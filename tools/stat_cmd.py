@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
 def _as_dict(master: str, s) -> dict:
     from kvpool.rpc.wire import segment_from_pb
     fields = ("nodes", "objects", "pending_objects", "hits", "misses", "evictions", "demotions",
-              "promotions")
+              "promotions", "hit_bytes", "committed", "committed_bytes")
     return {"master": master, **{f: getattr(s, f) for f in fields},
             "segments": [{"node_id": g.node_id, "segment_id": g.segment.segment_id,
                           "tier": segment_from_pb(g.segment).tier,
@@ -57,8 +57,9 @@ def _as_dict(master: str, s) -> dict:
                          for g in s.segments]}
 
 
-def _print_tiers(segments) -> None:
-    """Usage per tier per node (a node demotes from a full tier to the next one down)."""
+def tier_rows(segments) -> list[tuple[str, str, int, int, int]]:
+    """(node, tier, size, used bytes, objects) per tier per node, by node then tier (a node
+    demotes from a full tier to the next one down)."""
     from kvpool.common.types import TIERS
     from kvpool.rpc.wire import segment_from_pb
     rows: dict[tuple[str, str], list[int]] = {}
@@ -67,9 +68,13 @@ def _print_tiers(segments) -> None:
         row[0] += g.segment.size_bytes
         row[1] += g.used_bytes
         row[2] += g.objects
+    return [(node_id, tier, *figures) for (node_id, tier), figures in sorted(
+        rows.items(), key=lambda kv: (kv[0][0], TIERS.index(kv[0][1])))]
+
+
+def _print_tiers(segments) -> None:
     print(f"\n{'node':<20} {'tier':<6} {'size':>10} {'used':>10} {'use%':>6} {'objects':>8}")
-    for (node_id, tier), (size, used, objects) in sorted(
-            rows.items(), key=lambda kv: (kv[0][0], TIERS.index(kv[0][1]))):
+    for node_id, tier, size, used, objects in tier_rows(segments):
         print(f"{node_id:<20} {tier:<6} {format_size(size):>10} {format_size(used):>10} "
               f"{used / size:>6.1%} {objects:>8}")
 

@@ -116,6 +116,13 @@ def test_up_stat_and_clean_ctrl_c(tmp_path):
             == (2, 1, 1, 1)
         assert [g["size_bytes"] for g in figures["segments"]] == [64 << 20] * 2
         assert sum(g["objects"] for g in figures["segments"]) == 1
+        assert (figures["committed"], figures["committed_bytes"], figures["hit_bytes"]) \
+            == (1, 5, 5)
+        top = kvpool("top", "--master", master, "--count", "2", "--interval", "0.1s")
+        assert top.returncode == 0, top.stderr
+        assert top.stdout.count("kvpool top  master") == 2   # not a terminal: one after another
+        assert "nodes 2  segments 2  objects 1" in top.stdout and "\x1b[" not in top.stdout
+        assert "gets 0 keys/s (0 B/s)" in top.stdout        # the second view has rates
         up.send_signal(signal.SIGINT)
         assert up.wait(30) == 0
     finally:

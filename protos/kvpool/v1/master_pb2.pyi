@@ -366,7 +366,7 @@ class SegmentStats(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., segment: _Optional[_Union[SegmentInfo, _Mapping]] = ..., used_bytes: _Optional[int] = ..., quarantined_bytes: _Optional[int] = ..., objects: _Optional[int] = ..., node: _Optional[_Union[NodeEndpoints, _Mapping]] = ..., indexed_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("segments", "objects", "pending_objects", "hits", "misses", "evictions", "nodes", "demotions", "promotions")
+    __slots__ = ("segments", "objects", "pending_objects", "hits", "misses", "evictions", "nodes", "demotions", "promotions", "hit_bytes", "committed", "committed_bytes")
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     PENDING_OBJECTS_FIELD_NUMBER: _ClassVar[int]
@@ -376,6 +376,9 @@ class StatsResponse(_message.Message):
     NODES_FIELD_NUMBER: _ClassVar[int]
     DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
     PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    HIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_BYTES_FIELD_NUMBER: _ClassVar[int]
     segments: _containers.RepeatedCompositeFieldContainer[SegmentStats]
     objects: int
     pending_objects: int
@@ -385,4 +388,7 @@ class StatsResponse(_message.Message):
     nodes: int
     demotions: int
     promotions: int
-    def __init__(self, segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., objects: _Optional[int] = ..., pending_objects: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., nodes: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ...) -> None: ...
+    hit_bytes: int
+    committed: int
+    committed_bytes: int
+    def __init__(self, segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., objects: _Optional[int] = ..., pending_objects: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., nodes: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., hit_bytes: _Optional[int] = ..., committed: _Optional[int] = ..., committed_bytes: _Optional[int] = ...) -> None: ...
