@@ -1,0 +1,215 @@
+{{/*
+Names, labels and the pieces of pod spec that the master and the store nodes share. Helpers that
+take a component are called with (dict "ctx" $ "component" "master"|"store-node").
+*/}}
+
+{{- define "kvpool.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* RELEASE-kvpool, cut so that "-store-node" and a StatefulSet's pod suffix still fit 63. */}}
+{{- define "kvpool.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The name of a component's objects: RELEASE-kvpool-master, RELEASE-kvpool-store-node. */}}
+{{- define "kvpool.componentName" -}}
+{{- printf "%s-%s" (include "kvpool.fullname" .ctx) .component }}
+{{- end }}
+
+{{/* Kubernetes' recommended labels (app.kubernetes.io/*). */}}
+{{- define "kvpool.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version | replace "+" "_" }}
+{{ include "kvpool.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: kvpool
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+{{- end }}
+
+{{/* What a component's workload, Service, PDB and NetworkPolicy select its pods by. */}}
+{{- define "kvpool.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvpool.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "kvpool.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "kvpool.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* "true" when the masters elect a leader on etcd (standby masters), else empty. */}}
+{{- define "kvpool.ha" -}}
+{{- if .Values.etcd.endpoints }}true{{ end }}
+{{- end }}
+
+{{/* etcd://HOST:PORT[,HOST:PORT]/CLUSTER: the masters' --ha, the nodes' and clients' --master. */}}
+{{- define "kvpool.etcdUrl" -}}
+{{- printf "etcd://%s/%s" (join "," .Values.etcd.endpoints) (default (include "kvpool.fullname" .) .Values.etcd.cluster) }}
+{{- end }}
+
+{{/* Where store nodes and clients find the master: the etcd election, or the master's Service. */}}
+{{- define "kvpool.masterAddress" -}}
+{{- if include "kvpool.ha" . }}
+{{- include "kvpool.etcdUrl" . }}
+{{- else }}
+{{- printf "%s.%s.svc:%v" (include "kvpool.componentName" (dict "ctx" . "component" "master")) .Release.Namespace .Values.master.ports.grpc }}
+{{- end }}
+{{- end }}
+
+{{- define "kvpool.logArgs" -}}
+- --log-level={{ .Values.logLevel }}
+- --log-format={{ .Values.logFormat }}
+{{- end }}
+
+{{/* The pod's own addresses, for $(POD_IP) and friends in the arguments. */}}
+{{- define "kvpool.downwardEnv" -}}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+- name: NODE_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: spec.nodeName
+{{- end }}
+
+{{/*
+Liveness on /healthz (200 while the process runs), readiness on the given path, and a startup
+probe that gives a starting process (a node populating its segments, reserving its disk tier) a
+few minutes before liveness counts. Called with (dict "port" NAME "readiness" PATH).
+*/}}
+{{- define "kvpool.probes" -}}
+startupProbe:
+  httpGet:
+    path: /healthz
+    port: {{ .port }}
+  periodSeconds: 2
+  failureThreshold: 150
+livenessProbe:
+  httpGet:
+    path: /healthz
+    port: {{ .port }}
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 3
+readinessProbe:
+  httpGet:
+    path: {{ .readiness }}
+    port: {{ .port }}
+  periodSeconds: 5
+  timeoutSeconds: 5
+  failureThreshold: 2
+{{- end }}
+
+{{- define "kvpool.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: {{ .Values.securityContext.runAsUser }}
+runAsGroup: {{ .Values.securityContext.runAsGroup }}
+fsGroup: {{ .Values.securityContext.fsGroup }}
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{/* Called with (dict "ctx" $ "ipcLock" BOOL): IPC_LOCK lets RDMA pin the segments. */}}
+{{- define "kvpool.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+capabilities:
+  drop: [ALL]
+  {{- if .ipcLock }}
+  add: [IPC_LOCK]
+  {{- end }}
+{{- end }}
+
+{{- define "kvpool.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/*
+What both pod specs start with. Called with (dict "ctx" $ "component" NAME "values" VALUES),
+VALUES being .Values.master or .Values.storeNode.
+*/}}
+{{- define "kvpool.podSpecCommon" -}}
+{{- $ctx := .ctx -}}
+serviceAccountName: {{ include "kvpool.serviceAccountName" $ctx }}
+automountServiceAccountToken: false
+# No KVPOOL_MASTER_PORT=tcp://... and the like from the namespace's Services (a release named
+# kvpool has a Service kvpool-master): kvpool reads KVPOOL_* variables as settings.
+enableServiceLinks: false
+securityContext:
+  {{- include "kvpool.podSecurityContext" $ctx | nindent 2 }}
+terminationGracePeriodSeconds: {{ .values.terminationGracePeriodSeconds }}
+{{- with $ctx.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+affinity:
+  {{- if .values.affinity }}
+  {{- toYaml .values.affinity | nindent 2 }}
+  {{- else }}
+  # Two of a component on one host would fail together.
+  podAntiAffinity:
+    preferredDuringSchedulingIgnoredDuringExecution:
+      - weight: 100
+        podAffinityTerm:
+          topologyKey: kubernetes.io/hostname
+          labelSelector:
+            matchLabels:
+              {{- include "kvpool.selectorLabels" . | nindent 14 }}
+  {{- end }}
+{{- end }}
+
+{{/* Pod template metadata. Called like kvpool.podSpecCommon, plus "annotations" (a dict). */}}
+{{- define "kvpool.podMetadata" -}}
+labels:
+  {{- include "kvpool.labels" . | nindent 2 }}
+  {{- with .values.podLabels }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- $annotations := merge (dict) (.annotations | default dict) .values.podAnnotations }}
+{{- with $annotations }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Python and the libraries may want a scratch directory; the root filesystem is read-only. */}}
+{{- define "kvpool.tmpVolume" -}}
+- name: tmp
+  emptyDir:
+    sizeLimit: 64Mi
+{{- end }}
+
+{{- define "kvpool.tmpMount" -}}
+- name: tmp
+  mountPath: /tmp
+{{- end }}

@@ -1,0 +1,472 @@
+"""deploy/helm/kvpool: the chart lints strictly, and renders, for its defaults and for every
+values profile in profiles/, into manifests that Kubernetes' own schema accepts and that run
+kvpool the way it must be run (arguments kvpool's command line accepts, stable node ids,
+probes on the metrics port, non-root, hugepages and RDMA only where asked); broken values are
+refused with a message that says what to do.
+
+Offline, with no cluster and no helm binary: PyPI's helm-python-sdk (Helm's Go SDK as a
+library, bundled in its wheel) lints and renders; PyPI's kubernetes-validate holds the
+Kubernetes JSON schemas. Both are in pyproject's `dev` extra (`bash scripts/setup.sh --tests`).
+"""
+
+from __future__ import annotations
+
+import copy
+import platform
+import re
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "helm" / "kvpool"
+PROFILES = {p.stem: p for p in sorted((CHART / "profiles").glob("*.yaml"))}
+ALERTS = ROOT / "deploy" / "prometheus" / "kvpool-alerts.yml"
+
+# The Kubernetes version whose schema every rendered object must satisfy (the newest that
+# kubernetes-validate ships).
+KUBERNETES_VERSION = "1.37.0"
+# The Prometheus Operator's kinds: kubernetes-validate has no schema for custom resources, so
+# they are checked field by field below (test_monitoring_objects) rather than skipped unseen.
+OPERATOR_KINDS = {"ServiceMonitor", "PrometheusRule"}
+# What `helm template --api-versions monitoring.coreos.com/v1` says; the SDK's offline render
+# cannot be told which APIs a cluster serves.
+OFFLINE = {"monitoring": {"requireApi": False}}
+RELEASE, NAMESPACE = "kv", "llm"
+MASTER, NODE = f"{RELEASE}-kvpool-master", f"{RELEASE}-kvpool-store-node"
+
+
+def _import_helm():
+    try:
+        import helm_python
+        return helm_python
+    except ImportError:
+        # The wheel bundles Helm's library for Linux x86-64 only; elsewhere pip would need Go.
+        if sys.platform == "linux" and platform.machine() == "x86_64":
+            pytest.fail("helm-python-sdk is missing: run `bash scripts/setup.sh --tests`")
+        pytest.skip(f"helm-python-sdk has no wheel for {sys.platform}/{platform.machine()}")
+
+
+@pytest.fixture(scope="module")
+def helm():
+    return _import_helm()
+
+
+@pytest.fixture(scope="module")
+def kubernetes_validate():
+    try:
+        import kubernetes_validate
+    except ImportError:
+        pytest.fail("kubernetes-validate is missing: run `bash scripts/setup.sh --tests`")
+    return kubernetes_validate
+
+
+def merged(base: dict, *overrides: dict) -> dict:
+    """``base`` with each override laid over it, maps merged key by key (as helm -f does)."""
+    out = copy.deepcopy(base)
+    for override in overrides:
+        for key, value in override.items():
+            if isinstance(value, dict) and isinstance(out.get(key), dict):
+                out[key] = merged(out[key], value)
+            else:
+                out[key] = copy.deepcopy(value)
+    return out
+
+
+def profile_values(name: str) -> dict:
+    """The values `helm template -f profiles/NAME.yaml` uses ("default": none)."""
+    return {} if name == "default" else yaml.safe_load(PROFILES[name].read_text()) or {}
+
+
+@cache
+def _render(name: str) -> tuple[dict, ...]:
+    helm = _import_helm()
+    with helm.Chart.load(CHART) as chart:
+        out = chart.render(merged(profile_values(name), OFFLINE), name=RELEASE,
+                           namespace=NAMESPACE, is_install=True)
+    return tuple(doc for path, text in sorted(out.items()) if not path.endswith("NOTES.txt")
+                 for doc in yaml.safe_load_all(text) if doc)
+
+
+def render(name: str) -> list[dict]:
+    return copy.deepcopy(list(_render(name)))
+
+
+def render_values(helm, values: dict) -> list[dict]:
+    with helm.Chart.load(CHART) as chart:
+        out = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    return [doc for path, text in out.items() if not path.endswith("NOTES.txt")
+            for doc in yaml.safe_load_all(text) if doc]
+
+
+def find(docs: list[dict], kind: str, name: str | None = None) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind and name in (None, d["metadata"]["name"])]
+
+
+def one(docs: list[dict], kind: str, name: str | None = None) -> dict:
+    found = find(docs, kind, name)
+    assert len(found) == 1, f"expected one {kind} {name or ''}, got {len(found)}"
+    return found[0]
+
+
+def workloads(docs: list[dict]) -> list[dict]:
+    return [d for d in docs if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet")]
+
+
+def node_workload(docs: list[dict]) -> dict:
+    [node] = [d for d in workloads(docs) if d["metadata"]["name"] == NODE]
+    return node
+
+
+def container(workload: dict) -> dict:
+    [c] = workload["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def flags(c: dict) -> dict[str, list[str]]:
+    """--name=value arguments as {name: [values]} (a bare --flag has the value "")."""
+    out: dict[str, list[str]] = {}
+    for arg in c["args"][1:]:
+        name, _, value = arg.partition("=")
+        out.setdefault(name, []).append(value)
+    return out
+
+
+def kubernetes_bytes(quantity: str | int) -> int:
+    """A Kubernetes memory quantity (4608Mi, 32Gi, 1G, 1024) in bytes."""
+    m = re.fullmatch(r"([0-9.]+)([KMGTP]i?|)", str(quantity))
+    assert m, f"not a memory quantity: {quantity!r}"
+    number, unit = float(m.group(1)), m.group(2)
+    power = "KMGTP".index(unit[0]) + 1 if unit else 0
+    return int(number * (1024 if unit.endswith("i") else 1000) ** power)
+
+
+CASES = ["default", *PROFILES]
+
+
+def test_the_documented_profiles_are_all_there():
+    # Each is rendered and validated below; a profile renamed away must not go unchecked.
+    assert {"single", "ha", "disk-tier", "rdma-hugepages", "daemonset", "monitoring"} <= set(
+        PROFILES)
+
+
+def test_chart_and_image_carry_the_projects_version():
+    import tomllib
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert (chart["version"], chart["appVersion"]) == (version, version)
+    image = container(one(render("default"), "Deployment", MASTER))["image"]
+    assert image == f"kvpool:{version}"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_chart_lints_strictly(helm, case):
+    report = helm.lint(CHART, merged(profile_values(case), OFFLINE), strict=True,
+                       namespace=NAMESPACE)
+    # Severity 2 is a warning, 3 an error; 1 (info: "icon is recommended") is no finding.
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert not report["errors"] and not problems, report
+
+
+def test_lint_reports_a_broken_template(helm, tmp_path):
+    """The lint above can fail: a template that dereferences a missing value is an error."""
+    import shutil
+    chart = tmp_path / "kvpool"
+    shutil.copytree(CHART, chart, symlinks=False)
+    (chart / "templates" / "broken.yaml").write_text(
+        "kind: ConfigMap\nmetadata: {name: {{ .Values.nope.deep }} }\n")
+    report = helm.lint(chart, strict=True)
+    assert any("nope" in e for e in report["errors"]), report
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_object_is_valid_kubernetes(kubernetes_validate, case):
+    docs = render(case)
+    unchecked = set()
+    for doc in docs:
+        try:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.SchemaNotFoundError:
+            assert doc["kind"] in OPERATOR_KINDS, f"no schema for {doc['kind']}"
+            unchecked.add(doc["kind"])
+        except kubernetes_validate.ValidationError as e:
+            where = ".".join(str(p) for p in e.path)
+            pytest.fail(f"{doc['kind']}/{doc['metadata']['name']}: {where}: {e.message}")
+    kinds = {d["kind"] for d in docs}
+    assert {"Deployment", "Service", "ServiceAccount"} <= kinds
+    assert kinds & {"StatefulSet", "DaemonSet"}
+    assert unchecked == (kinds & OPERATOR_KINDS)
+
+
+def test_kubernetes_validate_rejects_a_wrong_field(kubernetes_validate):
+    """The validation above can fail: a misspelt field of a rendered object is refused."""
+    node = node_workload(render("default"))
+    node["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError, match="readinesProbe"):
+        kubernetes_validate.validate(node, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_arguments_are_what_kvpools_command_line_accepts(case, tmp_path):
+    """Each container's arguments parse with kvpool's own parser (a flag the CLI renamed fails
+    here, not in a cluster), and say what the chart's ports and objects say."""
+    from kvpool.common.addresses import parse_etcd_url
+    from kvpool.common.config import MasterConfig, load, parse_size
+    from kvpool.tools.cli import build_parser
+    docs = render(case)
+    pod_env = {"POD_IP": "10.1.2.3", "POD_NAME": f"{NODE}-0", "NODE_NAME": "gpu-host-7"}
+    for workload in workloads(docs):
+        c = container(workload)
+        argv = [re.sub(r"\$\((\w+)\)", lambda m: pod_env[m.group(1)], a) for a in c["args"]]
+        parser, _ = build_parser(argv[0])
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit:
+            pytest.fail(f"kvpool refuses {workload['metadata']['name']}'s arguments: {argv}")
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert args.host == "0.0.0.0"
+        assert args.metrics_port == ports["metrics"]
+        assert (args.log_format, args.log_level) == ("json", "info")
+        if args.command == "master":
+            assert (args.port, args.lookup_port) == (ports["grpc"], ports["lookup"])
+            if args.ha:
+                parse_etcd_url(args.ha)
+                assert args.advertise == f"10.1.2.3:{ports['grpc']}"
+            if args.config:
+                [cm] = find(docs, "ConfigMap", MASTER)
+                settings = tmp_path / "master.yaml"
+                settings.write_text(cm["data"]["master.yaml"])
+                load(MasterConfig, settings)   # an unknown or malformed setting raises
+        else:
+            assert args.port == ports["data"]
+            assert args.advertise_host == "10.1.2.3" and args.no_shm
+            assert all(parse_size(s) for s in args.segment_size)
+            if args.master.startswith("etcd://"):
+                parse_etcd_url(args.master)
+            else:
+                assert args.master == f"{MASTER}.{NAMESPACE}.svc:50051"
+                one(docs, "Service", MASTER)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_store_nodes_keep_their_id_across_restarts(case):
+    """The disk tier belongs to a node id: a restarted node must come back with the same one."""
+    node = node_workload(render(case))
+    c = container(node)
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"]}
+    [node_id] = flags(c)["--node-id"]
+    if node["kind"] == "StatefulSet":   # a StatefulSet's pod keeps its name
+        assert node_id == "$(POD_NAME)" and env["POD_NAME"] == "metadata.name"
+    else:                               # a DaemonSet's pod does not; its host keeps its name
+        assert node_id == "$(NODE_NAME)" and env["NODE_NAME"] == "spec.nodeName"
+    assert env["POD_IP"] == "status.podIP"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_pods_run_as_non_root_with_nothing_to_spare(case):
+    rdma = case == "rdma-hugepages"
+    for workload in workloads(render(case)):
+        spec = workload["spec"]["template"]["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["runAsUser"] == 10001
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert spec["automountServiceAccountToken"] is False
+        assert spec["enableServiceLinks"] is False
+        sc = container(workload)["securityContext"]
+        assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+        assert sc["capabilities"]["drop"] == ["ALL"]
+        is_node = workload["metadata"]["name"] == NODE
+        # IPC_LOCK pins RDMA-registered segments; nothing else gets a capability back.
+        assert sc["capabilities"].get("add", []) == (["IPC_LOCK"] if rdma and is_node else [])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_probes_ask_the_metrics_port(case):
+    docs = render(case)
+    ha = case == "ha"
+    for workload in workloads(docs):
+        c = container(workload)
+        assert {p["name"]: p["containerPort"] for p in c["ports"]}["metrics"] == int(
+            flags(c)["--metrics-port"][0])
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert c[probe]["httpGet"]["port"] == "metrics", probe
+        assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        is_master = workload["metadata"]["name"] == MASTER
+        # A standby master is never /readyz-ready: HA masters are ready while alive.
+        ready = "/healthz" if ha and is_master else "/readyz"
+        assert c["readinessProbe"]["httpGet"]["path"] == ready
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_hugepages_and_rdma_appear_only_where_asked(case):
+    c = container(node_workload(render(case)))
+    resources = {**c["resources"].get("requests", {}), **c["resources"].get("limits", {})}
+    args = flags(c)
+    wanted = case == "rdma-hugepages"
+    assert ("--hugepages" in args) == ("hugepages-2Mi" in resources) == wanted
+    assert ("rdma/hca_shared_devices_a" in resources) == wanted
+    assert ("--no-rdma" in args) != wanted
+    if wanted:
+        assert args["--rdma-device"] == ["mlx5_0"]
+        # Kubernetes wants huge pages and extended resources requested as much as limited.
+        for name in ("hugepages-2Mi", "rdma/hca_shared_devices_a"):
+            assert c["resources"]["requests"][name] == c["resources"]["limits"][name]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_memory_covers_the_segments(case):
+    """The segments are populated at start and count against the container (memfds, or huge
+    pages): a limit below their sum would have the node OOM-killed as it mounts."""
+    from kvpool.common.config import parse_size
+    c = container(node_workload(render(case)))
+    segments = sum(parse_size(s) for s in flags(c)["--segment-size"])
+    limits, requests = c["resources"]["limits"], c["resources"]["requests"]
+    if "--hugepages" in flags(c):
+        assert kubernetes_bytes(limits["hugepages-2Mi"]) >= segments
+    else:
+        assert kubernetes_bytes(requests["memory"]) >= segments + 256 * 2**20
+        assert kubernetes_bytes(limits["memory"]) >= kubernetes_bytes(requests["memory"])
+
+
+def test_a_single_master_is_replaced_never_doubled():
+    docs = render("default")
+    master = one(docs, "Deployment", MASTER)
+    assert master["spec"]["replicas"] == 1
+    assert master["spec"]["strategy"] == {"type": "Recreate"}
+    assert "--ha" not in flags(container(master))
+    assert not find(docs, "PodDisruptionBudget", MASTER)   # it would block every drain
+    # A restarted master is ready once the nodes re-announced through this very Service.
+    service = one(docs, "Service", MASTER)
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    assert {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]} == {
+        "grpc": (50051, "grpc"), "lookup": (50052, "lookup"), "metrics": (9400, "metrics")}
+
+
+def test_ha_masters_elect_a_leader_on_etcd():
+    values = profile_values("ha")
+    docs = render("ha")
+    master = one(docs, "Deployment", MASTER)
+    args = flags(container(master))
+    url = "etcd://" + ",".join(values["etcd"]["endpoints"]) + f"/{RELEASE}-kvpool"
+    assert args["--ha"] == [url]
+    assert args["--advertise"] == ["$(POD_IP):50051"]
+    assert master["spec"]["replicas"] == 3
+    assert master["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    assert one(docs, "PodDisruptionBudget", MASTER)["spec"]["maxUnavailable"] == 1
+    # The nodes follow the leader through the same election.
+    assert flags(container(node_workload(docs)))["--master"] == [url]
+
+
+def test_disk_tier_lives_on_a_claim_per_node():
+    values = profile_values("disk-tier")["storeNode"]["disk"]
+    node = node_workload(render("disk-tier"))
+    c = container(node)
+    args = flags(c)
+    assert args["--disk-size"] == [values["size"]]
+    [claim] = node["spec"]["volumeClaimTemplates"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == values["volumeSize"]
+    assert claim["spec"]["storageClassName"] == values["storageClassName"]
+    [mount] = [m for m in c["volumeMounts"] if m["name"] == claim["metadata"]["name"]]
+    assert args["--disk-path"] == [mount["mountPath"]]
+    assert "--disk-path" not in flags(container(node_workload(render("default"))))
+
+
+def test_daemonset_keeps_its_disk_tier_on_the_host():
+    node = node_workload(render("daemonset"))
+    assert node["kind"] == "DaemonSet"
+    [disk] = [v for v in node["spec"]["template"]["spec"]["volumes"] if v["name"] == "disk"]
+    # Not DirectoryOrCreate: a directory Kubernetes creates is root's, unwritable by uid 10001.
+    assert disk["hostPath"] == {"path": "/var/lib/kvpool", "type": "Directory"}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_network_policy_admits_clients_kvpool_and_prometheus_only(case):
+    docs = render(case)
+    expected = {MASTER: ({50051, 50052}, 9400), NODE: ({50060}, 9401)}
+    for name, (serving, metrics) in expected.items():
+        policy = one(docs, "NetworkPolicy", name)
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        [to_serving, to_metrics] = policy["spec"]["ingress"]
+        assert {p["port"] for p in to_serving["ports"]} == serving
+        assert [p["port"] for p in to_metrics["ports"]] == [metrics]
+        clients, own = to_serving["from"][:2]
+        assert clients["podSelector"] == {"matchLabels": {"kvpool.io/client": "true"}}
+        assert own["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == RELEASE
+        assert to_metrics["from"][0]["namespaceSelector"] == {
+            "matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+        # The policy selects the very pods of its component.
+        [workload] = [w for w in workloads(docs) if w["metadata"]["name"] == name]
+        assert policy["spec"]["podSelector"]["matchLabels"].items() <= \
+            workload["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_monitoring_objects():
+    """The operator's kinds, which no Kubernetes schema covers: the ServiceMonitor selects
+    both Services, scrapes their metrics port, and names the jobs the alert rules use; the
+    PrometheusRule carries deploy/prometheus/kvpool-alerts.yml's rules as they are."""
+    docs = render("monitoring")
+    monitor = one(docs, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    spec = monitor["spec"]
+    assert spec["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    [endpoint] = spec["endpoints"]
+    jobs = set()
+    for service in find(docs, "Service"):
+        labels = service["metadata"]["labels"]
+        assert spec["selector"]["matchLabels"].items() <= labels.items()
+        assert all(e["key"] in labels for e in spec["selector"]["matchExpressions"])
+        assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+        jobs.add(labels[spec["jobLabel"]])
+    alert_jobs = set(re.findall(r'job="([^"]+)"', ALERTS.read_text()))
+    assert jobs == {"kvpool-master", "kvpool-store-node"} and alert_jobs <= jobs
+    rule = one(docs, "PrometheusRule")
+    assert rule["spec"]["groups"] == yaml.safe_load(ALERTS.read_text())["groups"]
+    assert not find(render("default"), "ServiceMonitor")
+    assert not find(render("default"), "PrometheusRule")
+
+
+BROKEN = {
+    "standby masters without etcd": (
+        {"master": {"replicas": 3}}, "RenderError", "set etcd.endpoints"),
+    "an etcd URL where HOST:PORT goes": (
+        {"master": {"replicas": 3}, "etcd": {"endpoints": ["etcd://etcd:2379"]}},
+        "RenderError", "is not HOST:PORT"),
+    "hugepages not asked of Kubernetes": (
+        {"storeNode": {"hugepages": {"enabled": True}}}, "RenderError",
+        "add storeNode.resources.limits.hugepages-2Mi"),
+    "a ServiceMonitor for a cluster without the operator": (
+        {"monitoring": {"serviceMonitor": {"enabled": True}}}, "RenderError",
+        "does not serve monitoring.coreos.com/v1"),
+    "a hostPath for a StatefulSet": (
+        {"storeNode": {"disk": {"enabled": True, "hostPath": "/srv"}}}, "RenderError",
+        "storeNode.disk.hostPath is for storeNode.kind DaemonSet"),
+    "an unknown kind of store node": (
+        {"storeNode": {"kind": "Deployment"}}, "ValuesError", "StatefulSet"),
+    "a misspelt key": (
+        {"master": {"replcas": 3}}, "ValuesError", "replcas"),
+    "a Kubernetes quantity where kvpool wants its size": (
+        {"storeNode": {"segmentSizes": ["4Gi"]}}, "ValuesError", "segmentSizes"),
+}
+
+
+@pytest.mark.parametrize("name", BROKEN)
+def test_broken_values_are_refused_with_what_to_do(helm, name):
+    values, error, message = BROKEN[name]
+    with pytest.raises(getattr(helm, f"Helm{error}")) as caught:
+        render_values(helm, values)
+    assert message in str(caught.value)
+
+
+def test_the_refusals_above_are_values_not_the_chart(helm):
+    """Each broken value alone breaks the render: with the value fixed, the same render works
+    (so the tests above cannot pass on a chart that fails to render at all)."""
+    assert render_values(helm, {"master": {"replicas": 3},
+                                "etcd": {"endpoints": ["etcd:2379"]}})
+    assert render_values(helm, {"storeNode": {"hugepages": {"enabled": True}, "resources": {
+        "limits": {"hugepages-2Mi": "4Gi", "memory": "1Gi"}}}})
+    assert render_values(helm, {"monitoring": {"serviceMonitor": {"enabled": True},
+                                               "requireApi": False}})
