@@ -26,9 +26,11 @@ CHART = ROOT / "deploy" / "helm" / "kvpool"
 PROFILES = {p.stem: p for p in sorted((CHART / "profiles").glob("*.yaml"))}
 ALERTS = ROOT / "deploy" / "prometheus" / "kvpool-alerts.yml"
 
-# The Kubernetes version whose schema every rendered object must satisfy (the newest that
-# kubernetes-validate ships).
-KUBERNETES_VERSION = "1.37.0"
+# The Kubernetes versions whose schemas every rendered object must satisfy: the oldest the chart
+# claims to support (Chart.yaml's kubeVersion) and the newest kubernetes-validate ships.
+CHART_YAML = yaml.safe_load((CHART / "Chart.yaml").read_text())
+OLDEST = re.fullmatch(r">=\s*(\d+\.\d+\.\d+)(-0)?", CHART_YAML["kubeVersion"]).group(1)
+KUBERNETES_VERSIONS = (OLDEST, "1.37.0")
 # The Prometheus Operator's kinds: kubernetes-validate has no schema for custom resources, so
 # they are checked field by field below (test_monitoring_objects) rather than skipped unseen.
 OPERATOR_KINDS = {"ServiceMonitor", "PrometheusRule"}
@@ -95,9 +97,9 @@ def render(name: str) -> list[dict]:
     return copy.deepcopy(list(_render(name)))
 
 
-def render_values(helm, values: dict) -> list[dict]:
+def render_values(helm, values: dict, release: str = RELEASE) -> list[dict]:
     with helm.Chart.load(CHART) as chart:
-        out = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+        out = chart.render(values, name=release, namespace=NAMESPACE, is_install=True)
     return [doc for path, text in out.items() if not path.endswith("NOTES.txt")
             for doc in yaml.safe_load_all(text) if doc]
 
@@ -156,8 +158,7 @@ def test_the_documented_profiles_are_all_there():
 def test_chart_and_image_carry_the_projects_version():
     import tomllib
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
-    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
-    assert (chart["version"], chart["appVersion"]) == (version, version)
+    assert (CHART_YAML["version"], CHART_YAML["appVersion"]) == (version, version)
     image = container(one(render("default"), "Deployment", MASTER))["image"]
     assert image == f"kvpool:{version}"
 
@@ -182,13 +183,16 @@ def test_lint_reports_a_broken_template(helm, tmp_path):
     assert any("nope" in e for e in report["errors"]), report
 
 
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 @pytest.mark.parametrize("case", CASES)
-def test_every_object_is_valid_kubernetes(kubernetes_validate, case):
+def test_every_object_is_valid_kubernetes(kubernetes_validate, case, version):
     docs = render(case)
     unchecked = set()
     for doc in docs:
         try:
-            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+            used = kubernetes_validate.validate(doc, version, strict=True)
+            # validate() quietly falls back to an older schema where it lacks the version asked.
+            assert used == version.rsplit(".", 1)[0]
         except kubernetes_validate.SchemaNotFoundError:
             assert doc["kind"] in OPERATOR_KINDS, f"no schema for {doc['kind']}"
             unchecked.add(doc["kind"])
@@ -206,7 +210,7 @@ def test_kubernetes_validate_rejects_a_wrong_field(kubernetes_validate):
     node = node_workload(render("default"))
     node["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
     with pytest.raises(kubernetes_validate.ValidationError, match="readinesProbe"):
-        kubernetes_validate.validate(node, KUBERNETES_VERSION, strict=True)
+        kubernetes_validate.validate(node, KUBERNETES_VERSIONS[-1], strict=True)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -358,6 +362,14 @@ def test_ha_masters_elect_a_leader_on_etcd():
     assert one(docs, "PodDisruptionBudget", MASTER)["spec"]["maxUnavailable"] == 1
     # The nodes follow the leader through the same election.
     assert flags(container(node_workload(docs)))["--master"] == [url]
+
+
+def test_the_default_election_name_is_one_kvpool_takes(helm):
+    """It is the release's name, which may hold dots; kvpool's election names may not."""
+    from kvpool.common.addresses import parse_etcd_url
+    docs = render_values(helm, profile_values("ha"), release="kv.prod")
+    [url] = flags(container(one(docs, "Deployment", "kv.prod-kvpool-master")))["--ha"]
+    assert parse_etcd_url(url).cluster == "kv-prod-kvpool"
 
 
 def test_disk_tier_lives_on_a_claim_per_node():

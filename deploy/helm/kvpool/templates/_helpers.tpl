@@ -55,9 +55,14 @@ app.kubernetes.io/component: {{ .component }}
 {{- if .Values.etcd.endpoints }}true{{ end }}
 {{- end }}
 
-{{/* etcd://HOST:PORT[,HOST:PORT]/CLUSTER: the masters' --ha, the nodes' and clients' --master. */}}
+{{/*
+etcd://HOST:PORT[,HOST:PORT]/CLUSTER: the masters' --ha, the nodes' and clients' --master. The
+default election is named after the release (kvpool takes letters, digits, - and _ there; a
+release name may hold dots).
+*/}}
 {{- define "kvpool.etcdUrl" -}}
-{{- printf "etcd://%s/%s" (join "," .Values.etcd.endpoints) (default (include "kvpool.fullname" .) .Values.etcd.cluster) }}
+{{- $cluster := default (include "kvpool.fullname" . | replace "." "-") .Values.etcd.cluster }}
+{{- printf "etcd://%s/%s" (join "," .Values.etcd.endpoints) $cluster }}
 {{- end }}
 
 {{/* Where store nodes and clients find the master: the etcd election, or the master's Service. */}}
