@@ -156,8 +156,8 @@ VALUES being .Values.master or .Values.storeNode.
 {{- $ctx := .ctx -}}
 serviceAccountName: {{ include "kvpool.serviceAccountName" $ctx }}
 automountServiceAccountToken: false
-# No KVPOOL_MASTER_PORT=tcp://... and the like from the namespace's Services (a release named
-# kvpool has a Service kvpool-master): kvpool reads KVPOOL_* variables as settings.
+# kvpool reads KVPOOL_MASTER and KVPOOL_<setting> variables: keep the namespace's Service
+# variables (KVPOOL_MASTER_PORT=tcp://... for a release named kvpool) out of its environment.
 enableServiceLinks: false
 securityContext:
   {{- include "kvpool.podSecurityContext" $ctx | nindent 2 }}
