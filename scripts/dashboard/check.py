@@ -171,7 +171,7 @@ def queries(dashboard: dict, report: Report) -> list[Query]:
     return found
 
 
-def check_layout(dashboard: dict, report: Report) -> None:
+def check_layout(dashboard: dict, found: list[Query], report: Report) -> None:
     ids: dict[object, str] = {}
     placed: list[tuple[str, dict]] = []
     top = {id(p) for p in dashboard.get("panels") or []}   # a collapsed row's show when opened
@@ -212,7 +212,7 @@ def check_layout(dashboard: dict, report: Report) -> None:
             report(where, "no unit (fieldConfig.defaults.unit)")
 
     variables = {v.get("name") for v in (dashboard.get("templating") or {}).get("list") or []}
-    for q in queries(dashboard, Report(report.path)):
+    for q in found:
         for m in VARIABLE_USE.finditer(q.expr):
             name = next(g for g in m.groups() if g)
             if not name.startswith("__") and name not in variables:
@@ -379,7 +379,8 @@ def _interpolate(expr: str, values: dict[str, str], interval: str) -> str:
                             expr)
 
 
-def check_data(dashboard: dict, prometheus: str, report: Report, interval: str = "1m") -> None:
+def check_data(dashboard: dict, found: list[Query], prometheus: str, report: Report,
+               interval: str = "1m") -> None:
     """Resolve the variables with "All" picked, as Grafana does, then run every query."""
     values: dict[str, str] = {}
     for v in (dashboard.get("templating") or {}).get("list") or []:
@@ -390,16 +391,16 @@ def check_data(dashboard: dict, prometheus: str, report: Report, interval: str =
         where = f"variable {v.get('name')}"
         params = {"match[]": _interpolate(m.group(1), values, interval)} if m.group(1) else {}
         try:
-            found = sorted(_api(prometheus, f"label/{m.group(2)}/values", **params))
+            labels = sorted(_api(prometheus, f"label/{m.group(2)}/values", **params))
         except RuntimeError as e:
             report(where, f"Prometheus answered: {e}")
             continue
-        if not found:
+        if not labels:
             report(where, f"no values on {prometheus}: {text}")
         values[v["name"]] = v.get("allValue") if v.get("includeAll") and v.get("allValue") \
-            else "(" + "|".join(map(_regex_escaped, found)) + ")"
-    for q in queries(dashboard, Report(report.path)):
-        if q.where.startswith("variable "):
+            else "(" + "|".join(map(_regex_escaped, labels)) + ")"
+    for q in found:
+        if q.where.startswith("variable "):   # asked above
             continue
         expr = _interpolate(q.expr, values, interval)
         try:
@@ -428,14 +429,14 @@ def check(path: Path, served: set[str] | None, prometheus: str | None = None) ->
     if not isinstance(dashboard, dict):
         report("json", "not a JSON object")
         return report.problems
-    check_layout(dashboard, report)
     found = queries(dashboard, report)
+    check_layout(dashboard, found, report)
     check_types(path, text, dashboard, report)
     check_promql(found, report)
     if served is not None:
         check_metrics(found, served, report)
     if prometheus:
-        check_data(dashboard, prometheus, report)
+        check_data(dashboard, found, prometheus, report)
     return report.problems
 
 
