@@ -4,7 +4,8 @@
 #   bash scripts/setup.sh --tests   also what the whole test suite needs: '.[dev,torch]' and the
 #                                   Debian packages the tests start or load for real
 # Idempotent and quiet: apt-get runs (update included) only when a package is missing, pip only
-# when kvpool is not installed from this checkout or a requirement in pyproject.toml is unmet;
+# when kvpool is not installed from this checkout or a requirement in pyproject.toml is unmet,
+# npm (--tests) only when the dashboard check's packages (scripts/dashboard) are not in place;
 # with everything in place it takes under a second. Needs root (or sudo) only to install packages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -70,7 +71,10 @@ if [ "$tests" = 1 ]; then
     dash="${KVPOOL_ENV_CACHE:-/var/cache/kvpool}/dashboard-check-$(sha256sum "$lock" | cut -c1-12)"
     if [ ! -d "$dash" ]; then
         echo "setup: npm ci (scripts/dashboard) into $dash" >&2
-        mkdir -p "$(dirname "$dash")"
+        mkdir -p "$(dirname "$dash")" 2>/dev/null && [ -w "$(dirname "$dash")" ] || {
+            echo "setup: cannot write $(dirname "$dash"): run as root, or set KVPOOL_ENV_CACHE" >&2
+            exit 1
+        }
         tmp="$(mktemp -d "$dash.XXXXXX")"
         chmod 755 "$tmp"   # mktemp makes it 0700: the tests may run as another user
         cp scripts/dashboard/package.json "$lock" "$tmp/"
