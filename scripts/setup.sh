@@ -4,7 +4,8 @@
 #   bash scripts/setup.sh --tests   also what the whole test suite needs: '.[dev,torch]' and the
 #                                   Debian packages the tests start or load for real
 # Idempotent and quiet: apt-get runs (update included) only when a package is missing, pip only
-# when kvpool is not installed from this checkout or a requirement in pyproject.toml is unmet;
+# when kvpool is not installed from this checkout or a requirement in pyproject.toml is unmet,
+# npm (--tests) only when the dashboard check's packages (scripts/dashboard) are not in place;
 # with everything in place it takes under a second. Needs root (or sudo) only to install packages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +30,9 @@ if [ "$tests" = 1 ]; then
     command -v iptables >/dev/null || need+=(iptables)           # ... partitions, packet loss
     # tests/unit/test_alert_rules.py: promtool (its server is not started: no init system here)
     command -v promtool >/dev/null || need+=(prometheus)
+    # tests/unit/test_grafana_dashboard.py: tsc (npm, below) checks the dashboard's types
+    command -v node >/dev/null || need+=(nodejs)
+    command -v npm >/dev/null || need+=(npm)
     # The Mooncake peer's native library (mooncake/store.so) links these three.
     has_lib libibverbs.so.1 || need+=(libibverbs1)
     has_lib libnuma.so.1 || need+=(libnuma1)
@@ -55,6 +59,33 @@ if [ "${#need[@]}" -gt 0 ]; then
         tail -n 20 "$log" >&2
         echo "setup: FAILED: apt-get install ${need[*]}" >&2
         exit 1
+    fi
+fi
+
+if [ "$tests" = 1 ]; then
+    # The Grafana dashboard check's npm packages (scripts/dashboard/check.py), pinned by
+    # scripts/dashboard/package-lock.json, outside the checkout in a folder named by the lock
+    # file's hash (as check.py finds it): installed once, again only when the lock file changes.
+    # Built beside it and renamed, so a folder that exists is complete.
+    lock=scripts/dashboard/package-lock.json
+    dash="${KVPOOL_ENV_CACHE:-/var/cache/kvpool}/dashboard-check-$(sha256sum "$lock" | cut -c1-12)"
+    if [ ! -d "$dash" ]; then
+        echo "setup: npm ci (scripts/dashboard) into $dash" >&2
+        mkdir -p "$(dirname "$dash")" 2>/dev/null && [ -w "$(dirname "$dash")" ] || {
+            echo "setup: cannot write $(dirname "$dash"): run as root, or set KVPOOL_ENV_CACHE" >&2
+            exit 1
+        }
+        tmp="$(mktemp -d "$dash.XXXXXX")"
+        chmod 755 "$tmp"   # mktemp makes it 0700: the tests may run as another user
+        cp scripts/dashboard/package.json "$lock" "$tmp/"
+        if ! (cd "$tmp" && npm ci --no-audit --no-fund --loglevel=error) >"$tmp.log" 2>&1; then
+            tail -n 20 "$tmp.log" >&2
+            rm -rf "$tmp" "$tmp.log"
+            echo "setup: FAILED: npm ci (scripts/dashboard)" >&2
+            exit 1
+        fi
+        rm -f "$tmp.log"
+        mv -T "$tmp" "$dash"
     fi
 fi
 
