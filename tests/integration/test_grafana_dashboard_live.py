@@ -1,7 +1,7 @@
 """The Grafana dashboard against a real cluster (scripts/dashboard/check.py): its queries name
-only metrics that a real master and store node serve on /metrics (a type check alone passes a
-query on a metric that does not exist), and on a real Prometheus scraping them every query
-returns series with the labels its legend shows."""
+only metrics that a real master, store node and client serve on /metrics (a type check alone
+passes a query on a metric that does not exist), and on a real Prometheus scraping them every
+query returns series with the labels its legend shows."""
 
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ from pathlib import Path
 import pytest
 from kvpool.client.kv_client import KVClient
 from kvpool.common.errors import InvalidArgument, ObjectNotFound
+from kvpool.common.metrics import MetricsServer
 from kvpool.rpc.master_client import MasterClient
 from kvpool.tools.cluster import LocalCluster
+from prometheus_client import CollectorRegistry
 
 from .conftest import FAST_MASTER, FAST_NODE
 
@@ -71,12 +73,26 @@ def _wait_for_rebuild(metrics_address: str) -> None:
         time.sleep(0.1)
 
 
-def test_the_dashboard_names_only_metrics_a_real_master_and_store_node_serve(cluster, tmp_path):
+@pytest.fixture(scope="module")
+def engine():
+    """What an engine serves: a registry that kvpool clients count in (KVClient(metrics=)),
+    on /metrics; its registry and address. Stopped after the tests."""
+    registry = CollectorRegistry()
+    with MetricsServer(registry, lambda: None) as server:
+        yield registry, server.address
+
+
+def test_the_dashboard_names_only_metrics_a_real_master_node_and_client_serve(cluster, engine,
+                                                                              tmp_path):
+    registry, engine_address = engine
+    with KVClient(cluster.master, metrics=registry):   # its metrics, on the engine's page
+        pass
     misspelled = tmp_path / "misspelled.json"
     misspelled.write_text(DASHBOARD.read_text().replace("kvpool_master_lookups_total",
                                                         "kvpool_master_lookup_total"))
-    against = [arg for name in ("master", "node0")
-               for arg in ("--against", f"http://{cluster.metrics_addresses[name]}/metrics")]
+    pages = [f"http://{cluster.metrics_addresses[name]}/metrics" for name in ("master", "node0")]
+    against = [arg for page in (*pages, f"http://{engine_address}/metrics")
+               for arg in ("--against", page)]
     # One run for both files: each problem line starts with its file's path.
     r = _check(DASHBOARD, misspelled, *against, cwd=tmp_path)
     assert r.returncode == 1, r.stdout + r.stderr
@@ -106,16 +122,17 @@ def _wait_for_scrapes(prometheus: str, since: float, scrapes: int = 2) -> None:
     while True:
         window_ms = int((time.time() - since) * 1000)   # ends at the query's time, now
         if window_ms > 0 and _query(prometheus, f"min(count_over_time(up[{window_ms}ms])) >= "
-                                                f"{scrapes} and count(up == 1) == 2"):
+                                                f"{scrapes} and count(up == 1) == 3"):
             return
         assert time.monotonic() < deadline, "Prometheus did not scrape every target"
         time.sleep(SCRAPE_INTERVAL_S / 4)
 
 
 @pytest.fixture
-def prometheus(cluster, tmp_path):
+def prometheus(cluster, engine, tmp_path):
     """A real Prometheus (Debian's, which `bash scripts/setup.sh --tests` installs) scraping the
-    cluster every second as the README names the jobs; its URL. Stopped after the test."""
+    cluster every second as the README names the jobs, and the engine; its URL. Stopped after
+    the test."""
     binary = shutil.which("prometheus")
     assert binary, "prometheus is missing: run `bash scripts/setup.sh --tests` (Debian prometheus)"
     config = tmp_path / "prometheus.yml"
@@ -125,7 +142,8 @@ def prometheus(cluster, tmp_path):
         "scrape_configs": [
             {"job_name": job, "static_configs": [{"targets": [address]}]}
             for job, address in (("kvpool-master", cluster.metrics_addresses["master"]),
-                                 ("kvpool-store-node", cluster.metrics_addresses["node0"]))]}))
+                                 ("kvpool-store-node", cluster.metrics_addresses["node0"]),
+                                 ("engine", engine[1]))]}))
     url = f"http://127.0.0.1:{_free_port()}"
     with open(tmp_path / "prometheus.log", "wb") as log:
         # setpriv (util-linux): Prometheus ends with this test's process however that ends.
@@ -154,14 +172,14 @@ def prometheus(cluster, tmp_path):
             proc.wait()
 
 
-def test_on_a_real_prometheus_every_query_returns_the_series_its_legend_shows(cluster,
+def test_on_a_real_prometheus_every_query_returns_the_series_its_legend_shows(cluster, engine,
                                                                                prometheus,
                                                                                tmp_path):
     # What the panels show: hits and misses (in a namespace, and in none), puts (one pinned),
     # lookups on the lookup port (a client's first one goes over gRPC and learns the port),
     # reads and writes on the node's tcp data port from a client still connected, a call
-    # answered with an error code.
-    with KVClient(cluster.master, transports=["tcp"]) as kv:
+    # answered with an error code; and the client's own figures, on the engine's /metrics.
+    with KVClient(cluster.master, transports=["tcp"], metrics=engine[0]) as kv:
         kv.put(f"{NAMESPACE}/a", b"x" * 1000, pin=True)
         kv.put("plain", b"y" * 10)
         assert kv.get(f"{NAMESPACE}/a") == b"x" * 1000
@@ -178,7 +196,8 @@ def test_on_a_real_prometheus_every_query_returns_the_series_its_legend_shows(cl
                      'kvpool_master_lookup_port_calls_total{method="Exists"}',
                      'kvpool_node_bytes_total{transport="tcp", op="WRITE"}',
                      'kvpool_node_connections{transport="tcp"}', "kvpool_master_pinned_bytes",
-                     "kvpool_node_scrub_checked_objects_total", "kvpool_master_committed_total"):
+                     "kvpool_node_scrub_checked_objects_total", "kvpool_master_committed_total",
+                     'kvpool_client_keys_total{op="get", result="miss"}'):
             assert _query(prometheus, f"{expr} > 0"), f"the workload left {expr} at 0"
 
     r = _check(DASHBOARD, "--prometheus", prometheus, cwd=tmp_path)

@@ -114,9 +114,10 @@ def test_the_dashboard_has_the_rows_and_variables_it_promises():
     d = json.loads(DASHBOARD.read_text())
     rows = [p["title"] for p in d["panels"] if p["type"] == "row"]
     assert rows == ["Cluster health", "Hit rate", "Throughput", "Latency", "Capacity per tier",
-                    "Store nodes"]
+                    "Store nodes", "Clients"]
     variables = {v["name"]: v for v in d["templating"]["list"]}
-    assert list(variables) == ["datasource", "master_job", "node_job", "instance", "node"]
+    assert list(variables) == ["datasource", "master_job", "node_job", "instance", "node",
+                               "client_job"]
     assert (variables["datasource"]["type"], variables["datasource"]["query"]) == \
         ("datasource", "prometheus")
     # Panels sit under their row: sorted by position, each row's panels come before the next.
