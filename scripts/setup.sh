@@ -33,6 +33,10 @@ if [ "$tests" = 1 ]; then
     # tests/unit/test_grafana_dashboard.py: tsc (npm, below) checks the dashboard's types
     command -v node >/dev/null || need+=(nodejs)
     command -v npm >/dev/null || need+=(npm)
+    # tests/docker: a dockerd of the tests' own in a network namespace (never the service), and
+    # the image's base made with debootstrap where no registry is reachable
+    command -v dockerd >/dev/null || need+=(docker.io)
+    command -v debootstrap >/dev/null || need+=(debootstrap)
     # The Mooncake peer's native library (mooncake/store.so) links these three.
     has_lib libibverbs.so.1 || need+=(libibverbs1)
     has_lib libnuma.so.1 || need+=(libnuma1)
@@ -47,8 +51,9 @@ if [ "${#need[@]}" -gt 0 ]; then
     policy=/usr/sbin/policy-rc.d
     cleanup() { rm -f "$log"; }
     if [ ! -e "$policy" ]; then
-        # No package may start a system service (redis, etcd) as it installs: the tests start
-        # their own, on free ports. policy-rc.d exiting 101 forbids it; it goes again after.
+        # No package may start a system service (redis, etcd, docker) as it installs: the tests
+        # start their own, on free ports (dockerd in a network namespace of its own).
+        # policy-rc.d exiting 101 forbids it; it goes again after.
         printf '#!/bin/sh\nexit 101\n' | "${sudo[@]}" tee "$policy" >/dev/null
         "${sudo[@]}" chmod 755 "$policy"
         cleanup() { rm -f "$log"; "${sudo[@]}" rm -f "$policy"; }
