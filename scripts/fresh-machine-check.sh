@@ -161,6 +161,20 @@ PY
     touch "$wheels/.complete"
 fi
 
+# 3b. The npm mirror: the dashboard check's packages (setup.sh --tests runs `npm ci` from
+#     scripts/dashboard/package-lock.json), as an npm cache filled by the same `npm ci` here;
+#     the container's npm reads a copy of it offline.
+lock="$repo/scripts/dashboard/package-lock.json"
+npm_cache="$cache/npm-$(sha256sum "$lock" | cut -c1-12)"
+if [ ! -f "$npm_cache/.complete" ]; then
+    say "npm mirror: filling $npm_cache"
+    rm -rf "$npm_cache" && mkdir -p "$npm_cache" "$scratch/npm"
+    cp "$repo/scripts/dashboard/package.json" "$lock" "$scratch/npm/"
+    (cd "$scratch/npm" && npm ci --cache "$npm_cache" --no-audit --no-fund --loglevel=error) \
+        >"$scratch/npm.log" 2>&1 || { tail -n 20 "$scratch/npm.log" >&2; exit 1; }
+    touch "$npm_cache/.complete"
+fi
+
 # 4. The clone: this checkout's last commit, as a bundle.
 [ -z "$(git -C "$repo" status --porcelain)" ] || say "uncommitted changes are not checked"
 git -C "$repo" bundle create "$scratch/kvpool.bundle" HEAD >/dev/null 2>&1
@@ -172,6 +186,7 @@ set -e
 echo "deb [trusted=yes] file:/srv/debian ./" >/etc/apt/sources.list
 rm -f /etc/apt/sources.list.d/*
 printf '[global]\nno-index = true\nfind-links = /srv/wheels\n' >/etc/pip.conf
+cp -a /srv/npm /root/.npm && printf 'offline=true\n' >/root/.npmrc   # npm: the mirror only
 git clone -q -c advice.detachedHead=false /srv/kvpool.bundle /root/kvpool
 cd /root/kvpool
 echo "=== commit $(git log --oneline -1)"
@@ -195,6 +210,7 @@ set +e
 timeout "${FRESH_TIMEOUT_S:-10800}" "$DOCKER" run --name "$container" --rm --init --shm-size 8g \
     --cap-add ALL --cap-drop SYS_RESOURCE --security-opt seccomp=unconfined \
     --security-opt apparmor=unconfined -v "$debs:/srv/debian:ro" -v "$wheels:/srv/wheels:ro" \
+    -v "$npm_cache:/srv/npm:ro" \
     -v "$scratch/kvpool.bundle:/srv/kvpool.bundle:ro" -v "$scratch/inside.sh:/srv/inside.sh:ro" \
     "$image" bash /srv/inside.sh >"$log" 2>&1
 rc=$?
