@@ -88,12 +88,15 @@ class MasterCollector:
                                 value=s.silent_nodes)
         yield GaugeMetricFamily("kvpool_master_pinned_bytes", "Bytes held by hard pins "
                                 "(never evicted)", value=s.pinned_bytes)
+        yield GaugeMetricFamily("kvpool_master_leases", "Read leases running (granted by "
+                                "lookups, not expired; a key read twice counts twice)",
+                                value=s.leases)
         if s.recovery_s is not None:
             yield GaugeMetricFamily("kvpool_master_recovery_seconds", "How long the last "
                                     "rebuild of the index took (nodes re-announcing what they "
                                     "hold after a master restart)", value=s.recovery_s)
         by_ns = CounterMetricFamily("kvpool_master_namespace_lookups", "Keys looked up, by "
-                                    "key namespace and result (master/namespaces.py)",
+                                    "key namespace and result (master/reads.py)",
                                     labels=["namespace", "result"])
         for ns, hits, misses in s.namespaces:
             by_ns.add_metric([ns, "hit"], hits)

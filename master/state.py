@@ -9,6 +9,7 @@ in the result list, never raised, so one bad key fails only its own slot.
 
 from __future__ import annotations
 
+
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from kvpool.master.eviction import EvictionPolicy, make_eviction_policy
 from kvpool.master.index import COMPLETE, PENDING, LocatedColumns, ObjectEntry, ObjectIndex
 from kvpool.master.manifest_log import ManifestDelta, ManifestLog, Removal
 from kvpool.master.membership import Membership, Segment
-from kvpool.master.namespaces import NamespaceLookups
+from kvpool.master.reads import LeaseCount, NamespaceLookups
 from kvpool.master.pins import Pins
 from kvpool.master.pressure import Pressure
 from kvpool.master.recovery import Recovery
@@ -83,6 +84,7 @@ class MasterStats:
     hit_bytes: int = 0             # sizes of the objects lookups found (handed to readers)
     committed: int = 0             # puts completed
     committed_bytes: int = 0
+    leases: int = 0                # read leases granted and not expired (per key and read)
 
 
 class MasterState:
@@ -104,6 +106,7 @@ class MasterState:
         self._evictions = 0
         self._corrupt_replicas = 0
         self._nodes_expired = 0
+        self._leases = LeaseCount()
         self._namespaces = NamespaceLookups(config.namespace_depth)
         self._manifests = ManifestLog()
         self._members = Membership(config)
@@ -300,6 +303,7 @@ class MasterState:
         if not disk:   # the indexed strs, not the request's equal copies
             self._chains.policy.on_access_many([o.key for o in found])
         self._index.hits += len(found)
+        self._leases.granted(lease_until, len(found), now)
         if keys:
             self._namespaces.count(keys[0], len(found), self._index.misses - misses_before)
         columns = self._index.columns(objs, found, errors)
@@ -358,7 +362,8 @@ class MasterState:
                            self._members.silent_count, self._nodes_expired,
                            self._pins.hard_bytes, self._recovery.last_duration_s,
                            tuple((ns, h, m) for ns, (h, m) in self._namespaces.counts.items()),
-                           idx.hit_bytes, idx.committed, idx.committed_bytes)
+                           idx.hit_bytes, idx.committed, idx.committed_bytes,
+                           self._leases.live(self._clock()))
 
     def tick(self) -> list[tuple[str, float, int]]:
         """Expire silent nodes, reclaim timed-out puts, run due frees, evict above watermarks.

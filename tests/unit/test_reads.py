@@ -1,4 +1,4 @@
-from kvpool.master.namespaces import MAX_NAMESPACES, OTHER, NamespaceLookups, namespace_of
+from kvpool.master.reads import MAX_NAMESPACES, OTHER, LeaseCount, NamespaceLookups, namespace_of
 
 
 def test_a_keys_namespace_is_its_first_components():
@@ -23,3 +23,14 @@ def test_depth_zero_counts_nothing():
     n = NamespaceLookups(depth=0)
     n.count("a/1", hits=1, misses=1)
     assert n.counts == {}
+
+
+def test_live_leases_are_the_grants_not_expired_yet():
+    leases = LeaseCount()
+    leases.granted(until=5.0, keys=3, now=0.0)
+    leases.granted(until=6.0, keys=2, now=1.0)
+    leases.granted(until=6.5, keys=0, now=1.5)     # a batch of misses only: nothing leased
+    assert leases.live(4.9) == 5
+    assert leases.live(5.0) == 2                   # the first batch's leases ended
+    leases.granted(until=11.0, keys=1, now=6.0)    # expires the rest as it goes
+    assert leases.live(6.0) == 1 and leases.live(11.0) == 0

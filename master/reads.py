@@ -1,4 +1,5 @@
-"""Lookups counted per key namespace, so an engine's operator sees its own prefix reuse.
+"""What the master counts of reads beyond hits and misses: lookups per key namespace, so an
+engine's operator sees its own prefix reuse, and the read leases still running.
 
 A key's namespace is its first ``depth`` "/"-separated components ("kvpool/vllm1/<model
 namespace>" for the vLLM connector's keys at depth 3); a key with fewer is in the namespace of
@@ -10,6 +11,8 @@ inventing names cannot grow the master's memory or its metrics without bound.
 """
 
 from __future__ import annotations
+
+import collections
 
 MAX_NAMESPACES = 64
 OTHER = "(other)"
@@ -38,3 +41,27 @@ class NamespaceLookups:
             entry = self.counts.setdefault(ns, [0, 0])
         entry[0] += hits
         entry[1] += misses
+
+
+class LeaseCount:
+    """Read leases granted and not expired yet, counted per lookup batch (one deque entry a
+    batch, not a walk of the index): a key read twice within its lease counts twice."""
+
+    def __init__(self) -> None:
+        self._batches: collections.deque[tuple[float, int]] = collections.deque()
+        self._live = 0
+
+    def granted(self, until: float, keys: int, now: float) -> None:
+        if keys:
+            self._batches.append((until, keys))
+            self._live += keys
+        self._expire(now)
+
+    def live(self, now: float) -> int:
+        self._expire(now)
+        return self._live
+
+    def _expire(self, now: float) -> None:
+        batches = self._batches
+        while batches and batches[0][0] <= now:   # all leases are equally long: FIFO
+            self._live -= batches.popleft()[1]
