@@ -66,9 +66,12 @@ class Chains:
         return len(waiting_for) < _MAX_WAITING and len(self.waiting) < _MAX_WAITING
 
     def parent_of(self, key: str, disk: bool) -> str | None:
-        """The parent ``key`` is linked to or waits for, in its tier's policy."""
+        """The parent ``key`` is linked to (on its tier, or gone ahead to the other) or waits
+        for."""
+        # Also a parent that went to the other tier first (moves run side by side); not one
+        # that left the index, which nobody should wait for.
         linked = (self.disk_policy if disk else self.policy).parent_of(key)
-        if linked is not None:
+        if linked is not None and (linked in self.policy or linked in self.disk_policy):
             return linked
         return self.waiting_for.get(key) if self.waiting_for else None
 

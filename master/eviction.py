@@ -79,7 +79,9 @@ class EvictionPolicy(ABC):
         return False
 
     def parent_of(self, key: str) -> str | None:
-        """The tracked key ``key`` is linked to, or None (policies that ignore chains)."""
+        """The key tracked ``key`` was linked to, or None (policies that ignore chains). The
+        parent may have left this policy since (moved to another tier ahead of its child, or
+        gone): the child still names it, so a move or a manifest record keeps the chain."""
         return None
 
 
@@ -209,8 +211,7 @@ class PrefixAwarePolicy(EvictionPolicy):
         return True
 
     def parent_of(self, key: Hashable) -> Hashable | None:
-        parent = self._parent.get(key)
-        return parent if parent is not None and parent in self else None
+        return self._parent.get(key)   # popped when ``key`` leaves
 
     def on_access(self, key: Hashable) -> None:
         if key in self._leaves:

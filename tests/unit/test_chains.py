@@ -34,6 +34,20 @@ def test_a_child_on_disk_waits_for_its_parent_to_come_down_too():
     assert "parent" not in c.policy and list(c.candidates(disk=False, above=True)) == []
 
 
+def test_a_parent_moved_down_before_its_child_is_still_the_childs_parent_there():
+    # Moves run concurrently, so a block may reach disk before its child: the child, moved
+    # next, links to it on disk (and names it in its record) instead of becoming a head.
+    c = make()
+    c.track("c10", None, disk=False)
+    c.track("c11", "c10", disk=False)
+    c.track("c12", "c11", disk=False)
+    c.moved("c11", was_on_disk=False)
+    assert c.parent_of("c12", disk=False) == "c11"
+    c.moved("c12", was_on_disk=False)
+    assert c.disk_policy.parent_of("c12") == "c11" and c.parent_of("c12", disk=True) == "c11"
+    assert list(c.candidates(disk=True, above=False)) == ["c12"]   # the chain's tail first
+
+
 def test_a_parent_that_leaves_or_never_comes_is_no_longer_waited_for():
     c = make()
     for i in range(3):
