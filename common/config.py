@@ -97,7 +97,7 @@ class MasterConfig:
     # Hard pins (never evicted) may hold at most this fraction of the cluster's capacity.
     pin_quota_fraction: float = 0.5
     # Key components that name a namespace in the per-namespace lookup counts (3: the vLLM
-    # connector's "kvpool/vllm1/<model namespace>"; 0: not counted). master/namespaces.py.
+    # connector's "kvpool/vllm1/<model namespace>"; 0: not counted). master/reads.py.
     namespace_depth: int = 3
 
     def __post_init__(self) -> None:

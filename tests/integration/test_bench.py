@@ -97,7 +97,9 @@ def test_quick_smoke_run_writes_a_valid_report(tmp_path):
 @pytest.mark.slow
 def test_interrupted_run_stops_everything_it_started(tmp_path):
     mark = uuid.uuid4().hex
-    proc = bench(*TINY, "--single-calls", "50", mark=mark)
+    # Enough single calls that the kvpool stage outlasts reading its first line and the
+    # signal's delivery on a loaded machine (~20 s of puts; with 50 the run once ended first).
+    proc = bench(*TINY, "--single-calls", "2000", mark=mark)
     try:
         # Interrupt once the local cluster is serving kvpool workloads.
         for line in proc.stderr:
