@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from types import ModuleType
 
@@ -55,6 +56,10 @@ def build_parser(command: str | None = None) -> tuple[argparse.ArgumentParser, M
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # SIGINT stops every command (KeyboardInterrupt, exit 130), also one started by a script in
+    # the background, which a shell starts with SIGINT ignored (kept across exec): `kill -INT`
+    # and a supervisor's SIGINT must not be lost. Commands that wait for it install their own.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     # The command is the first word that is not an option: `kvpool` itself takes only -h.
     parser, module = build_parser(next((a for a in argv if not a.startswith("-")), None))
     args = parser.parse_args(argv)

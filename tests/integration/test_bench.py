@@ -55,16 +55,9 @@ def wait_until_none(mark: str, timeout_s: float = 15.0) -> list[int]:
     return left
 
 
-# The bench with SIGINT at its default (Ctrl-C: KeyboardInterrupt), whatever this process
-# inherited: a shell starts a background job (`... &`, e.g. CI started in the background) with
-# SIGINT ignored, and an ignored signal stays ignored across exec.
-_DEFAULT_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-                   "os.execv(sys.executable, [sys.executable, '-m', 'kvpool', *sys.argv[1:]])")
-
-
 def bench(*args: str, mark: str, **kw) -> subprocess.Popen:
     env = dict(os.environ, **{MARK: mark})
-    return subprocess.Popen([sys.executable, "-c", _DEFAULT_SIGINT, "bench", *args], env=env,
+    return subprocess.Popen([sys.executable, "-m", "kvpool", "bench", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
