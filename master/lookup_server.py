@@ -1,17 +1,20 @@
-"""The master's lookup port (net/lookup_port.py): GetReplicas and Exists on a plain tcp listener,
+"""The master's lookup port (net/lookup_port.py): the data path's calls on a plain tcp listener,
 served on the master's one event loop, like its gRPC handlers, so the state still needs no
-locks."""
+locks. Each connection is served by its own task: a put call waiting for the store nodes holds
+only its own connection."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
+import inspect
+import time
+from collections.abc import Awaitable, Callable, Mapping
 
 import grpc
 from google.protobuf.message import DecodeError, Message
+from kvpool.common.errors import InvalidArgument
 from kvpool.common.logging import get_logger
 from kvpool.net import lookup_port
-from kvpool.protos.kvpool.v1 import master_pb2 as pb
 
 log = get_logger(__name__)
 
@@ -19,17 +22,25 @@ _OK = grpc.StatusCode.OK.value[0]
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 _UNKNOWN = grpc.StatusCode.UNKNOWN.value[0]
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+
+
+Handler = Callable[[Message], Message | Awaitable[Message]]
 
 
 class LookupServer:
-    """Answers each method's frames with ``handlers[method](keys)``, a protobuf response.
+    """Answers each method's frames: ``handlers[method] = (request type, handler)``, the
+    handler taking the decoded request and returning (or awaiting) the protobuf response, or
+    raising InvalidArgument for a request it refuses.
 
     ``refusal()``: None while this master may answer, else why not (an HA standby: the client
-    then asks over gRPC, which finds the leader). ``max_keys``: the batch limit, as on gRPC."""
+    then asks over gRPC, which finds the leader). ``on_call(method, code, seconds)``: told of
+    each call answered (the master's RPC metrics), with the gRPC method and status names."""
 
-    def __init__(self, handlers: Mapping[int, Callable[[Sequence[str]], Message]],
-                 max_keys: int, refusal: Callable[[], str | None] = lambda: None):
-        self._handlers, self._max_keys, self._refusal = dict(handlers), max_keys, refusal
+    def __init__(self, handlers: Mapping[int, tuple[type[Message], Handler]],
+                 refusal: Callable[[], str | None] = lambda: None,
+                 on_call: Callable[[str, str, float], None] | None = None):
+        self._handlers, self._refusal, self._on_call = dict(handlers), refusal, on_call
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.StreamWriter] = set()
         self.port = 0
@@ -68,7 +79,13 @@ class LookupServer:
                         f"{length} bytes)").encode()))
                     await writer.drain()
                     return
-                writer.write(self._answer(method, await reader.readexactly(length)))
+                body = await reader.readexactly(length)
+                started = time.perf_counter()
+                answer = await self._answer(method, body)
+                if self._on_call is not None:
+                    self._on_call(lookup_port.METHOD_NAMES[method],
+                                  _CODE_NAMES[answer[0]], time.perf_counter() - started)
+                writer.write(answer)
                 self.calls[method] += 1
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -77,18 +94,22 @@ class LookupServer:
             self._connections.discard(writer)
             writer.close()
 
-    def _answer(self, method: int, body: bytes) -> bytes:
+    async def _answer(self, method: int, body: bytes) -> bytes:
         if (why := self._refusal()) is not None:
             return lookup_port.encode_response(_UNAVAILABLE, why.encode())
+        request_type, handler = self._handlers[method]
         try:
-            keys = pb.KeysRequest.FromString(body).keys
+            request = request_type.FromString(body)
         except DecodeError:
-            return lookup_port.encode_response(_INVALID, b"malformed KeysRequest")
-        if len(keys) > self._max_keys:
-            return lookup_port.encode_response(_INVALID, (
-                f"batch of {len(keys)} keys; the limit is {self._max_keys}").encode())
+            return lookup_port.encode_response(
+                _INVALID, f"malformed {request_type.DESCRIPTOR.name}".encode())
         try:
-            return lookup_port.encode_response(_OK, self._handlers[method](keys).SerializeToString())
+            response = handler(request)
+            if inspect.isawaitable(response):
+                response = await response
+            return lookup_port.encode_response(_OK, response.SerializeToString())
+        except InvalidArgument as e:
+            return lookup_port.encode_response(_INVALID, str(e).encode())
         except Exception as e:   # a bug: answered as gRPC would (UNKNOWN), not a dead socket
-            log.exception("lookup_failed", keys=len(keys))
+            log.exception("lookup_failed", method=lookup_port.METHOD_NAMES[method])
             return lookup_port.encode_response(_UNKNOWN, f"{type(e).__name__}: {e}".encode())

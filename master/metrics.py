@@ -136,15 +136,22 @@ class MasterCollector:
 
 class RpcMetrics(grpc.aio.ServerInterceptor):
     """Times every unary RPC of the master's gRPC services and counts it by method and status
-    code (``kvpool_master_rpc_seconds``, ``kvpool_master_rpcs_total``). Streams (the manifest
-    watch) are not timed: they last as long as their node."""
+    code (``kvpool_master_rpc_seconds``, ``kvpool_master_rpcs_total``); the lookup port's calls,
+    the same methods, too (:meth:`observe`). Streams (the manifest watch) are not timed: they
+    last as long as their node."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self._seconds = Histogram("kvpool_master_rpc_seconds", "Time to answer a gRPC call "
-                                  "(unary), by method", ["method"], registry=registry,
-                                  buckets=RPC_BUCKETS_S)
-        self._calls = Counter("kvpool_master_rpcs", "gRPC calls answered (unary), by method "
-                              "and status code", ["method", "code"], registry=registry)
+        self._seconds = Histogram("kvpool_master_rpc_seconds", "Time to answer a call (gRPC "
+                                  "unary, or on the lookup port), by method", ["method"],
+                                  registry=registry, buckets=RPC_BUCKETS_S)
+        self._calls = Counter("kvpool_master_rpcs", "Calls answered (gRPC unary, or on the "
+                              "lookup port), by method and status code", ["method", "code"],
+                              registry=registry)
+
+    def observe(self, method: str, code: str, seconds: float) -> None:
+        """Count a call answered elsewhere (the lookup port): ``code`` a gRPC status name."""
+        self._seconds.labels(method).observe(seconds)
+        self._calls.labels(method, code).inc()
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)

@@ -16,9 +16,10 @@ from kvpool.master.lookup_server import LookupServer
 from kvpool.master.metrics import MasterCollector, RpcMetrics, ServerFigures
 from kvpool.master.routing import RoutingIndex
 from kvpool.master.routing_servicer import RouterServicer, store_lookup
-from kvpool.master.servicer import MAX_BATCH, MasterServicer
+from kvpool.master.servicer import MasterServicer
 from kvpool.master.state import MasterState
 from kvpool.net import lookup_port
+from kvpool.protos.kvpool.v1 import master_pb2 as pb
 from kvpool.protos.kvpool.v1 import master_pb2_grpc, routing_pb2_grpc
 from kvpool.rpc.wire import GRPC_OPTIONS
 
@@ -55,6 +56,7 @@ class MasterServer:
         self._interceptors = list(interceptors)
         self._lookup_port, self._lookup_refusal = lookup_port, lookup_refusal
         self._lookup: LookupServer | None = None
+        self._rpc_metrics: RpcMetrics | None = None
         # Each eviction at debug level: an auditor (kvpool soak) tells evictions from losses.
         self.state = MasterState(config, clock, on_evict=_log_eviction)
         # The routing index (instances' own caches, from KV events) reads the object index
@@ -87,7 +89,8 @@ class MasterServer:
                                               lambda: self._lookup_refusal() is None,
                                               self._figures)
             registry.register(self._collector)
-            interceptors.insert(0, RpcMetrics(registry))   # first: refused calls count too
+            self._rpc_metrics = RpcMetrics(registry)
+            interceptors.insert(0, self._rpc_metrics)   # first: refused calls count too
             self.metrics = MetricsServer(registry, self._not_ready, self._host,
                                          self._metrics_port)
         try:
@@ -123,9 +126,17 @@ class MasterServer:
             raise OSError(f"cannot listen on {self._host}:{self._port}: {e}") from None
         await self._server.start()
         if self._lookup_port is not None:
-            self._lookup = LookupServer({lookup_port.GET_REPLICAS: self._servicer.get_replicas,
-                                         lookup_port.EXISTS: self._servicer.exists},
-                                        MAX_BATCH, self._lookup_refusal)
+            servicer = self._servicer
+            self._lookup = LookupServer({
+                lookup_port.GET_REPLICAS: (pb.KeysRequest, servicer.get_replicas),
+                lookup_port.EXISTS: (pb.KeysRequest, servicer.exists),
+                lookup_port.PUT_START: (pb.PutStartRequest,
+                                        servicer.with_effects(servicer.put_start)),
+                lookup_port.PUT_END: (pb.PutEndRequest, servicer.with_effects(servicer.put_end)),
+                lookup_port.PUT_REVOKE: (pb.KeysRequest,
+                                         servicer.with_effects(servicer.put_revoke)),
+            }, self._lookup_refusal,
+                on_call=self._rpc_metrics.observe if self._rpc_metrics else None)
             try:
                 self._servicer.lookup_port = await self._lookup.start(self._host,
                                                                       self._lookup_port)

@@ -36,25 +36,21 @@ READ_ONLY = frozenset({"GetReplicas", "Exists", "Stats", "WatchManifest", "AckMa
 
 
 def mutation(handler=None, *, wait: bool = True):
-    """Run an RPC that changes the index, then apply its effects: if it recorded manifest
-    changes, every change queued for the nodes is pushed, and (``wait``) the answer goes only
-    once the nodes have applied them, so a master killed right after answering loses nothing
-    it acknowledged (master/manifest_watch.py). Every queued change, not only this call's: the
-    removal of an evicted object must reach its node before the commit of a new object of the
-    same key on another node is acknowledged, or a restarted master could index the old one.
-    ``wait=False``: for RPCs of a node's own session (mount, announce), whose changes repeat
-    what the nodes hold, and whose caller may not have its stream open yet."""
+    """Run an RPC that changes the index, then apply its effects (:meth:`MasterServicer.
+    apply_effects`): if it recorded manifest changes, every change queued for the nodes is
+    pushed, and (``wait``) the answer goes only once the nodes have applied them, so a master
+    killed right after answering loses nothing it acknowledged (master/manifest_watch.py).
+    Every queued change, not only this call's: the removal of an evicted object must reach its
+    node before the commit of a new object of the same key on another node is acknowledged, or
+    a restarted master could index the old one. ``wait=False``: for RPCs of a node's own
+    session (mount, announce), whose changes repeat what the nodes hold, and whose caller may
+    not have its stream open yet."""
     def wrap(handler):
         @functools.wraps(handler)
         async def run(self, request, context):
             mark = self._state.manifest_mark()
             response = await handler(self, request, context)
-            if self._state.manifest_mark() != mark:
-                nodes = self._state.nodes_with_changes()
-                if wait:
-                    await self._watchers.flush(nodes)
-                else:
-                    self._watchers.push(nodes)
+            await self.apply_effects(mark, wait)
             return response
         run.applies_effects = True
         return run
@@ -65,10 +61,22 @@ def _status(result: object) -> int:
     return status_for_error(result) if isinstance(result, KVPoolError) else pb.STATUS_OK
 
 
-async def _check_batch(keys, context: grpc.aio.ServicerContext) -> None:
+def _check_batch(keys) -> None:
     if len(keys) > MAX_BATCH:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"batch of {len(keys)} keys; the limit is {MAX_BATCH}")
+        raise InvalidArgument(f"batch of {len(keys)} keys; the limit is {MAX_BATCH}")
+
+
+async def _check_rpc_batch(keys, context: grpc.aio.ServicerContext) -> None:
+    await _answer(_check_batch, keys, context)
+
+
+async def _answer(call, request, context: grpc.aio.ServicerContext):
+    """``call(request)``'s answer over gRPC: a malformed request (InvalidArgument) aborts the
+    call with INVALID_ARGUMENT, as the lookup port answers it."""
+    try:
+        return call(request)
+    except InvalidArgument as e:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
 
 def _changes(delta: ManifestDelta, seq: int, now: float) -> pb.ManifestChanges:
@@ -156,7 +164,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     @mutation(wait=False)
     async def AnnounceObjects(self, request, context):
         records = wire.records_from_pb(request.objects)
-        await _check_batch(records, context)
+        await _check_rpc_batch(records, context)
         try:
             results = self._state.announce_objects(
                 request.node_id, records, request.done,
@@ -174,7 +182,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
     @mutation
     async def ReportCorrupt(self, request, context):
-        await _check_batch(request.keys, context)
+        await _check_rpc_batch(request.keys, context)
         if not len(request.keys) == len(request.versions) == len(request.segment_ids):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "keys, versions and segment_ids must be parallel")
@@ -184,15 +192,37 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                     segments=sorted(set(request.segment_ids)))
         return pb.StatusesResponse(statuses=map(_status, results))
 
+    async def apply_effects(self, mark: int, wait: bool = True) -> None:
+        """Apply what a call changed since ``mark`` (``manifest_mark()`` before it): push the
+        manifest changes queued for the nodes, and (``wait``) wait until they applied them."""
+        if self._state.manifest_mark() != mark:
+            nodes = self._state.nodes_with_changes()
+            if wait:
+                await self._watchers.flush(nodes)
+            else:
+                self._watchers.push(nodes)
+
+    def with_effects(self, call):
+        """``call`` (request -> response, changing the index) as a coroutine that applies its
+        effects as ``@mutation`` does: the lookup port's put calls (master/lookup_server.py)."""
+        async def run(request):
+            mark = self._state.manifest_mark()
+            response = call(request)
+            await self.apply_effects(mark)
+            return response
+        return run
+
     @mutation   # evictions' removals and the new extents' reservations reach the nodes first
     async def PutStart(self, request, context):
-        await _check_batch(request.keys, context)
+        return await _answer(self.put_start, request, context)
+
+    def put_start(self, request) -> pb.PutStartResponse:
+        """PutStart's answer (also served on the lookup port); InvalidArgument if malformed."""
+        _check_batch(request.keys)
         if len(request.keys) != len(request.sizes):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"{len(request.keys)} keys but {len(request.sizes)} sizes")
+            raise InvalidArgument(f"{len(request.keys)} keys but {len(request.sizes)} sizes")
         if request.parents and len(request.parents) != len(request.keys):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"{len(request.keys)} keys but {len(request.parents)} parents")
+            raise InvalidArgument(f"{len(request.keys)} keys but {len(request.parents)} parents")
         results = self._state.put_start(list(request.keys), list(request.sizes),
                                         request.replicas or None,
                                         list(request.parents) if request.parents else None)
@@ -211,29 +241,36 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
     @mutation   # the nodes holding the new objects were told before the answer
     async def PutEnd(self, request, context):
-        await _check_batch(request.keys, context)
+        return await _answer(self.put_end, request, context)
+
+    def put_end(self, request) -> pb.StatusesResponse:
+        """PutEnd's answer (also served on the lookup port); InvalidArgument if malformed."""
+        _check_batch(request.keys)
         sums = [checksum.decode(c) for c in request.checksums] if request.checksums else None
         if sums is not None and len(sums) != len(request.keys):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"{len(request.keys)} keys but {len(sums)} checksums")
-        results = self._state.put_end(list(request.keys), sums)
-        return pb.StatusesResponse(statuses=map(_status, results))
+            raise InvalidArgument(f"{len(request.keys)} keys but {len(sums)} checksums")
+        return pb.StatusesResponse(statuses=map(_status, self._state.put_end(list(request.keys),
+                                                                              sums)))
 
     @mutation
     async def PutRevoke(self, request, context):
-        await _check_batch(request.keys, context)
-        results = self._state.put_revoke(list(request.keys))
-        return pb.StatusesResponse(statuses=map(_status, results))
+        return await _answer(self.put_revoke, request, context)
+
+    def put_revoke(self, request) -> pb.StatusesResponse:
+        """PutRevoke's answer (also served on the lookup port)."""
+        _check_batch(request.keys)
+        return pb.StatusesResponse(statuses=map(_status,
+                                                self._state.put_revoke(list(request.keys))))
 
     @mutation
     async def Remove(self, request, context):
-        await _check_batch(request.keys, context)
+        await _check_rpc_batch(request.keys, context)
         results = self._state.remove(list(request.keys))
         return pb.StatusesResponse(statuses=map(_status, results))
 
     @mutation   # hard pins are in the manifests (restored after a restart) once acknowledged
     async def Pin(self, request, context):
-        await _check_batch(request.keys, context)
+        await _check_rpc_batch(request.keys, context)
         if request.unpin:
             results = self._state.unpin(list(request.keys))
         elif request.ttl_s < 0:
@@ -243,23 +280,23 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         return pb.StatusesResponse(statuses=map(_status, results))
 
     async def Exists(self, request, context):
-        await _check_batch(request.keys, context)
-        return self.exists(request.keys)
+        return await _answer(self.exists, request, context)
 
-    def exists(self, keys) -> pb.StatusesResponse:
+    def exists(self, request) -> pb.StatusesResponse:
         """Exists' answer (also served on the lookup port: master/lookup_server.py)."""
+        _check_batch(request.keys)
         return pb.StatusesResponse(statuses=[pb.STATUS_OK if f else pb.STATUS_NOT_FOUND
-                                             for f in self._state.exists(list(keys))])
+                                             for f in self._state.exists(list(request.keys))])
 
     async def GetReplicas(self, request, context):
-        await _check_batch(request.keys, context)
-        response = self.get_replicas(request.keys)
+        response = await _answer(self.get_replicas, request, context)
         response.lookup_port = self.lookup_port
         return response
 
-    def get_replicas(self, keys) -> pb.GetReplicasResponse:
+    def get_replicas(self, request) -> pb.GetReplicasResponse:
         """GetReplicas' answer (also served on the lookup port: master/lookup_server.py)."""
-        located = self._state.locate_columns(list(keys))
+        _check_batch(request.keys)
+        located = self._state.locate_columns(list(request.keys))
         statuses = [pb.STATUS_OK] * len(located.sizes)
         for i, error in located.errors.items():
             statuses[i] = status_for_error(error)

@@ -1,6 +1,6 @@
-"""The master's lookup port: the read path's master calls (GetReplicas, before every read;
-Exists, an engine's scheduler asking what is cached) over a kept-open tcp connection with a
-fixed header instead of gRPC. The master's end is :mod:`kvpool.master.lookup_server` (on its
+"""The master's lookup port: the master calls of the data path (GetReplicas, before every read;
+Exists, an engine's scheduler asking what is cached; PutStart, PutEnd and PutRevoke, around
+every write) over a kept-open tcp connection with a fixed header instead of gRPC. The master's end is :mod:`kvpool.master.lookup_server` (on its
 asyncio loop), the client's :class:`kvpool.rpc.lookup.LookupChannel`; both frame with this module.
 
 Why a second listener: on these 2-core machines a gRPC unary call costs about 0.5 ms between
@@ -12,11 +12,13 @@ code; gRPC stays the contract, and a client that cannot reach this port (or find
 simply keeps using gRPC.
 
 Request:  ``!4sB3xI`` = magic b"KVL1", method, pad, body length; then the body: the request
-          message (GET_REPLICAS and EXISTS: ``KeysRequest``).
+          message (GET_REPLICAS, EXISTS and PUT_REVOKE: ``KeysRequest``; PUT_START:
+          ``PutStartRequest``; PUT_END: ``PutEndRequest``).
 Response: ``!B3xI`` = status (a gRPC status code's value, 0 = OK), pad, body length; then the
-          body: the response message (``GetReplicasResponse``; ``StatusesResponse``) or a utf-8
-          error message.
-Requests on one connection are answered one at a time, in order. After a malformed header the
+          body: the response message (``GetReplicasResponse``; ``PutStartResponse``;
+          ``StatusesResponse`` for the others) or a utf-8 error message.
+Requests on one connection are answered one at a time, in order; the put calls answer, as over
+gRPC, once the store nodes applied what they changed (master/servicer.py ``apply_effects``). After a malformed header the
 master answers INVALID_ARGUMENT and closes the connection (it cannot know where the next frame
 starts). A master that does not lead (HA standby) answers UNAVAILABLE.
 
@@ -33,7 +35,11 @@ REQUEST = struct.Struct("!4sB3xI")
 RESPONSE = struct.Struct("!B3xI")
 GET_REPLICAS = 1
 EXISTS = 2
-METHOD_NAMES = {GET_REPLICAS: "GetReplicas", EXISTS: "Exists"}   # as the gRPC methods
+PUT_START = 3
+PUT_END = 4
+PUT_REVOKE = 5
+METHOD_NAMES = {GET_REPLICAS: "GetReplicas", EXISTS: "Exists", PUT_START: "PutStart",
+                PUT_END: "PutEnd", PUT_REVOKE: "PutRevoke"}   # as the gRPC methods
 # As gRPC's message limit here (rpc/wire.py GRPC_OPTIONS).
 MAX_BODY_BYTES = 64 << 20
 

@@ -142,9 +142,10 @@ class MasterClient(GrpcClient):
                   parents: Sequence[str | None] | None = None
                   ) -> tuple[list[tuple[Replica, ...] | KVPoolError], float]:
         """Allocate; ``parents``: parallel to ``keys``, the block each extends (None: none)."""
-        r = self._call("PutStart", pb.PutStartRequest(
+        r = self._lookup(lookup_port.PUT_START, "PutStart", pb.PutStartRequest(
             keys=keys, sizes=sizes, replicas=replicas,
-            parents=[p or "" for p in parents] if parents and any(parents) else ()))
+            parents=[p or "" for p in parents] if parents and any(parents) else ()),
+            pb.PutStartResponse)
         placed = wire.replicas_from_columns(r.replicas, sizes)
         out = [error_for_status(s, k) or p for k, s, p in zip(keys, r.statuses, placed)]
         if r.space_summary:   # say how much was asked, and how much room there is
@@ -156,12 +157,15 @@ class MasterClient(GrpcClient):
     def put_end(self, keys: Sequence[str], checksums: Sequence[int | None] | None = None
                 ) -> list[KVPoolError | None]:
         """Commit; ``checksums``: each object's CRC-32C (common/checksum.py), or None."""
-        r = self._call("PutEnd", pb.PutEndRequest(
-            keys=keys, checksums=[checksum.encode(c) for c in checksums] if checksums else ()))
+        r = self._lookup(lookup_port.PUT_END, "PutEnd", pb.PutEndRequest(
+            keys=keys, checksums=[checksum.encode(c) for c in checksums] if checksums else ()),
+            pb.StatusesResponse)
         return [error_for_status(s, k) for k, s in zip(keys, r.statuses)]
 
     def put_revoke(self, keys: Sequence[str]) -> list[KVPoolError | None]:
-        return self._statuses("PutRevoke", keys)
+        r = self._lookup(lookup_port.PUT_REVOKE, "PutRevoke", pb.KeysRequest(keys=keys),
+                         pb.StatusesResponse)
+        return [error_for_status(s, k) for k, s in zip(keys, r.statuses)]
 
     def remove(self, keys: Sequence[str]) -> list[KVPoolError | None]:
         return self._statuses("Remove", keys)
@@ -179,7 +183,10 @@ class MasterClient(GrpcClient):
         return _located(keys, r)
 
     def _lookup(self, method: int, rpc: str, request, response_type):
-        """``rpc`` on the master's lookup port where it has one we reach, else over gRPC."""
+        """``rpc`` on the master's lookup port where it has one we reach, else over gRPC. A
+        call the port lost (LookupLost) is asked again over gRPC: for a put call that the
+        master may have carried out, as gRPC's own retry after UNAVAILABLE does (DESIGN.md,
+        "Calls cut by a master kill")."""
         if (channel := self._lookups.channel) is not None:
             try:
                 return channel.call(method, request, response_type)

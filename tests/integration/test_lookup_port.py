@@ -90,12 +90,36 @@ def test_lookups_go_to_the_lookup_port_once_a_grpc_answer_named_it(master):
 
 
 def test_exists_goes_to_the_lookup_port_and_finds_it_by_itself(master):
+    with MasterClient(master.address) as writer:
+        _store(writer, ["a", "b"])
     with MasterClient(master.address) as mc:
-        _store(mc, ["a", "b"])
+        calls = dict(master.counter.calls)
         assert mc.exists(["a", "x", "b"]) == [True, False, True]   # gRPC; asks for the port
         assert mc.exists(["b", "y"]) == [True, False]              # the lookup port
         assert master.counter.calls["Exists"] == 1
-        assert master.counter.calls["GetReplicas"] == 1            # the empty one
+        assert master.counter.calls["GetReplicas"] == calls.get("GetReplicas", 0) + 1
+
+
+def test_put_calls_go_to_the_lookup_port_and_answer_as_grpc_does(master):
+    with MasterClient(master.address) as mc:
+        _store(mc, ["a"])   # PutStart over gRPC (then an empty GetReplicas names the port)
+        assert master.counter.calls["PutStart"] == 1
+        assert "PutEnd" not in master.counter.calls
+        _store(mc, ["b", "c"])
+        placed, timeout_s = mc.put_start(["b", "d", "e"], [64, 0, 64])
+        assert timeout_s == MasterConfig().put_timeout_s
+        assert [type(p).__name__ for p in placed[:2]] == ["AlreadyExists", "InvalidArgument"]
+        assert placed[2][0].extent.length == 64
+        assert mc.put_revoke(["e", "never"])[0] is None
+        assert type(mc.put_revoke(["e"])[0]).__name__ == "NotPending"
+        assert type(mc.put_end(["e"])[0]).__name__ == "NotPending"
+        with pytest.raises(InvalidArgument, match="2 keys but 1 sizes"):
+            mc._lookups.channel.call(lookup_port.PUT_START,
+                                     pb.PutStartRequest(keys=["x", "y"], sizes=[1]),
+                                     pb.PutStartResponse)
+        assert master.counter.calls["PutStart"] == 1 and "PutEnd" not in master.counter.calls
+        assert mc.exists(["a", "b", "c", "e"]) == [True, True, True, False]
+    assert master.server._lookup.calls[lookup_port.PUT_START] == 3   # the refused one too
 
 
 def test_a_batch_over_the_limit_is_invalid_on_the_lookup_port_too(master):
@@ -123,11 +147,13 @@ def test_a_refusing_lookup_port_sends_lookups_back_to_grpc():
     m = Master(lookup_refusal=lambda: "master x does not lead")
     try:
         with MasterClient(m.address) as mc:
-            _store(mc, ["k"])
+            _store(mc, ["k"])   # PutEnd: refused on the port it learned, then over gRPC
+            assert m.counter.calls["PutEnd"] == 1
+            before = m.counter.calls["GetReplicas"]
             for _ in range(3):
                 assert mc.locate(["k"]).sizes.tolist() == [64]
             # Learned, refused (UNAVAILABLE), then left alone: every answer came over gRPC.
-            assert m.counter.calls["GetReplicas"] == 3
+            assert m.counter.calls["GetReplicas"] == before + 3
             assert mc._lookups.channel is None
     finally:
         m.stop()

@@ -113,8 +113,8 @@ def _check_figures(address: str, mm: str, nm: str) -> None:
     assert m["kvpool_segment_objects", seg] == 2
     assert m["kvpool_segment_used_bytes", seg] >= 4000   # aligned sizes of both objects
     assert m["process_resident_memory_bytes", frozenset()] > 0
-    # Each gRPC call timed and counted: two puts (a PutStart and a PutEnd each, OK), and
-    # the refused PutStart.
+    # Each call timed and counted, over gRPC or the lookup port: two puts (a PutStart and a
+    # PutEnd each, OK), and the refused PutStart.
     for method, calls in (("PutStart", 3), ("PutEnd", 2)):
         assert m["kvpool_master_rpcs_total", frozenset({("method", method), ("code", "OK")})] \
             == 2
