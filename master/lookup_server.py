@@ -6,13 +6,14 @@ only its own connection."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 import grpc
 from google.protobuf.message import DecodeError, Message
-from kvpool.common.errors import InvalidArgument
+from kvpool.common.errors import InvalidArgument, KVPoolError, UnknownNode
 from kvpool.common.logging import get_logger
 from kvpool.net import lookup_port
 
@@ -22,10 +23,24 @@ _OK = grpc.StatusCode.OK.value[0]
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 _UNKNOWN = grpc.StatusCode.UNKNOWN.value[0]
+_NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
 
 Handler = Callable[[Message], Message | Awaitable[Message]]
+
+
+class Stream:
+    """A method that turns its connection into a stream: ``open(request)`` gives the messages
+    to send as they come; each frame of method ``reply_method`` the peer sends back goes to
+    ``on_reply`` (decoded as ``reply_type``), unanswered."""
+
+    def __init__(self, request_type: type[Message],
+                 open: Callable[[Message], AsyncIterator[Message]],   # noqa: A002
+                 reply_method: int, reply_type: type[Message],
+                 on_reply: Callable[[Message], None]) -> None:
+        self.request_type, self.open = request_type, open
+        self.reply_method, self.reply_type, self.on_reply = reply_method, reply_type, on_reply
 
 
 class LookupServer:
@@ -39,8 +54,10 @@ class LookupServer:
 
     def __init__(self, handlers: Mapping[int, tuple[type[Message], Handler]],
                  refusal: Callable[[], str | None] = lambda: None,
-                 on_call: Callable[[str, str, float], None] | None = None):
+                 on_call: Callable[[str, str, float], None] | None = None,
+                 streams: Mapping[int, Stream] | None = None):
         self._handlers, self._refusal, self._on_call = dict(handlers), refusal, on_call
+        self._streams = dict(streams or {})
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.StreamWriter] = set()
         self.port = 0
@@ -72,6 +89,10 @@ class LookupServer:
             while True:
                 magic, method, length = lookup_port.REQUEST.unpack(
                     await reader.readexactly(lookup_port.REQUEST.size))
+                if method in self._streams and magic == lookup_port.MAGIC \
+                        and length <= lookup_port.MAX_BODY_BYTES:
+                    return await self._stream(self._streams[method],
+                                              await reader.readexactly(length), reader, writer)
                 if magic != lookup_port.MAGIC or method not in self._handlers \
                         or length > lookup_port.MAX_BODY_BYTES:
                     writer.write(lookup_port.encode_response(_INVALID, (
@@ -93,6 +114,43 @@ class LookupServer:
         finally:
             self._connections.discard(writer)
             writer.close()
+
+    async def _stream(self, stream: Stream, body: bytes, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        """Serve a stream until either end stops it; its replies are read meanwhile."""
+        if (why := self._refusal()) is not None:
+            writer.write(lookup_port.encode_response(_UNAVAILABLE, why.encode()))
+            return await writer.drain()
+        try:
+            messages = stream.open(stream.request_type.FromString(body))
+            replies = asyncio.create_task(self._replies(stream, reader))
+        except DecodeError:
+            writer.write(lookup_port.encode_response(_INVALID, b"malformed stream request"))
+            return await writer.drain()
+        try:
+            async with contextlib.aclosing(messages):
+                async for message in messages:
+                    if replies.done():   # the peer hung up, or sent something else
+                        break
+                    writer.write(lookup_port.encode_response(_OK, message.SerializeToString()))
+                    await writer.drain()
+        except KVPoolError as e:   # refused at the start (a node the master does not know)
+            code = _NOT_FOUND if isinstance(e, UnknownNode) else _INVALID
+            writer.write(lookup_port.encode_response(code, str(e).encode()))
+            await writer.drain()
+        finally:
+            replies.cancel()
+
+    @staticmethod
+    async def _replies(stream: Stream, reader: asyncio.StreamReader) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError, DecodeError):
+            while True:
+                magic, method, length = lookup_port.REQUEST.unpack(
+                    await reader.readexactly(lookup_port.REQUEST.size))
+                if magic != lookup_port.MAGIC or method != stream.reply_method \
+                        or length > lookup_port.MAX_BODY_BYTES:
+                    return
+                stream.on_reply(stream.reply_type.FromString(await reader.readexactly(length)))
 
     async def _answer(self, method: int, body: bytes) -> bytes:
         if (why := self._refusal()) is not None:

@@ -12,7 +12,7 @@ from kvpool.common.config import MasterConfig
 from kvpool.common.logging import get_logger
 from kvpool.common.loops import OnCrash, Supervisor
 from kvpool.common.metrics import MetricsServer, new_registry
-from kvpool.master.lookup_server import LookupServer
+from kvpool.master.lookup_server import LookupServer, Stream
 from kvpool.master.metrics import MasterCollector, RpcMetrics, ServerFigures
 from kvpool.master.routing import RoutingIndex
 from kvpool.master.routing_servicer import RouterServicer, store_lookup
@@ -136,7 +136,10 @@ class MasterServer:
                 lookup_port.PUT_REVOKE: (pb.KeysRequest,
                                          servicer.with_effects(servicer.put_revoke)),
             }, self._lookup_refusal,
-                on_call=self._rpc_metrics.observe if self._rpc_metrics else None)
+                on_call=self._rpc_metrics.observe if self._rpc_metrics else None,
+                streams={lookup_port.WATCH_MANIFEST: Stream(
+                    pb.WatchManifestRequest, servicer.watch_manifest, lookup_port.ACK_MANIFEST,
+                    pb.AckManifestRequest, servicer.ack_manifest)})
             try:
                 self._servicer.lookup_port = await self._lookup.start(self._host,
                                                                       self._lookup_port)

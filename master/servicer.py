@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import AsyncIterator
 
 import grpc
 from kvpool.common import checksum
@@ -149,17 +150,29 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
     async def WatchManifest(self, request, context):
         try:
-            self._state.heartbeat(request.node_id, take_manifest=False)
+            messages = self.watch_manifest(request)
+            # aclosing: a cancelled stream must unregister its watch now, not when collected.
+            async with contextlib.aclosing(messages):
+                async for message in messages:
+                    await context.write(message)
         except UnknownNode as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-        # aclosing: a cancelled stream must unregister its watch now, not when collected.
+
+    async def watch_manifest(self, request) -> AsyncIterator[pb.ManifestChanges]:
+        """WatchManifest's messages (also streamed on the lookup port); UnknownNode first
+        for a node this master does not know."""
+        self._state.heartbeat(request.node_id, take_manifest=False)
         async with contextlib.aclosing(self._watchers.stream(request.node_id)) as deltas:
             async for seq, delta in deltas:
-                await context.write(_changes(delta, seq, self._state.now()))
+                yield _changes(delta, seq, self._state.now())
 
     async def AckManifest(self, request, context):
-        self._watchers.ack(request.node_id, request.seq)
+        self.ack_manifest(request)
         return pb.AckManifestResponse()
+
+    def ack_manifest(self, request) -> None:
+        """AckManifest (also sent on a manifest stream of the lookup port)."""
+        self._watchers.ack(request.node_id, request.seq)
 
     @mutation(wait=False)
     async def AnnounceObjects(self, request, context):

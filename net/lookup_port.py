@@ -22,6 +22,13 @@ gRPC, once the store nodes applied what they changed (master/servicer.py ``apply
 master answers INVALID_ARGUMENT and closes the connection (it cannot know where the next frame
 starts). A master that does not lead (HA standby) answers UNAVAILABLE.
 
+WATCH_MANIFEST (``WatchManifestRequest``) turns the connection into a store node's manifest
+stream (master/manifest_watch.py): the master answers with one OK frame per ``ManifestChanges``
+message for as long as the connection lasts, and the node acknowledges on the same connection
+with ACK_MANIFEST frames (``AckManifestRequest``), which are not answered. Anything else the
+node sends on it ends the stream. Its changes reach the node and its acknowledgements the
+master a wake-up each, where the gRPC stream and AckManifest call cross two threads per end.
+
 A master names its lookup port in each gRPC ``GetReplicasResponse`` (``lookup_port``); the
 client dials it on the host its gRPC calls reach.
 """
@@ -38,8 +45,11 @@ EXISTS = 2
 PUT_START = 3
 PUT_END = 4
 PUT_REVOKE = 5
+WATCH_MANIFEST = 6
+ACK_MANIFEST = 7
 METHOD_NAMES = {GET_REPLICAS: "GetReplicas", EXISTS: "Exists", PUT_START: "PutStart",
-                PUT_END: "PutEnd", PUT_REVOKE: "PutRevoke"}   # as the gRPC methods
+                PUT_END: "PutEnd", PUT_REVOKE: "PutRevoke", WATCH_MANIFEST: "WatchManifest",
+                ACK_MANIFEST: "AckManifest"}   # as the gRPC methods
 # As gRPC's message limit here (rpc/wire.py GRPC_OPTIONS).
 MAX_BODY_BYTES = 64 << 20
 

@@ -88,6 +88,41 @@ class LookupChannel:
             raise LookupLost(message)
         raise self._refused(code, message, f"master {self.target[0]}: lookup")
 
+    def open_stream(self, method: int, request: Message) -> socket.socket:
+        """A new connection that ``request`` (a stream method: WATCH_MANIFEST) turned into a
+        stream; read it with :func:`read_stream_frame`. LookupLost if the port cannot be
+        reached."""
+        sock, _ = self._connect()
+        try:
+            sock.sendall(lookup_port.encode_request(method, request.SerializeToString()))
+        except OSError as e:
+            sock.close()
+            raise LookupLost(f"lookup port {self._endpoint[1]}: {e}") from None
+        return sock
+
+    def read_stream_frame(self, sock: socket.socket, response_type: type[M]) -> M:
+        """The next message of a stream opened by :meth:`open_stream`. Raises TimeoutError
+        when none came within the socket's timeout, LookupLost if the port refused the stream
+        as a standby does (UNAVAILABLE) or the connection broke (OSError), and the
+        KVPoolError of another refusal (an unknown node: NOT_FOUND)."""
+        try:
+            header = recv_exact(sock, lookup_port.RESPONSE.size, "the master")
+            status, length = lookup_port.RESPONSE.unpack(header)
+            if length > lookup_port.MAX_BODY_BYTES:
+                raise LookupLost(f"a stream frame of {length} bytes")
+            body = recv_exact(sock, length, "the master")
+        except TimeoutError:
+            raise
+        except OSError as e:
+            raise LookupLost(f"lookup port {self._endpoint[1]}: {e}") from None
+        if status == 0:
+            return response_type.FromString(body)
+        code = _STATUS.get(status, grpc.StatusCode.UNKNOWN)
+        message = body.decode(errors="replace")
+        if code == grpc.StatusCode.UNAVAILABLE:
+            raise LookupLost(message)
+        raise self._refused(code, message, f"master {self.target[0]}: stream")
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -100,6 +135,9 @@ class LookupChannel:
         with self._lock:
             if self._idle:
                 return self._idle.pop(), True
+        return self._connect()
+
+    def _connect(self) -> tuple[socket.socket, bool]:
         try:
             sock = socket.create_connection(self._endpoint, timeout=_CONNECT_TIMEOUT_S)
         except OSError as e:
@@ -166,6 +204,41 @@ class Lookups:
             if self._channel is channel:
                 self._channel = None
         channel.close()
+
+    def open_stream(self, method: int, request: Message) -> socket.socket:
+        """A new connection that ``request`` (a stream method: WATCH_MANIFEST) turned into a
+        stream; read it with :func:`read_stream_frame`. LookupLost if the port cannot be
+        reached."""
+        sock, _ = self._connect()
+        try:
+            sock.sendall(lookup_port.encode_request(method, request.SerializeToString()))
+        except OSError as e:
+            sock.close()
+            raise LookupLost(f"lookup port {self._endpoint[1]}: {e}") from None
+        return sock
+
+    def read_stream_frame(self, sock: socket.socket, response_type: type[M]) -> M:
+        """The next message of a stream opened by :meth:`open_stream`. Raises TimeoutError
+        when none came within the socket's timeout, LookupLost if the port refused the stream
+        as a standby does (UNAVAILABLE) or the connection broke (OSError), and the
+        KVPoolError of another refusal (an unknown node: NOT_FOUND)."""
+        try:
+            header = recv_exact(sock, lookup_port.RESPONSE.size, "the master")
+            status, length = lookup_port.RESPONSE.unpack(header)
+            if length > lookup_port.MAX_BODY_BYTES:
+                raise LookupLost(f"a stream frame of {length} bytes")
+            body = recv_exact(sock, length, "the master")
+        except TimeoutError:
+            raise
+        except OSError as e:
+            raise LookupLost(f"lookup port {self._endpoint[1]}: {e}") from None
+        if status == 0:
+            return response_type.FromString(body)
+        code = _STATUS.get(status, grpc.StatusCode.UNKNOWN)
+        message = body.decode(errors="replace")
+        if code == grpc.StatusCode.UNAVAILABLE:
+            raise LookupLost(message)
+        raise self._refused(code, message, f"master {self.target[0]}: stream")
 
     def close(self) -> None:
         with self._lock:

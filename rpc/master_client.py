@@ -6,6 +6,8 @@ Object calls return one result per key: a value, or the KVPoolError instance for
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import time
 from collections.abc import Iterator, Sequence
 
@@ -44,6 +46,7 @@ class MasterClient(GrpcClient):
         super().__init__(address, master_pb2_grpc.MasterStub, timeout_s=timeout_s,
                          retries=retries, name="master client")
         self._watches: set = set()   # the WatchManifest calls open now (end_watches)
+        self._port_watches: dict[str, socket.socket] = {}   # node id -> its stream's socket
         self._lookups = Lookups(timeout_s, map_status)
 
     # -- membership (store nodes) --
@@ -85,7 +88,51 @@ class MasterClient(GrpcClient):
         """The changes to a node's manifest as the master makes them, until ``deadline_s``
         passes (then the iterator ends: watch again) or the master goes away (raises): each
         with its seq, to :meth:`ack_manifest` once applied when it is not 0, and with the
-        reservations it made (``until`` on this process's monotonic clock)."""
+        reservations it made (``until`` on this process's monotonic clock). On the master's
+        lookup port where it has one we reach (a put waits for the node's acknowledgement:
+        there it costs a wake-up each way), else over gRPC."""
+        address = self._live_stub()[0]
+        channel = self._lookup_channel()
+        if channel is not None:
+            try:
+                sock = channel.open_stream(lookup_port.WATCH_MANIFEST,
+                                           pb.WatchManifestRequest(node_id=node_id))
+            except LookupLost:
+                self._lookups.lost(channel)
+            else:
+                yield from self._watch_port(node_id, address, channel, sock, deadline_s)
+                return
+        yield from self._watch_grpc(node_id, deadline_s)
+
+    def _watch_port(self, node_id: str, address: str, channel, sock, deadline_s: float):
+        end = time.monotonic() + deadline_s
+        self._port_watches[node_id] = sock
+        try:
+            while (left := end - time.monotonic()) > 0:
+                sock.settimeout(left)
+                try:
+                    msg = channel.read_stream_frame(sock, pb.ManifestChanges)
+                except TimeoutError:
+                    return
+                except LookupLost as e:
+                    self._lookups.lost(channel)
+                    if self._closed:
+                        raise ClientClosed(f"the {self._name} was closed during the call") \
+                            from None
+                    if self.address == address:
+                        self._fail_over(address, None)   # a standby or a dead master
+                    raise MasterUnavailable(f"master {address}: manifest stream: {e}") from None
+                if self.address != address:
+                    return    # we follow another master now: this one no longer leads
+                yield (msg.seq, wire.records_from_pb(msg.committed),
+                       list(zip(msg.removed_keys, msg.removed_versions)),
+                       wire.reservations_from_pb(msg.reserved, time.monotonic()))
+        finally:
+            if self._port_watches.get(node_id) is sock:
+                del self._port_watches[node_id]
+            sock.close()
+
+    def _watch_grpc(self, node_id: str, deadline_s: float):
         address, stub = self._live_stub()
         stream = stub.WatchManifest(pb.WatchManifestRequest(node_id=node_id), timeout=deadline_s)
         self._watches.add(stream)
@@ -113,12 +160,23 @@ class MasterClient(GrpcClient):
         again, on a new or another master, watches that one, not one that went quiet."""
         for stream in list(self._watches):
             stream.cancel()
+        for sock in list(self._port_watches.values()):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def ack_manifest(self, node_id: str, seq: int) -> None:
-        """Tell the master that the node has applied its stream's changes up to ``seq``. Not
-        retried: a failure ends the stream, and the master sends what is unacknowledged again
-        on the next one."""
-        self._call("AckManifest", pb.AckManifestRequest(node_id=node_id, seq=seq), retry=False)
+        """Tell the master that the node has applied its stream's changes up to ``seq`` (on
+        the stream itself when it came by the lookup port). Not retried: a failure ends the
+        stream, and the master sends what is unacknowledged again on the next one."""
+        request = pb.AckManifestRequest(node_id=node_id, seq=seq)
+        if (sock := self._port_watches.get(node_id)) is not None:
+            try:
+                sock.sendall(lookup_port.encode_request(lookup_port.ACK_MANIFEST,
+                                                        request.SerializeToString()))
+            except OSError as e:
+                raise MasterUnavailable(f"master {self.address}: AckManifest: {e}") from None
+            return
+        self._call("AckManifest", request, retry=False)
 
     def announce_objects(self, node_id: str, records: Sequence[ObjectRecord], done: bool,
                          reserved: Sequence[Reservation] = ()) -> list[KVPoolError | None]:
@@ -181,6 +239,13 @@ class MasterClient(GrpcClient):
         r = self._lookup(lookup_port.GET_REPLICAS, "GetReplicas", pb.KeysRequest(keys=keys),
                          pb.GetReplicasResponse)
         return _located(keys, r)
+
+    def _lookup_channel(self):
+        """The lookup port's channel, learning the port first (an empty GetReplicas) when
+        this master never named it to us; None if it has none we use."""
+        if self._lookups.wants_port(address := self.address):
+            self._lookups.learn(address, self._call("GetReplicas", pb.KeysRequest()).lookup_port)
+        return self._lookups.channel
 
     def _lookup(self, method: int, rpc: str, request, response_type):
         """``rpc`` on the master's lookup port where it has one we reach, else over gRPC. A

@@ -9,7 +9,7 @@ import threading
 import grpc
 import pytest
 from kvpool.common.config import MasterConfig
-from kvpool.common.errors import InvalidArgument
+from kvpool.common.errors import InvalidArgument, MasterUnavailable
 from kvpool.common.types import NodeEndpoints, SegmentInfo
 from kvpool.master.server import MasterServer
 from kvpool.master.servicer import MAX_BATCH
@@ -238,3 +238,53 @@ def test_a_master_restarted_on_the_same_lookup_port_is_asked_there_at_once():
             assert m.counter.calls.get("GetReplicas", 0) == 0
         finally:
             m.stop()
+
+
+def _watch(mc: MasterClient, node_id: str, got: list, stop: threading.Event) -> threading.Thread:
+    """A node's manifest watch, as store_node/node.py runs it, in a thread."""
+    def run():
+        while not stop.is_set():
+            for seq, committed, removed, _ in mc.watch_manifest(node_id, 0.5):
+                got.extend(r.key for r in committed)
+                got.extend(f"-{k}" for k, _ in removed)
+                if seq:
+                    mc.ack_manifest(node_id, seq)
+                if stop.is_set():
+                    return
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("port", [True, False], ids=["lookup-port", "grpc"])
+def test_a_nodes_manifest_stream_and_its_acks_go_by_the_lookup_port(port):
+    m = Master(lookup_port=0 if port else None)
+    stop, got = threading.Event(), []
+    try:
+        with MasterClient(m.address) as node, MasterClient(m.address) as mc:
+            endpoints = NodeEndpoints(node_id="n", boot_id="", tcp_endpoint="127.0.0.1:9")
+            node.mount_segment(endpoints, SegmentInfo("n/0", 1 << 20), keeps_manifest=True)
+            watcher = _watch(node, "n", got, stop)
+            for i in range(20):
+                _store(mc, [f"k{i}"])   # each PutEnd waits for the node's acknowledgement
+            assert mc.remove(["k0"]) == [None]
+            assert got == [f"k{i}" for i in range(20)] + ["-k0"]
+            assert m.server._servicer.manifest_lag()[1] == 0   # no wait ran out
+            acks = m.counter.calls.get("AckManifest", 0)
+            assert (acks == 0) if port else (acks >= 21)
+            assert ("WatchManifest" in m.counter.calls) is not port
+            stop.set()
+            watcher.join(5)
+    finally:
+        m.stop()
+
+
+@pytest.mark.parametrize("port", [True, False], ids=["lookup-port", "grpc"])
+def test_a_manifest_stream_for_a_node_the_master_does_not_know_is_refused(port):
+    m = Master(lookup_port=0 if port else None)
+    try:
+        with MasterClient(m.address) as node:
+            with pytest.raises(MasterUnavailable, match="NOT_FOUND: node 'nobody' is not known"):
+                list(node.watch_manifest("nobody", 1.0))
+    finally:
+        m.stop()
