@@ -225,7 +225,7 @@ def test_the_copying_path_and_the_zero_copy_path_store_the_same_objects(driver, 
     assert b.ok("set", keys=kb, pages=[0, 1, 2])["ok"] is True
     assert b.ok("get", keys=ka, pages=[8, 9, 10])["ok"] == [True] * 3
     assert a.ok("get_v1", keys=kb, pages=[8, 9, 10])["ok"] == [True] * 3
-    assert b.ok("digest", pages=[8, 9, 10]) ["digests"] == a.ok("digest", pages=[0, 1, 2])["digests"]
+    assert b.ok("digest", pages=[8, 9, 10])["digests"] == a.ok("digest", pages=[0, 1, 2])["digests"]
     assert a.ok("digest", pages=[8, 9, 10])["digests"] == b.ok("digest", pages=[0, 1, 2])["digests"]
     assert b.ok("exists", keys=ka)["count"] == 3
     assert b.ok("get", keys=pages(1, "none"), pages=[11])["ok"] == [False]
