@@ -105,8 +105,10 @@ class ManifestWatchers:
             # now on every put acknowledged on its segments waits for the node to apply it.
             yield 0, ManifestDelta([], [])
             while not self._closed:
+                # asyncio.timeout, not wait_for: no task made per message (on every put's path)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(watch.wake.wait(), PUSH_INTERVAL_S)
+                    async with asyncio.timeout(PUSH_INTERVAL_S):
+                        await watch.wake.wait()
                 if self._watches.get(node_id) is not watch:
                     # A newer stream of this node took over (this one's end is not noticed
                     # yet): only that one may take the node's changes, or its waiters would
