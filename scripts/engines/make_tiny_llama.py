@@ -1,7 +1,8 @@
 """Build a tiny random Llama (default: 2 layers, hidden 128, 2 heads of 64, vocab 1000) with an
 offline WordLevel tokenizer (tokens ``w3`` .. ``w999``) into a folder: a real model for vLLM with
-no hub access. Deterministic (seed 0). Run with the engine venv's Python (needs transformers,
-tokenizers, torch):
+no hub access. Its chat template renders roles as words of the vocabulary (system ``w4``, user
+``w5``, assistant ``w6``), so ``/v1/chat/completions`` works and every token is a real one.
+Deterministic (seed 0). Run with the engine venv's Python (needs transformers, tokenizers, torch):
 
     python scripts/engines/make_tiny_llama.py OUT_DIR [--layers 8 --hidden 1024 --heads 8]
 """
@@ -12,6 +13,10 @@ import argparse
 import os
 
 VOCAB = 1000
+CHAT_TEMPLATE = (
+    "{{ bos_token }} {% for m in messages %}"
+    "{% if m['role'] == 'system' %}w4{% elif m['role'] == 'user' %}w5{% else %}w6{% endif %} "
+    "{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w6{% endif %}")
 
 
 def build(out: str, layers: int = 2, hidden: int = 128, heads: int = 2) -> str:
@@ -26,7 +31,7 @@ def build(out: str, layers: int = 2, hidden: int = 128, heads: int = 2) -> str:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")   # joins tokens with spaces
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                                   eos_token="</s>")
+                                   eos_token="</s>", chat_template=CHAT_TEMPLATE)
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
                       num_hidden_layers=layers, num_attention_heads=heads,
