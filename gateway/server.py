@@ -154,13 +154,14 @@ class Gateway:
         tried: list[str] = []
         record = {"request": rid, "endpoint": endpoint, "stream": stream}
         while True:
-            candidates = self.pool.candidates(exclude=tried)
-            if not candidates:
+            tokens, choice = await loop.run_in_executor(
+                self._plans, self._plan, body, to_tokens, tokens,
+                self.pool.candidates(exclude=tried))
+            if choice is None:
                 self._count(endpoint, "", 503)
                 raise NoEngine(("every engine failed this request: " + ", ".join(tried))
                                if tried else "no engine is up")
-            tokens, choice = await loop.run_in_executor(
-                self._plans, self._plan, body, to_tokens, tokens, candidates)
+            record["plan_s"] = round(time.perf_counter() - t0, 5)
             self.metrics.route.labels(choice.policy).observe(choice.route_s)
             try:
                 outcome = await self._try(request, endpoint, raw, stream, deadline, tokens,
@@ -190,14 +191,15 @@ class Gateway:
 
     def _plan(self, body: dict, to_tokens: Callable[[dict], list[int]],
               tokens: list[int] | None, candidates: list[Candidate]
-              ) -> tuple[list[int], Choice]:
-        """On a worker thread: tokenize (once per request), then choose an engine."""
+              ) -> tuple[list[int], Choice | None]:
+        """On a worker thread: tokenize (once per request: a bad prompt is a 400 even with
+        no engine up), then choose an engine (None: no candidate left)."""
         if tokens is None:
             try:
                 tokens = to_tokens(body)
             except (ValueError, TypeError, OverflowError) as e:   # the tokenizer's complaint
                 raise BadRequest(f"the prompt cannot be tokenized: {e}") from None
-        return tokens, self.router.choose(tokens, candidates)
+        return tokens, self.router.choose(tokens, candidates) if candidates else None
 
     async def _try(self, request: web.Request, endpoint: str, raw: bytes, stream: bool,
                    deadline: float, tokens: list[int], choice: Choice, t0: float) -> Outcome:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import signal
 import sys
 
@@ -52,8 +53,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _missing_extra() -> str | None:
-    import importlib.util
-    missing = [pkg for mod, pkg in _EXTRA.items() if importlib.util.find_spec(mod) is None]
+    missing = []
+    for module in _EXTRA:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(_EXTRA[module])
     return ", ".join(missing) if missing else None
 
 
