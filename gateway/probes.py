@@ -53,7 +53,7 @@ class EngineProber:
         while True:
             try:
                 await asyncio.gather(*(self._probe(i) for i in list(self.pool.engines)))
-            except Exception:   # noqa: BLE001  (a bug must not end the probes: log, go on)
+            except Exception:   # a bug must not end the probes: logged, and they go on
                 log.exception("engine_probes_crashed")
             await asyncio.sleep(self.interval_s)
 

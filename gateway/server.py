@@ -271,7 +271,7 @@ async def _errors_as_openai(request: web.Request, handler) -> web.StreamResponse
         err = NotFound(f"no such endpoint: {request.method} {request.path}") \
             if e.status == 404 else APIError(e.reason, status=e.status)
         return web.json_response(err.body(), status=e.status, headers=_allow(e))
-    except Exception:   # noqa: BLE001  (a bug: logged with its traceback, answered 500)
+    except Exception:   # a bug: logged with its traceback, answered 500
         log.exception("request_crashed", path=request.path)
         err = APIError("the gateway failed on this request (see its log)", status=500)
         err.type = "internal_error"

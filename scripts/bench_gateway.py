@@ -82,7 +82,7 @@ def main() -> int:
         a.master = cluster.master
         with RouterClient(a.master) as router:
             router.register(HashSpec.of(a.block_size, model=name))
-    log = tempfile.TemporaryFile("w+")     # a pipe would fill up and stall the gateway
+    log = tempfile.TemporaryFile("w+")  # noqa: SIM115  (a pipe would fill up and stall the gateway)
     gw = subprocess.Popen(
         [sys.executable, "-m", "kvpool", "gateway", "--master", a.master, "--engines", a.engine,
          "--model", a.model, "--served-model-name", name, "--port", "0"],

@@ -54,11 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _missing_extra() -> str | None:
     missing = []
-    for module in _EXTRA:
+    for module, package in _EXTRA.items():
         try:
             importlib.import_module(module)
         except ImportError:
-            missing.append(_EXTRA[module])
+            missing.append(package)
     return ", ".join(missing) if missing else None
 
 
