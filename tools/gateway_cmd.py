@@ -8,6 +8,7 @@ import importlib
 import signal
 import sys
 
+from kvpool.master.routing import DEFAULT_POLICY, POLICIES
 from kvpool.tools.argtypes import duration_type, log_arg, master_arg, port_type
 
 # What the gateway needs beyond kvpool's own dependencies: `pip install 'kvpool[gateway]'`.
@@ -35,9 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hash-model", metavar="NAME",
                    help="the model name the engines' KV events are hashed under (`kvpool "
                         "kv-events --model NAME`) (default: the served model name)")
-    p.add_argument("--policy", default="",
-                   help="the routing policy Route applies: kvpool, least_loaded, round_robin, "
-                        "prefix_affinity, random (default: the master's, kvpool)")
+    p.add_argument("--policy", default=DEFAULT_POLICY, choices=list(POLICIES),
+                   help=f"the routing policy Route applies (default: {DEFAULT_POLICY})")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default: 127.0.0.1)")
     p.add_argument("--port", type=port_type, default=8080,
                    help="listen port (default: 8080; 0 = any free port)")
