@@ -182,9 +182,12 @@ class Gateway:
                 self._engine_failed(choice.instance_id, "stream", str(e))
                 self._record(record, choice, tokens, e.outcome, t0, tried, "failed_mid_stream")
                 return e.outcome.response
-            except (ClientGone, asyncio.CancelledError):
+            except (ClientGone, asyncio.CancelledError) as e:
+                # The client left; its engine request was dropped with it (upstream.py).
                 self._count(endpoint, choice.instance_id, 499)
                 log.info("request_cancelled", engine=choice.instance_id, **record)
+                if isinstance(e, ClientGone):
+                    return e.response or web.Response(status=499)
                 raise
             self._record(record, choice, tokens, outcome, t0, tried, "ok")
             return outcome.response

@@ -49,7 +49,12 @@ class EngineFailedMidStream(Exception):
 
 
 class ClientGone(Exception):
-    """The client closed its connection."""
+    """The client closed its connection; ``response``: the one begun for it, if any (what the
+    handler returns: aiohttp then sends nothing more)."""
+
+    def __init__(self, response: web.StreamResponse | None = None):
+        super().__init__("the client went away")
+        self.response = response
 
 
 @dataclass(slots=True)
@@ -119,8 +124,8 @@ async def _copy_stream(up: aiohttp.ClientResponse, request: web.Request,
                 first_chunk_s = time.perf_counter()
                 on_first_chunk()
                 response = web.StreamResponse(status=200, headers=headers)
-                await _client_io(response.prepare(request))
-            await _client_io(response.write(chunk))
+                await _client_io(response.prepare(request), response)
+            await _client_io(response.write(chunk), response)
     except (aiohttp.ClientError, TimeoutError) as e:
         if response is None:
             raise                   # nothing sent: forward() maps it, the request may retry
@@ -128,24 +133,24 @@ async def _copy_stream(up: aiohttp.ClientResponse, request: web.Request,
         deadline = isinstance(e, TimeoutError) and not isinstance(e, aiohttp.ServerTimeoutError)
         reason = "the request's deadline passed" if deadline else \
             f"the engine failed mid-stream: {_describe(e)}"
-        await _client_io(response.write(UpstreamFailed(reason).sse()))
-        await _client_io(response.write_eof())
+        await _client_io(response.write(UpstreamFailed(reason).sse()), response)
+        await _client_io(response.write_eof(), response)
         if deadline:
             raise DeadlineExceeded(outcome) from None
         raise EngineFailedMidStream(_describe(e), outcome) from None
     if response is None:      # an empty stream: still an answer
         response = web.StreamResponse(status=200, headers=headers)
-        await _client_io(response.prepare(request))
-    await _client_io(response.write_eof())
+        await _client_io(response.prepare(request), response)
+    await _client_io(response.write_eof(), response)
     return Outcome(response, 200, first_chunk_s, True)
 
 
-async def _client_io(aw) -> None:
+async def _client_io(aw, response: web.StreamResponse) -> None:
     """A write to the client; its failure is the client's, not the engine's."""
     try:
         await aw
     except (ConnectionError, aiohttp.ClientConnectionResetError):
-        raise ClientGone() from None
+        raise ClientGone(response) from None
 
 
 def _describe(e: BaseException) -> str:
