@@ -28,6 +28,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "kvpool.tools.bench"),
     "replay": ("replay a Mooncake trace through the router; reuse and TTFT per policy",
                "kvpool.tools.replay"),
+    "gateway": ("an OpenAI-compatible HTTP gateway that routes requests to engines by cache "
+                "and load", "kvpool.tools.gateway_cmd"),
     "kv-events": ("feed a vLLM instance's KV events (ZMQ) to the master's routing index",
                   "kvpool.tools.kv_events_cmd"),
     "soak": ("load + node crashes + eviction on a local cluster, then a strict audit",

@@ -1,7 +1,9 @@
 """Build a tiny random Llama (default: 2 layers, hidden 128, 2 heads of 64, vocab 1000) with an
 offline WordLevel tokenizer (tokens ``w3`` .. ``w999``) into a folder: a real model for vLLM with
-no hub access. Deterministic (seed 0). Run with the engine venv's Python (needs transformers,
-tokenizers, torch):
+no hub access. Its chat template renders roles as words of the vocabulary (system ``w4``, user
+``w5``, assistant ``w6``), so ``/v1/chat/completions`` works and every token is a real one.
+Deterministic (seed 0). Run with the engine venv's Python (needs transformers, tokenizers, torch;
+``--tokenizer-only`` needs no torch):
 
     python scripts/engines/make_tiny_llama.py OUT_DIR [--layers 8 --hidden 1024 --heads 8]
 """
@@ -12,21 +14,32 @@ import argparse
 import os
 
 VOCAB = 1000
+CHAT_TEMPLATE = (
+    "{{ bos_token }} {% for m in messages %}"
+    "{% if m['role'] == 'system' %}w4{% elif m['role'] == 'user' %}w5{% else %}w6{% endif %} "
+    "{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w6{% endif %}")
 
 
-def build(out: str, layers: int = 2, hidden: int = 128, heads: int = 2) -> str:
-    """Write the model and tokenizer to ``out``; return ``out``."""
-    import torch
+def build_tokenizer(out: str) -> str:
+    """Write only the tokenizer (and its chat template) to ``out``: needs no torch."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
     vocab.update({f"w{i}": i for i in range(3, VOCAB)})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")   # joins tokens with spaces
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                                   eos_token="</s>")
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>", chat_template=CHAT_TEMPLATE).save_pretrained(out)
+    return out
+
+
+def build(out: str, layers: int = 2, hidden: int = 128, heads: int = 2) -> str:
+    """Write the model and tokenizer to ``out``; return ``out``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
                       num_hidden_layers=layers, num_attention_heads=heads,
@@ -34,8 +47,7 @@ def build(out: str, layers: int = 2, hidden: int = 128, heads: int = 2) -> str:
                       max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
                       tie_word_embeddings=False, torch_dtype="float32")
     LlamaForCausalLM(cfg).save_pretrained(out, safe_serialization=True)
-    fast.save_pretrained(out)
-    return out
+    return build_tokenizer(out)
 
 
 if __name__ == "__main__":
@@ -45,6 +57,11 @@ if __name__ == "__main__":
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--heads", type=int, default=2, help="attention (and KV) heads")
+    ap.add_argument("--tokenizer-only", action="store_true",
+                    help="write only the tokenizer and chat template (no torch needed)")
     a = ap.parse_args()
-    build(a.out, a.layers, a.hidden, a.heads)
+    if a.tokenizer_only:
+        build_tokenizer(a.out)
+    else:
+        build(a.out, a.layers, a.hidden, a.heads)
     print("tiny-llama:", os.path.abspath(a.out))

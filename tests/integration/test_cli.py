@@ -56,10 +56,11 @@ def test_the_command_list_names_every_command():
 
 
 # What help must not pay for: the heavy commands' code and the optional heavy dependencies.
-HEAVY_MODULES = re.compile(r"kvpool\.tools\.(bench|soak|replay)\w*|(torch|matplotlib|numpy)(\..*)?")
+HEAVY_MODULES = re.compile(r"kvpool\.tools\.(bench|soak|replay)\w*|kvpool\.gateway(\..*)?"
+                           r"|(torch|matplotlib|numpy|aiohttp|transformers)(\..*)?")
 
 
-@pytest.mark.parametrize("args", [["--help"], ["master", "--help"]])
+@pytest.mark.parametrize("args", [["--help"], ["master", "--help"], ["gateway", "--help"]])
 def test_help_imports_no_command_it_does_not_show(args):
     r = subprocess.run([sys.executable, "-X", "importtime", "-m", "kvpool", *args],
                        capture_output=True, text=True, timeout=60, check=False)

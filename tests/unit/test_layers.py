@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("common", "net", "rpc", "protos", "master", "store_node", "client", "tools")
+PACKAGES = ("common", "net", "rpc", "protos", "master", "store_node", "client", "gateway", "tools")
 
 
 def _lint_imports(root: Path, package_parent: Path) -> subprocess.CompletedProcess:
@@ -46,3 +46,12 @@ def test_a_store_node_importing_the_client_breaks_the_layer_contract(tmp_path):
     assert r.returncode != 0
     assert "kvpool layers" in r.stdout and "BROKEN" in r.stdout
     assert "kvpool.store_node.manifest -> kvpool.client" in r.stdout
+
+
+def test_the_client_importing_the_gateway_breaks_the_layer_contract(tmp_path):
+    root = _copy_of_the_package(tmp_path)
+    with open(root / "client" / "router.py", "a") as f:
+        f.write("\nfrom kvpool.gateway import engines  # noqa: E402,F401\n")
+    r = _lint_imports(root, tmp_path)
+    assert r.returncode != 0
+    assert "kvpool.client.router -> kvpool.gateway" in r.stdout

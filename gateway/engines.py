@@ -1,0 +1,159 @@
+"""The engines behind the gateway, and what the gateway knows of each: sans-IO, clock injected.
+
+An engine is an OpenAI-compatible server (``vllm serve``) reached at ``url`` and known to the
+router as ``instance_id``: the id its KV events are published under (``kvpool kv-events
+--instance-id ID``), so that Route's answer names an engine the gateway can reach. Written on
+the command line as ``ID=URL``, or ``URL`` alone, whose id is then the URL's ``host:port``.
+
+Load, per engine, as Route's ``Candidate`` takes it:
+
+- ``queue_depth``: requests ahead of a new one there. The gateway's own requests still waiting
+  for their first token, or what the engine reported at its last scrape (``running + waiting``,
+  which also counts requests other clients sent it), whichever is larger. Either alone is
+  wrong: the scrape is up to a poll interval old, and the gateway does not see other clients.
+- ``inflight_prefill_tokens``: prompt tokens the gateway sent there that are still to be
+  prefilled, i.e. its requests without a first token yet, each counted as its prompt less the
+  prefix Route expected it to reuse.
+
+An engine that fails (refused connection, reset, timeout, a 502/503/504) is marked down and
+offered to no request until a probe finds it healthy again; the probes back off from
+``backoff_s`` doubling to ``max_backoff_s``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from kvpool.client.router import Candidate
+
+
+class EngineSpecError(ValueError):
+    """An ``--engines`` entry that names no engine (the message says which and why)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    instance_id: str
+    url: str          # scheme://host:port, no trailing slash
+
+
+def parse_engines(text: str) -> list[EngineSpec]:
+    """``ID=URL,URL,...`` -> specs; ids default to the URL's ``host:port``; ids and URLs must be
+    unique. ``http://`` is assumed when a URL has no scheme."""
+    specs = []
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        instance_id, sep, url = item.partition("=")
+        if not sep:
+            instance_id, url = "", item
+        if "://" not in url:
+            url = "http://" + url
+        parts = urlsplit(url)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if parts.scheme not in ("http", "https") or not parts.hostname or port is None \
+                or parts.path not in ("", "/"):
+            raise EngineSpecError(f"invalid engine {item!r}: expected [ID=]http://HOST:PORT")
+        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+        specs.append(EngineSpec(instance_id.strip() or f"{host}:{port}",
+                                f"{parts.scheme}://{host}:{port}"))
+    if not specs:
+        raise EngineSpecError("no engines given: expected [ID=]http://HOST:PORT,...")
+    for what, values in (("id", [s.instance_id for s in specs]), ("URL", [s.url for s in specs])):
+        if len(set(values)) != len(values):
+            raise EngineSpecError(f"an engine {what} is listed twice: {', '.join(values)}")
+    return specs
+
+
+@dataclass(eq=False, slots=True)
+class EngineState:
+    spec: EngineSpec
+    waiting_first_token: dict[int, int] = field(default_factory=dict)   # request -> tokens
+    inflight: int = 0                  # gateway requests there, from send to last byte
+    reported_queue: int = 0            # running + waiting at the engine's last scrape
+    down_since: float | None = None
+    retry_at: float = 0.0
+    backoff_s: float = 0.0
+    failures: int = 0
+
+    @property
+    def up(self) -> bool:
+        return self.down_since is None
+
+    def candidate(self) -> Candidate:
+        return Candidate(self.spec.instance_id,
+                         max(len(self.waiting_first_token), self.reported_queue),
+                         sum(self.waiting_first_token.values()))
+
+
+class EnginePool:
+    """Every engine's state. One event loop owns it: no locks."""
+
+    def __init__(self, specs: Iterable[EngineSpec], *, backoff_s: float = 1.0,
+                 max_backoff_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+        self.engines = {s.instance_id: EngineState(s) for s in specs}
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self._clock = clock
+        self._next_request = 0
+
+    def __getitem__(self, instance_id: str) -> EngineState:
+        return self.engines[instance_id]
+
+    def candidates(self, exclude: Iterable[str] = ()) -> list[Candidate]:
+        """The engines up, less ``exclude`` (those a request already failed on), as Route
+        candidates with their load."""
+        skip = set(exclude)
+        return [e.candidate() for e in self.engines.values()
+                if e.up and e.spec.instance_id not in skip]
+
+    # -- a request's life on an engine --
+    def sent(self, instance_id: str, prefill_tokens: int) -> int:
+        """A request went to the engine with ``prefill_tokens`` to prefill; returns its
+        ticket for ``first_token`` and ``done``."""
+        self._next_request += 1
+        e = self.engines[instance_id]
+        e.waiting_first_token[self._next_request] = max(0, prefill_tokens)
+        e.inflight += 1
+        return self._next_request
+
+    def first_token(self, instance_id: str, ticket: int) -> None:
+        self.engines[instance_id].waiting_first_token.pop(ticket, None)
+
+    def done(self, instance_id: str, ticket: int) -> None:
+        e = self.engines[instance_id]
+        e.waiting_first_token.pop(ticket, None)
+        e.inflight -= 1
+
+    # -- health --
+    def failed(self, instance_id: str) -> bool:
+        """The engine failed a request or a probe: down, next probe after the back-off.
+        Returns True if it was up until now."""
+        e, now = self.engines[instance_id], self._clock()
+        was_up = e.up
+        e.failures += 1
+        e.backoff_s = self.backoff_s if was_up else min(2 * e.backoff_s, self.max_backoff_s)
+        if was_up:
+            e.down_since = now
+        e.retry_at = now + e.backoff_s
+        return was_up
+
+    def healthy(self, instance_id: str) -> bool:
+        """A probe found the engine healthy: up again. Returns True if it was down."""
+        e = self.engines[instance_id]
+        was_down = not e.up
+        e.down_since, e.backoff_s = None, 0.0
+        return was_down
+
+    def due_for_probe(self) -> list[str]:
+        """The down engines whose back-off has passed."""
+        now = self._clock()
+        return [i for i, e in self.engines.items() if not e.up and e.retry_at <= now]
+
+    def reported(self, instance_id: str, queue: int) -> None:
+        self.engines[instance_id].reported_queue = max(0, queue)

@@ -1,0 +1,90 @@
+"""The gateway's engine list and engine pool (load, down and up again), and its reading of vLLM's
+/metrics: pure, on a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+from kvpool.client.router import Candidate
+from kvpool.gateway.engines import EnginePool, EngineSpec, EngineSpecError, parse_engines
+from kvpool.gateway.probes import reported_queue
+
+
+def test_engines_are_named_by_their_id_or_their_host_and_port():
+    assert parse_engines("a=http://10.0.0.5:8000, 10.0.0.6:8001,http://[::1]:9000/") == [
+        EngineSpec("a", "http://10.0.0.5:8000"),
+        EngineSpec("10.0.0.6:8001", "http://10.0.0.6:8001"),
+        EngineSpec("[::1]:9000", "http://[::1]:9000")]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "no engines given"),
+    ("http://host", "expected [ID=]http://HOST:PORT"),
+    ("ftp://host:1", "expected [ID=]http://HOST:PORT"),
+    ("http://host:1/v1", "expected [ID=]http://HOST:PORT"),
+    ("http://host:99999", "expected [ID=]http://HOST:PORT"),
+    ("a=http://h:1,a=http://h:2", "an engine id is listed twice"),
+    ("http://h:1,b=http://h:1", "an engine URL is listed twice"),
+])
+def test_bad_engine_lists_are_explained(text, message):
+    with pytest.raises(EngineSpecError, match=message.replace("[", r"\[")):
+        parse_engines(text)
+
+
+def pool(clock, n=2):
+    return EnginePool([EngineSpec(f"e{i}", f"http://h:{i + 1}") for i in range(n)],
+                      backoff_s=1.0, max_backoff_s=4.0, clock=clock)
+
+
+def test_load_counts_requests_until_their_first_token(clock):
+    p = pool(clock)
+    t1 = p.sent("e0", 300)
+    t2 = p.sent("e0", 100)
+    assert p.candidates() == [Candidate("e0", 2, 400), Candidate("e1", 0, 0)]
+    p.first_token("e0", t1)            # prefilled: no longer ahead of a new request
+    assert p.candidates()[0] == Candidate("e0", 1, 100)
+    assert p["e0"].inflight == 2
+    p.done("e0", t1)
+    p.done("e0", t2)                   # ended before a first token (an error): gone too
+    assert p.candidates()[0] == Candidate("e0", 0, 0) and p["e0"].inflight == 0
+
+
+def test_the_engines_own_report_counts_when_it_sees_more(clock):
+    p = pool(clock)
+    p.sent("e0", 10)
+    p.reported("e0", 5)        # other clients' requests too
+    assert p.candidates()[0].queue_depth == 5
+    p.reported("e0", 0)        # a scrape older than the gateway's own request
+    assert p.candidates()[0].queue_depth == 1
+
+
+def test_a_failed_engine_is_offered_to_no_request_until_a_probe_finds_it_healthy(clock):
+    p = pool(clock)
+    assert p.failed("e0") is True
+    assert p.failed("e0") is False     # already down: not announced twice
+    assert [c.instance_id for c in p.candidates()] == ["e1"]
+    assert [c.instance_id for c in p.candidates(exclude=["e1"])] == []
+    assert p.due_for_probe() == []
+    clock.advance(2.0)                 # the second failure doubled the back-off to 2 s
+    assert p.due_for_probe() == ["e0"]
+    p.failed("e0")                     # the probe failed: 4 s (the maximum) before the next
+    clock.advance(3.9)
+    assert p.due_for_probe() == []
+    clock.advance(0.1)
+    assert p.due_for_probe() == ["e0"]
+    assert p.healthy("e0") is True and p.healthy("e0") is False
+    assert [c.instance_id for c in p.candidates()] == ["e0", "e1"]
+    p.failed("e0")                     # a new failure starts from the first back-off again
+    assert p["e0"].retry_at == clock.now + 1.0
+
+
+def test_vllm_metrics_give_running_plus_waiting_over_every_rank():
+    page = b"\n".join([
+        b"# HELP vllm:num_requests_running Number of requests in model execution batches.",
+        b'vllm:num_requests_running{engine="0",model_name="m"} 2.0',
+        b'vllm:num_requests_waiting{engine="0",model_name="m"} 3.0',
+        b'vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 9.0',
+        b'vllm:num_requests_running{engine="1",model_name="m"} 1.0',
+        b'vllm:num_requests_waiting{engine="1",model_name="m"} nonsense',
+    ])
+    assert reported_queue(page) == 6
+    assert reported_queue(b"") == 0
