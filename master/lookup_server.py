@@ -106,8 +106,8 @@ class LookupServer:
                 if self._on_call is not None:
                     self._on_call(lookup_port.METHOD_NAMES[method],
                                   _CODE_NAMES[answer[0]], time.perf_counter() - started)
+                self.calls[method] += 1   # before the answer: whoever has it sees it counted
                 writer.write(answer)
-                self.calls[method] += 1
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass    # the client went away

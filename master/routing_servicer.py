@@ -36,6 +36,7 @@ class RouterServicer(routing_pb2_grpc.RouterServicer):
     """``spec``: the cluster's hash spec; None lets the first registering client fix it."""
 
     def __init__(self, index: RoutingIndex, spec: HashSpec | None = None, seed: int = 0):
+        self.lookup_port = 0   # named in Route answers once the master's lookup port is bound
         self.index = index
         self.spec = spec
         self._policies: dict[str, RoutingPolicy] = {}   # stateful ones (round robin) persist
@@ -72,12 +73,19 @@ class RouterServicer(routing_pb2_grpc.RouterServicer):
 
     async def Route(self, request, context):
         try:
-            query = self._query(request)
-            candidates = [Candidate(c.instance_id, c.queue_depth, c.inflight_prefill_tokens)
-                          for c in request.candidates] or None
-            decision = self.index.route(query, candidates, self._policy(request.policy))
+            response = self.route(request)
         except InvalidArgument as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        response.lookup_port = self.lookup_port
+        return response
+
+    def route(self, request: pb.RouteRequest) -> pb.RouteResponse:
+        """Route's answer (also served on the master's lookup port: a gateway routes every
+        request); InvalidArgument if the request is malformed."""
+        query = self._query(request)
+        candidates = [Candidate(c.instance_id, c.queue_depth, c.inflight_prefill_tokens)
+                      for c in request.candidates] or None
+        decision = self.index.route(query, candidates, self._policy(request.policy))
         return pb.RouteResponse(
             instance_id=decision.instance_id, policy=decision.policy, blocks=len(query.hashes),
             estimated_ttft_s=decision.estimated_ttft_s,

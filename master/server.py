@@ -20,6 +20,7 @@ from kvpool.master.servicer import MasterServicer
 from kvpool.master.state import MasterState
 from kvpool.net import lookup_port
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
+from kvpool.protos.kvpool.v1 import routing_pb2 as routing_pb
 from kvpool.protos.kvpool.v1 import master_pb2_grpc, routing_pb2_grpc
 from kvpool.rpc.wire import GRPC_OPTIONS
 
@@ -119,7 +120,8 @@ class MasterServer:
         self._server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors or None)
         self._servicer = MasterServicer(self.state)
         master_pb2_grpc.add_MasterServicer_to_server(self._servicer, self._server)
-        routing_pb2_grpc.add_RouterServicer_to_server(RouterServicer(self.routing), self._server)
+        router = RouterServicer(self.routing)
+        routing_pb2_grpc.add_RouterServicer_to_server(router, self._server)
         try:
             self.port = self._server.add_insecure_port(f"{self._host}:{self._port}")
         except RuntimeError as e:
@@ -135,14 +137,15 @@ class MasterServer:
                 lookup_port.PUT_END: (pb.PutEndRequest, servicer.with_effects(servicer.put_end)),
                 lookup_port.PUT_REVOKE: (pb.KeysRequest,
                                          servicer.with_effects(servicer.put_revoke)),
+                lookup_port.ROUTE: (routing_pb.RouteRequest, router.route),
             }, self._lookup_refusal,
                 on_call=self._rpc_metrics.observe if self._rpc_metrics else None,
                 streams={lookup_port.WATCH_MANIFEST: Stream(
                     pb.WatchManifestRequest, servicer.watch_manifest, lookup_port.ACK_MANIFEST,
                     pb.AckManifestRequest, servicer.ack_manifest)})
             try:
-                self._servicer.lookup_port = await self._lookup.start(self._host,
-                                                                      self._lookup_port)
+                self._servicer.lookup_port = router.lookup_port = await self._lookup.start(
+                    self._host, self._lookup_port)
             except OSError as e:
                 await self._server.stop(0)
                 raise OSError(f"cannot listen on {self._host}:{self._lookup_port} for "

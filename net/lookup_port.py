@@ -1,6 +1,6 @@
 """The master's lookup port: the master calls of the data path (GetReplicas, before every read;
 Exists, an engine's scheduler asking what is cached; PutStart, PutEnd and PutRevoke, around
-every write) over a kept-open tcp connection with a fixed header instead of gRPC. The master's end is :mod:`kvpool.master.lookup_server` (on its
+every write; Route, before every request a gateway forwards) over a kept-open tcp connection with a fixed header instead of gRPC. The master's end is :mod:`kvpool.master.lookup_server` (on its
 asyncio loop), the client's :class:`kvpool.rpc.lookup.LookupChannel`; both frame with this module.
 
 Why a second listener: on these 2-core machines a gRPC unary call costs about 0.5 ms between
@@ -13,10 +13,11 @@ simply keeps using gRPC.
 
 Request:  ``!4sB3xI`` = magic b"KVL1", method, pad, body length; then the body: the request
           message (GET_REPLICAS, EXISTS and PUT_REVOKE: ``KeysRequest``; PUT_START:
-          ``PutStartRequest``; PUT_END: ``PutEndRequest``).
+          ``PutStartRequest``; PUT_END: ``PutEndRequest``; ROUTE: the Router service's
+          ``RouteRequest``).
 Response: ``!B3xI`` = status (a gRPC status code's value, 0 = OK), pad, body length; then the
           body: the response message (``GetReplicasResponse``; ``PutStartResponse``;
-          ``StatusesResponse`` for the others) or a utf-8 error message.
+          ``RouteResponse``; ``StatusesResponse`` for the others) or a utf-8 error message.
 Requests on one connection are answered one at a time, in order; the put calls answer, as over
 gRPC, once the store nodes applied what they changed (master/servicer.py ``apply_effects``). After a malformed header the
 master answers INVALID_ARGUMENT and closes the connection (it cannot know where the next frame
@@ -29,8 +30,8 @@ with ACK_MANIFEST frames (``AckManifestRequest``), which are not answered. Anyth
 node sends on it ends the stream. Its changes reach the node and its acknowledgements the
 master a wake-up each, where the gRPC stream and AckManifest call cross two threads per end.
 
-A master names its lookup port in each gRPC ``GetReplicasResponse`` (``lookup_port``); the
-client dials it on the host its gRPC calls reach.
+A master names its lookup port in each gRPC ``GetReplicasResponse`` and ``RouteResponse``
+(``lookup_port``); the client dials it on the host its gRPC calls reach.
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ PUT_END = 4
 PUT_REVOKE = 5
 WATCH_MANIFEST = 6
 ACK_MANIFEST = 7
+ROUTE = 8
 METHOD_NAMES = {GET_REPLICAS: "GetReplicas", EXISTS: "Exists", PUT_START: "PutStart",
                 PUT_END: "PutEnd", PUT_REVOKE: "PutRevoke", WATCH_MANIFEST: "WatchManifest",
-                ACK_MANIFEST: "AckManifest"}   # as the gRPC methods
+                ACK_MANIFEST: "AckManifest", ROUTE: "Route"}   # as the gRPC methods
 # As gRPC's message limit here (rpc/wire.py GRPC_OPTIONS).
 MAX_BODY_BYTES = 64 << 20
 

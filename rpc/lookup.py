@@ -195,6 +195,22 @@ class Lookups:
         if old is not None:
             old.close()
 
+    def try_port(self, method: int, request: Message, response_type: type[M]) -> M | None:
+        """``request``'s answer from the lookup port in use; None if there is none or it
+        could not answer (then it is left alone for a while: ask over gRPC). Raises the
+        KVPoolError of a refusal, and MasterUnavailable if the master took too long (the
+        port is left alone then too)."""
+        if (channel := self._channel) is None:
+            return None
+        try:
+            return channel.call(method, request, response_type)
+        except LookupLost:
+            self.lost(channel)
+        except MasterUnavailable:
+            self.lost(channel)
+            raise
+        return None
+
     def lost(self, channel: LookupChannel) -> None:
         """``channel`` failed: gRPC only, until its master names a port again after a while."""
         with self._lock:

@@ -252,14 +252,8 @@ class MasterClient(GrpcClient):
         call the port lost (LookupLost) is asked again over gRPC: for a put call that the
         master may have carried out, as gRPC's own retry after UNAVAILABLE does (DESIGN.md,
         "Calls cut by a master kill")."""
-        if (channel := self._lookups.channel) is not None:
-            try:
-                return channel.call(method, request, response_type)
-            except LookupLost:
-                self._lookups.lost(channel)
-            except MasterUnavailable:
-                self._lookups.lost(channel)
-                raise
+        if (r := self._lookups.try_port(method, request, response_type)) is not None:
+            return r
         r = self._call(rpc, request)
         if method == lookup_port.GET_REPLICAS:
             self._lookups.learn(self.address, r.lookup_port)

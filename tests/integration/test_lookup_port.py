@@ -288,3 +288,25 @@ def test_a_manifest_stream_for_a_node_the_master_does_not_know_is_refused(port):
                 list(node.watch_manifest("nobody", 1.0))
     finally:
         m.stop()
+
+
+def test_route_goes_to_the_lookup_port_once_a_grpc_answer_named_it(master):
+    from kvpool.client.router import Candidate, RouterClient
+    from kvpool.common.hashing import HashSpec
+    from kvpool.common.kv_events import BlockStored
+
+    spec = HashSpec.of(16, model="m")
+    prompt = list(range(64))
+    with RouterClient(master.address) as router:
+        router.register(spec)
+        router.publish("b", [BlockStored(tuple(spec.hashes(prompt)[:3]))])
+        idle = [Candidate("a"), Candidate("b")]
+        answers = [router.route(token_ids=prompt, extra_keys={"model": "m"}, candidates=idle)
+                   for _ in range(3)]
+        assert master.counter.calls["Route"] == 1          # then twice on the port
+        assert answers[0] == answers[1] == answers[2]
+        assert answers[0].instance_id == "b" and answers[0].hits["gpu"] == 3
+        with pytest.raises(InvalidArgument, match="not both"):
+            router.route(token_ids=prompt, block_hashes=[b"x" * 32])
+        assert master.counter.calls["Route"] == 1          # refused there, not asked again
+    assert master.server._lookup.calls[lookup_port.ROUTE] == 3

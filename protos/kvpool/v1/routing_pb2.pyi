@@ -119,15 +119,17 @@ class TierHits(_message.Message):
     def __init__(self, tier: _Optional[str] = ..., blocks: _Optional[int] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("instance_id", "hits", "estimated_ttft_s", "policy", "blocks")
+    __slots__ = ("instance_id", "hits", "estimated_ttft_s", "policy", "blocks", "lookup_port")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     ESTIMATED_TTFT_S_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_PORT_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     hits: _containers.RepeatedCompositeFieldContainer[TierHits]
     estimated_ttft_s: float
     policy: str
     blocks: int
-    def __init__(self, instance_id: _Optional[str] = ..., hits: _Optional[_Iterable[_Union[TierHits, _Mapping]]] = ..., estimated_ttft_s: _Optional[float] = ..., policy: _Optional[str] = ..., blocks: _Optional[int] = ...) -> None: ...
+    lookup_port: int
+    def __init__(self, instance_id: _Optional[str] = ..., hits: _Optional[_Iterable[_Union[TierHits, _Mapping]]] = ..., estimated_ttft_s: _Optional[float] = ..., policy: _Optional[str] = ..., blocks: _Optional[int] = ..., lookup_port: _Optional[int] = ...) -> None: ...
