@@ -236,17 +236,22 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             raise InvalidArgument(f"{len(request.keys)} keys but {len(request.sizes)} sizes")
         if request.parents and len(request.parents) != len(request.keys):
             raise InvalidArgument(f"{len(request.keys)} keys but {len(request.parents)} parents")
-        results = self._state.put_start(list(request.keys), list(request.sizes),
-                                        request.replicas or None,
-                                        list(request.parents) if request.parents else None)
-        statuses, columns = [], wire.ReplicaColumnsWriter()
+        results = self._state.put_start_extents(list(request.keys), list(request.sizes),
+                                                request.replicas or None,
+                                                list(request.parents) if request.parents
+                                                else None)
+        statuses, counts, segment_ids, offsets = [], [], [], []
         for r in results:
             if isinstance(r, KVPoolError):
                 statuses.append(status_for_error(r))
-                columns.skip()
+                counts.append(0)
             else:
                 statuses.append(pb.STATUS_OK)
-                columns.add(r)
+                counts.append(len(r))
+                segment_ids += [e.segment_id for e in r]
+                offsets += [e.offset for e in r]
+        columns = wire.ReplicaColumnsWriter()
+        columns.add_columns(counts, segment_ids, offsets, self._state.replica_in)
         summary = self._state.space_summary() if pb.STATUS_NO_SPACE in statuses else ""
         return pb.PutStartResponse(put_timeout_s=self._state.config.put_timeout_s,
                                    statuses=statuses, replicas=columns.to_pb(),

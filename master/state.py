@@ -243,6 +243,16 @@ class MasterState:
         Raises InvalidArgument only when ``keys`` and ``sizes`` (or ``parents``) differ in
         length.
         """
+        replica = self._members.replica
+        return [r if isinstance(r, KVPoolError) else tuple(map(replica, r))
+                for r in self.put_start_extents(keys, sizes, replicas, parents)]
+
+    def put_start_extents(self, keys: Sequence[str], sizes: Sequence[int],
+                          replicas: int | None = None,
+                          parents: Sequence[str | None] | None = None
+                          ) -> list[list[Extent] | KVPoolError]:
+        """:meth:`put_start` with each placement as its extents (PutStart's columns are
+        built from them, and segment descriptors once per segment: :meth:`replica_in`)."""
         if len(keys) != len(sizes):
             raise InvalidArgument(f"{len(keys)} keys but {len(sizes)} sizes")
         if parents is not None and len(parents) != len(keys):
@@ -382,7 +392,7 @@ class MasterState:
     # -- per-key operations -----------------------------------------------------------------
 
     def _put_one(self, key: str, size: int, n: int, now: float, seen: set[str],
-                 started: list[ObjectEntry], parent: str | None = None) -> tuple[Replica, ...]:
+                 started: list[ObjectEntry], parent: str | None = None) -> list[Extent]:
         validate_key(key)
         # Before any other check, so a repeated key is refused whatever happened to the first.
         if key in seen:
@@ -425,7 +435,7 @@ class MasterState:
             if seg.manifest is not None:
                 seg.manifest.append(Reservation(key, e.segment_id, e.offset, e.length, until))
         started.append(obj)
-        return tuple(map(self._members.replica, obj.replicas))
+        return extents
 
     def space_summary(self) -> str:
         """How much room the cluster has for new objects, for a NoSpace message."""
