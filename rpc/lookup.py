@@ -80,13 +80,7 @@ class LookupChannel:
                 sock.close()
                 raise
         self._release(sock)
-        if status == 0:
-            return response_type.FromString(body)
-        code = _STATUS.get(status, grpc.StatusCode.UNKNOWN)
-        message = body.decode(errors="replace")
-        if code == grpc.StatusCode.UNAVAILABLE:   # e.g. a standby: gRPC finds the leader
-            raise LookupLost(message)
-        raise self._refused(code, message, f"master {self.target[0]}: lookup")
+        return self._answer(status, body, response_type, "lookup")
 
     def open_stream(self, method: int, request: Message) -> socket.socket:
         """A new connection that ``request`` (a stream method: WATCH_MANIFEST) turned into a
@@ -115,13 +109,16 @@ class LookupChannel:
             raise
         except OSError as e:
             raise LookupLost(f"lookup port {self._endpoint[1]}: {e}") from None
+        return self._answer(status, body, response_type, "stream")
+
+    def _answer(self, status: int, body: bytes, response_type: type[M], what: str) -> M:
         if status == 0:
             return response_type.FromString(body)
         code = _STATUS.get(status, grpc.StatusCode.UNKNOWN)
         message = body.decode(errors="replace")
-        if code == grpc.StatusCode.UNAVAILABLE:
+        if code == grpc.StatusCode.UNAVAILABLE:   # e.g. a standby: gRPC finds the leader
             raise LookupLost(message)
-        raise self._refused(code, message, f"master {self.target[0]}: stream")
+        raise self._refused(code, message, f"master {self.target[0]}: {what}")
 
     def close(self) -> None:
         with self._lock:
@@ -220,41 +217,6 @@ class Lookups:
             if self._channel is channel:
                 self._channel = None
         channel.close()
-
-    def open_stream(self, method: int, request: Message) -> socket.socket:
-        """A new connection that ``request`` (a stream method: WATCH_MANIFEST) turned into a
-        stream; read it with :func:`read_stream_frame`. LookupLost if the port cannot be
-        reached."""
-        sock, _ = self._connect()
-        try:
-            sock.sendall(lookup_port.encode_request(method, request.SerializeToString()))
-        except OSError as e:
-            sock.close()
-            raise LookupLost(f"lookup port {self._endpoint[1]}: {e}") from None
-        return sock
-
-    def read_stream_frame(self, sock: socket.socket, response_type: type[M]) -> M:
-        """The next message of a stream opened by :meth:`open_stream`. Raises TimeoutError
-        when none came within the socket's timeout, LookupLost if the port refused the stream
-        as a standby does (UNAVAILABLE) or the connection broke (OSError), and the
-        KVPoolError of another refusal (an unknown node: NOT_FOUND)."""
-        try:
-            header = recv_exact(sock, lookup_port.RESPONSE.size, "the master")
-            status, length = lookup_port.RESPONSE.unpack(header)
-            if length > lookup_port.MAX_BODY_BYTES:
-                raise LookupLost(f"a stream frame of {length} bytes")
-            body = recv_exact(sock, length, "the master")
-        except TimeoutError:
-            raise
-        except OSError as e:
-            raise LookupLost(f"lookup port {self._endpoint[1]}: {e}") from None
-        if status == 0:
-            return response_type.FromString(body)
-        code = _STATUS.get(status, grpc.StatusCode.UNKNOWN)
-        message = body.decode(errors="replace")
-        if code == grpc.StatusCode.UNAVAILABLE:
-            raise LookupLost(message)
-        raise self._refused(code, message, f"master {self.target[0]}: stream")
 
     def close(self) -> None:
         with self._lock:
