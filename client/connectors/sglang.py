@@ -39,19 +39,17 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpool.client.buffers import byte_view, view_at
 from kvpool.client.connectors.sglang_keys import SGLangKeyScheme, present_pages
+from kvpool.client.connectors.store import LazyStore
 from kvpool.common.errors import AlreadyExists, KVPoolError
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, PoolName
 
 if TYPE_CHECKING:
     import torch
-    from kvpool.client.kv_client import KVClient
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
     from sglang.srt.mem_cache.pool_host import HostKVCache
 
@@ -116,66 +114,6 @@ def _number(extra: dict, key: str, default, kind):
     return number
 
 
-class _Store:
-    """A KVClient made on first use (the host pool's buffers registered with it), and left
-    alone for ``retry_s`` after the cluster could not be reached, so an engine whose store is
-    down pays one timeout per ``retry_s``, not one per call."""
-
-    def __init__(self, options: _Options):
-        self._options = options
-        self._client: KVClient | None = None
-        self._buffers: list = []
-        self._down_until = 0.0
-        self._lock = threading.Lock()
-
-    def register(self, buffer) -> None:
-        """Register ``buffer`` with the client now and with any client made later."""
-        with self._lock:
-            self._buffers.append(buffer)
-            if self._client is not None:
-                self._register(self._client, buffer)
-
-    def client(self) -> KVClient | None:
-        """The KVClient, or None while the store counts as unreachable."""
-        if time.monotonic() < self._down_until:
-            return None
-        with self._lock:
-            if self._client is None:
-                from kvpool.client.kv_client import KVClient
-                try:
-                    client = KVClient(self._options.master, replicas=self._options.replicas,
-                                      transports=self._options.transports,
-                                      timeout_s=self._options.timeout_s)
-                except KVPoolError as e:
-                    self.failed(e)
-                    return None
-                for buffer in self._buffers:
-                    self._register(client, buffer)
-                self._client = client
-            return self._client
-
-    @staticmethod
-    def _register(client: KVClient, buffer) -> None:
-        try:
-            client.register_buffer(buffer)
-        except KVPoolError as e:   # still correct, only staged: say so once
-            log.warning("kvpool_register_buffer_failed bytes=%d error=%r (pages are staged)",
-                        buffer.numel() * buffer.element_size(), str(e))
-
-    def failed(self, error: BaseException) -> None:
-        """Note that a call failed for want of the cluster; log once per outage."""
-        if time.monotonic() >= self._down_until:
-            log.warning("kvpool_unavailable master=%s retry_in_s=%.0f error=%r",
-                        self._options.master, self._options.retry_s, str(error))
-        self._down_until = time.monotonic() + self._options.retry_s
-
-    def close(self) -> None:
-        with self._lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
-
-
 class KVPoolHiCacheStorage(HiCacheStorage):
     """SGLang ``HiCacheStorage`` backed by a kvpool cluster (see the module docstring)."""
 
@@ -194,7 +132,10 @@ class KVPoolHiCacheStorage(HiCacheStorage):
                                       "parallelism (dcp_size > 1)")
         self._config = storage_config
         self._options = _Options.read(dict(storage_config.extra_config or {}))
-        self._store = _Store(self._options)
+        self._store = LazyStore(self._options.master, replicas=self._options.replicas,
+                                transports=self._options.transports,
+                                timeout_s=self._options.timeout_s,
+                                retry_s=self._options.retry_s, log=log)
         self._scheme: SGLangKeyScheme | None = None
         self._zero_copy = False
         self.mem_pool_host = None

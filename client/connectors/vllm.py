@@ -37,12 +37,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvpool.client.connectors.store import LazyStore
 from kvpool.client.connectors.vllm_keys import VLLMKeyScheme, loadable_blocks, present_prefix
 from kvpool.common.errors import AlreadyExists, KVPoolError
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -129,49 +129,6 @@ def _as_bool(v: Any) -> bool:
     return bool(v)
 
 
-class _Store:
-    """A KVClient made on first use, and left alone for ``retry_s`` after the cluster could
-    not be reached, so an engine whose store is down pays one timeout per ``retry_s``, not
-    one per request."""
-
-    def __init__(self, options: _Options):
-        self._options = options
-        self._client = None
-        self._down_until = 0.0
-        self._lock = threading.Lock()
-
-    def client(self):
-        """The KVClient, or None while the store counts as unreachable."""
-        if time.monotonic() < self._down_until:
-            return None
-        with self._lock:
-            if self._client is None:
-                from kvpool.client.kv_client import KVClient
-                from prometheus_client import REGISTRY
-                try:
-                    self._client = KVClient(self._options.master, replicas=self._options.replicas,
-                                            transports=self._options.transports,
-                                            timeout_s=self._options.timeout_s,
-                                            metrics=REGISTRY if self._options.metrics else None)
-                except KVPoolError as e:
-                    self.failed(e)
-                    return None
-            return self._client
-
-    def failed(self, error: BaseException) -> None:
-        """Note that a call failed for want of the cluster; log once per outage."""
-        if time.monotonic() >= self._down_until:
-            log.warning("kvpool_unavailable master=%s retry_in_s=%.0f error=%r",
-                        self._options.master, self._options.retry_s, str(error))
-        self._down_until = time.monotonic() + self._options.retry_s
-
-    def close(self) -> None:
-        with self._lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
-
-
 class KVPoolConnector(KVConnectorBase_V1):
     """A vLLM V1 KV connector backed by a kvpool cluster (see the module docstring)."""
 
@@ -179,7 +136,11 @@ class KVPoolConnector(KVConnectorBase_V1):
                  kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._options = _Options.read(self._kv_transfer_config)
-        self._store = _Store(self._options)
+        self._store = LazyStore(self._options.master, replicas=self._options.replicas,
+                                transports=self._options.transports,
+                                timeout_s=self._options.timeout_s,
+                                retry_s=self._options.retry_s, log=log,
+                                metrics=_registry() if self._options.metrics else None)
         self._block_size = vllm_config.cache_config.block_size
         self._scheme = _key_scheme(vllm_config, kv_cache_config, self._options.model_id)
         # scheduler side
@@ -313,13 +274,8 @@ class KVPoolConnector(KVConnectorBase_V1):
             self._tp_rank = get_tensor_model_parallel_rank()
         except (AssertionError, ImportError):   # no parallel group: a single process
             self._tp_rank = 0
-        kv = self._store.client()
-        if kv is not None:
-            for t in layers:
-                try:
-                    kv.register_buffer(t)
-                except KVPoolError as e:   # staged copies instead of in-place transfers
-                    log.warning("kvpool_register_failed error=%r", str(e))
+        for t in layers:
+            self._store.register(t)
         log.info("kvpool_kv_caches_registered layers=%d block_bytes=%d tp_rank=%d",
                  len(layers), sum(t[0].numel() * t.element_size() for t in layers), self._tp_rank)
 
@@ -461,3 +417,9 @@ def _key_scheme(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
                          tp_size=vllm_config.parallel_config.tensor_parallel_size,
                          hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
                          layer_names=layer_names)
+
+
+def _registry():
+    """prometheus-client's default registry: what vLLM's /metrics serves."""
+    from prometheus_client import REGISTRY
+    return REGISTRY
