@@ -91,7 +91,7 @@ class RouterClient(GrpcClient):
             candidates=[pb.Candidate(instance_id=c.instance_id, queue_depth=c.queue_depth,
                                      inflight_prefill_tokens=c.inflight_prefill_tokens)
                         for c in candidates])
-        r = self._lookups.try_port(lookup_port.ROUTE, req, pb.RouteResponse)
+        r = self._call_port(self._lookups, lookup_port.ROUTE, req, pb.RouteResponse)
         if r is None:
             r = self._call("Route", req)
             self._lookups.learn(self.address, r.lookup_port)

@@ -59,7 +59,8 @@ class LookupServer:
         self._handlers, self._refusal, self._on_call = dict(handlers), refusal, on_call
         self._streams = dict(streams or {})
         self._server: asyncio.Server | None = None
-        self._connections: set[asyncio.StreamWriter] = set()
+        # Each connection's writer and the task serving it (stop ends both).
+        self._connections: dict[asyncio.StreamWriter, asyncio.Task] = {}
         self.port = 0
         self.calls: dict[int, int] = dict.fromkeys(self._handlers, 0)   # by method, answered
 
@@ -78,13 +79,20 @@ class LookupServer:
         if self._server is None:
             return
         self._server.close()
+        tasks = list(self._connections.values())
         for writer in list(self._connections):   # idle clients would hold wait_closed open
             writer.close()
+        # A stream's task ends once its messages do (the master ended its streams first), the
+        # others at their closed connection; none is left to be destroyed with the loop.
+        _, late = await asyncio.wait(tasks, timeout=1.0) if tasks else ((), ())
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
         await self._server.wait_closed()
         self._server = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._connections.add(writer)
+        self._connections[writer] = asyncio.current_task()
         try:
             while True:
                 magic, method, length = lookup_port.REQUEST.unpack(
@@ -112,7 +120,7 @@ class LookupServer:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass    # the client went away
         finally:
-            self._connections.discard(writer)
+            self._connections.pop(writer, None)
             writer.close()
 
     async def _stream(self, stream: Stream, body: bytes, reader: asyncio.StreamReader,

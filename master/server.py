@@ -178,10 +178,11 @@ class MasterServer:
             self.metrics.stop()
         if self._ticker:
             self._ticker.cancel()
+        if self._server:
+            self._servicer.close_streams()   # first: the lookup port's streams end with them
         if self._lookup:
             await self._lookup.stop()
         if self._server:
-            self._servicer.close_streams()
             await self._server.stop(grace_s)
         log.info("master_stopped", address=self.address)
 

@@ -137,6 +137,18 @@ class GrpcClient:
         except KVPoolError:
             pass
 
+    def _call_port(self, lookups, method: int, request, response_type):
+        """``request`` on the master's lookup port (``lookups``: rpc/lookup.py ``Lookups``);
+        None if no port answers it (ask over gRPC). A master that hangs past the deadline is
+        left as after a gRPC deadline: the next call goes to whichever master leads by then."""
+        address = self.address
+        try:
+            return lookups.try_port(address, method, request, response_type)
+        except MasterUnavailable:
+            if self._targets.fails_over:
+                self._fail_over(address, None)
+            raise
+
     def _call(self, method: str, request, *, retry: bool = True, **kw) -> object:
         """Call ``method`` under the deadline; UNAVAILABLE is retried with jittered
         exponential backoff unless ``retry`` is False (streams). UNAVAILABLE also comes from

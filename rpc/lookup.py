@@ -168,12 +168,18 @@ class Lookups:
     def channel(self) -> LookupChannel | None:
         return self._channel
 
+    def channel_for(self, master: str) -> LookupChannel | None:
+        """The channel in use if it is ``master``'s (after a failover, the old leader's port
+        is not the new one's: a paused leader would hold every call to its timeout)."""
+        channel = self._channel
+        return channel if channel is not None and channel.target[0] == master else None
+
     def wants_port(self, master: str) -> bool:
         """Whether to ask ``master`` for its lookup port (a client that only calls Exists
-        never hears it otherwise): no port in use, none named by this master, or the one it
-        named failed long enough ago to try again."""
+        never hears it otherwise): no port of its in use, none named by this master, or the
+        one it named failed long enough ago to try again."""
         learned = self._learned
-        return self._channel is None and not self._closed and (
+        return self.channel_for(master) is None and not self._closed and (
             learned is None or learned[0] != master
             or (learned[1] != 0 and self._failed.get(learned, 0.0) <= self._clock()))
 
@@ -192,12 +198,13 @@ class Lookups:
         if old is not None:
             old.close()
 
-    def try_port(self, method: int, request: Message, response_type: type[M]) -> M | None:
-        """``request``'s answer from the lookup port in use; None if there is none or it
+    def try_port(self, master: str, method: int, request: Message, response_type: type[M]
+                 ) -> M | None:
+        """``request``'s answer from ``master``'s lookup port; None if none is in use or it
         could not answer (then it is left alone for a while: ask over gRPC). Raises the
         KVPoolError of a refusal, and MasterUnavailable if the master took too long (the
         port is left alone then too)."""
-        if (channel := self._channel) is None:
+        if (channel := self.channel_for(master)) is None:
             return None
         try:
             return channel.call(method, request, response_type)

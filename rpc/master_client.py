@@ -47,6 +47,7 @@ class MasterClient(GrpcClient):
                          retries=retries, name="master client")
         self._watches: set = set()   # the WatchManifest calls open now (end_watches)
         self._port_watches: dict[str, socket.socket] = {}   # node id -> its stream's socket
+        self._watch_generation = 0   # end_watches calls so far
         self._lookups = Lookups(timeout_s, map_status)
 
     # -- membership (store nodes) --
@@ -91,6 +92,7 @@ class MasterClient(GrpcClient):
         reservations it made (``until`` on this process's monotonic clock). On the master's
         lookup port where it has one we reach (a put waits for the node's acknowledgement:
         there it costs a wake-up each way), else over gRPC."""
+        generation = self._watch_generation
         address = self._live_stub()[0]
         channel = self._lookup_channel()
         if channel is not None:
@@ -100,14 +102,18 @@ class MasterClient(GrpcClient):
             except LookupLost:
                 self._lookups.lost(channel)
             else:
-                yield from self._watch_port(node_id, address, channel, sock, deadline_s)
+                yield from self._watch_port(node_id, address, channel, sock, deadline_s,
+                                            generation)
                 return
         yield from self._watch_grpc(node_id, deadline_s)
 
-    def _watch_port(self, node_id: str, address: str, channel, sock, deadline_s: float):
+    def _watch_port(self, node_id: str, address: str, channel, sock, deadline_s: float,
+                    generation: int):
         end = time.monotonic() + deadline_s
         self._port_watches[node_id] = sock
         try:
+            if self._watch_generation != generation or self.address != address:
+                return   # ended (end_watches) or left for another master while it opened
             while (left := end - time.monotonic()) > 0:
                 sock.settimeout(left)
                 try:
@@ -115,10 +121,13 @@ class MasterClient(GrpcClient):
                 except TimeoutError:
                     return
                 except LookupLost as e:
-                    self._lookups.lost(channel)
                     if self._closed:
                         raise ClientClosed(f"the {self._name} was closed during the call") \
                             from None
+                    if self._port_watches.get(node_id) is not sock:   # end_watches: on purpose
+                        raise MasterUnavailable(f"master {address}: manifest stream ended") \
+                            from None
+                    self._lookups.lost(channel)
                     if self.address == address:
                         self._fail_over(address, None)   # a standby or a dead master
                     raise MasterUnavailable(f"master {address}: manifest stream: {e}") from None
@@ -160,7 +169,9 @@ class MasterClient(GrpcClient):
         again, on a new or another master, watches that one, not one that went quiet."""
         for stream in list(self._watches):
             stream.cancel()
-        for sock in list(self._port_watches.values()):
+        self._watch_generation += 1   # a port stream still opening ends as soon as it is
+        ended, self._port_watches = self._port_watches, {}
+        for sock in ended.values():
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
 
@@ -245,14 +256,14 @@ class MasterClient(GrpcClient):
         this master never named it to us; None if it has none we use."""
         if self._lookups.wants_port(address := self.address):
             self._lookups.learn(address, self._call("GetReplicas", pb.KeysRequest()).lookup_port)
-        return self._lookups.channel
+        return self._lookups.channel_for(address)
 
     def _lookup(self, method: int, rpc: str, request, response_type):
         """``rpc`` on the master's lookup port where it has one we reach, else over gRPC. A
         call the port lost (LookupLost) is asked again over gRPC: for a put call that the
         master may have carried out, as gRPC's own retry after UNAVAILABLE does (DESIGN.md,
         "Calls cut by a master kill")."""
-        if (r := self._lookups.try_port(method, request, response_type)) is not None:
+        if (r := self._call_port(self._lookups, method, request, response_type)) is not None:
             return r
         r = self._call(rpc, request)
         if method == lookup_port.GET_REPLICAS:
@@ -266,6 +277,7 @@ class MasterClient(GrpcClient):
     def close(self) -> None:
         self._lookups.close()
         super().close()
+        self.end_watches()   # a manifest stream on the lookup port is a socket of our own
 
     def pin(self, keys: Sequence[str], ttl_s: float | None = None) -> list[KVPoolError | None]:
         """Hard pins (``ttl_s=None``) or soft pins for ``ttl_s`` seconds; per key None or the

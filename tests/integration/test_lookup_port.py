@@ -9,7 +9,7 @@ import threading
 import grpc
 import pytest
 from kvpool.common.config import MasterConfig
-from kvpool.common.errors import InvalidArgument, MasterUnavailable
+from kvpool.common.errors import ClientClosed, InvalidArgument, MasterUnavailable
 from kvpool.common.types import NodeEndpoints, SegmentInfo
 from kvpool.master.server import MasterServer
 from kvpool.master.servicer import MAX_BATCH
@@ -310,3 +310,22 @@ def test_route_goes_to_the_lookup_port_once_a_grpc_answer_named_it(master):
             router.route(token_ids=prompt, block_hashes=[b"x" * 32])
         assert master.counter.calls["Route"] == 1          # refused there, not asked again
     assert master.server._lookup.calls[lookup_port.ROUTE] == 3
+
+
+def test_a_manifest_stream_ended_on_purpose_leaves_the_port_in_use_and_close_ends_it(master):
+    with MasterClient(master.address) as node:
+        endpoints = NodeEndpoints(node_id="n", boot_id="", tcp_endpoint="127.0.0.1:9")
+        node.mount_segment(endpoints, SegmentInfo("n/0", 1 << 20), keeps_manifest=True)
+        stream = node.watch_manifest("n", 30.0)
+        assert next(stream)[0] == 0            # open, on the port
+        node.end_watches()                     # a re-mount ends it: not a failed port
+        with pytest.raises(MasterUnavailable, match="ended"):
+            next(stream)
+        assert node._lookups.channel is not None
+        stream = node.watch_manifest("n", 30.0)
+        assert next(stream)[0] == 0
+        ended = threading.Thread(target=lambda: pytest.raises(ClientClosed, next, stream))
+        ended.start()
+    ended.join(5)
+    assert not ended.is_alive()                # close() ended the stream at once
+    assert "WatchManifest" not in master.counter.calls
