@@ -29,6 +29,16 @@ class Segment:
     manifest: list[ManifestEvent] | None = None   # its node's queue (manifest_log.py)
     moving_out_bytes: int = 0   # aligned bytes of in-flight moves out of here (leaving soon)
     draining: bool = False      # passed the high watermark, not yet down to the low one
+    # Aligned bytes eviction cannot free (master/holds.py): PENDING puts, hard pins, leases.
+    pending_bytes: int = 0
+    pinned_bytes: int = 0
+    leased_bytes: int = 0
+
+    def reclaimable_bytes(self) -> int:
+        """At most how many bytes evicting every evictable object here could leave free: the
+        capacity less what pending puts, hard pins, read leases and quarantine hold."""
+        return self.allocator.capacity_bytes - self.quarantined_bytes - self.pending_bytes \
+            - self.pinned_bytes - self.leased_bytes
 
 
 class Membership:
