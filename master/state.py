@@ -117,6 +117,9 @@ class MasterState:
         self._space = Space(self._segments)
         self._leasing = Leases(config.lease_ttl_s, config.max_lease_s, self._segments)
         self._pending_limit = 0.0   # bytes PENDING puts may hold, as of the current PutStart
+        # Why the current PutStart's NoSpace came before any eviction, if it did (told in
+        # space_summary: the put's answer carries one summary, not a message per key).
+        self._refused_why: str | None = None
         self._chains = Chains(policy if policy is not None else
                               make_eviction_policy(config.eviction),
                               make_eviction_policy(config.eviction))
@@ -253,6 +256,7 @@ class MasterState:
         n = self._config.default_replicas if replicas is None else replicas
         now = self._clock()
         self._leasing.expire(now)   # admission counts only the leases still running
+        self._refused_why = None
         self._pending_limit = self._config.max_pending_fraction * sum(
             s.allocator.capacity_bytes for s in self._segments.values())
         seen: set[str] = set()
@@ -424,6 +428,8 @@ class MasterState:
         self._check_pending_limit(key, size, n)
         extents = self._pressure.place(size, n, fits, now)
         if extents is None and not self._pressure.admits(size, n, fits):
+            self._refused_why = (f"refused before evicting anything: evicting every evictable "
+                                 f"object would not make room for {size} bytes x{n}")
             raise NoSpace(f"{key!r}: no room for {size} bytes x{n}, and evicting every "
                           "evictable object would not make it, so nothing was evicted: "
                           + Space.summary(segments))
@@ -450,6 +456,11 @@ class MasterState:
         held = space.pending.total_bytes + space.abandoned_bytes
         need = n * (-(-size // self._config.alignment_bytes) * self._config.alignment_bytes)
         if held + need > self._pending_limit:
+            self._refused_why = (
+                f"refused before evicting anything: puts started and not ended (and the "
+                f"quarantine of those timed out) would pass max_pending_fraction "
+                f"{self._config.max_pending_fraction} of the capacity "
+                f"({held} of {int(self._pending_limit)} bytes held)")
             raise NoSpace(f"{key!r}: puts started and not ended hold {space.pending.total_bytes} "
                           f"bytes ({len(space.pending)} objects), and {space.abandoned_bytes} "
                           f"more wait out their quarantine after a put timeout; {need} more would "
@@ -458,8 +469,10 @@ class MasterState:
                           "puts before starting more")
 
     def space_summary(self) -> str:
-        """How much room the cluster has for new objects, for a NoSpace message."""
-        return Space.summary(self._open_segments())
+        """How much room the cluster has for new objects, for a NoSpace message; first why
+        the last PutStart was refused before evicting, if it was."""
+        summary = Space.summary(self._open_segments())
+        return f"{self._refused_why}; {summary}" if self._refused_why else summary
 
     def _open_segments(self, replicas: int = 1):
         """Where new objects may go: not to segments still being announced."""
