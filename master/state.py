@@ -41,9 +41,9 @@ from kvpool.master.index import COMPLETE, PENDING, LocatedColumns, ObjectEntry, 
 from kvpool.master.leases import Leases
 from kvpool.master.manifest_log import ManifestDelta, ManifestLog, Removal
 from kvpool.master.membership import Membership, Segment
-from kvpool.master.reads import LeaseCount, NamespaceLookups
 from kvpool.master.pins import Pins
 from kvpool.master.pressure import Pressure
+from kvpool.master.reads import LeaseCount, NamespaceLookups
 from kvpool.master.recovery import Recovery
 from kvpool.master.space import Space
 from kvpool.master.tiers import Tiers
@@ -298,20 +298,30 @@ class MasterState:
             objs = [get(k) if isinstance(k, str) else None for k in keys]
         errors: dict[int, KVPoolError] = {}
         misses_before = self._index.misses
-        grant, shortest = self._leasing.grant, lease_until
+        # Leases (master/leases.py): a running one is extended up to its cap here; new ones
+        # are opened together after the loop.
+        caps, fresh, shortest = self._leasing.caps, [], lease_until
         for i, obj in enumerate(objs):
             if obj is None or obj.state is not COMPLETE:   # only the misses learn why
                 errors[i] = self._why_missing(keys[i])
                 objs[i] = None
                 continue
-            if obj.lease_until < lease_until:   # not leased by this instant's reads already
-                end = grant(obj, now, lease_until)
-                if end < shortest:   # capped (master/leases.py): the answer says so
-                    shortest = end
+            lease = obj.lease_until
+            if lease < lease_until:   # not leased by this instant's reads already
+                if lease <= now:
+                    fresh.append(obj)
+                elif (cap := caps.get(obj, lease_until)) < lease_until:
+                    obj.lease_until = cap
+                    if cap < shortest:   # noqa: PLR1730 (the answer says so: readers re-check past it)
+                        shortest = cap
+                else:
+                    obj.lease_until = lease_until
             if disk:   # a read may promote: touch in order, as locate does
                 touch(obj.key)
                 if obj.segment_id in disk or obj.more:
                     self._tiers.note_disk_read(obj, now)
+        if fresh:
+            shortest = min(shortest, self._leasing.begin(fresh, now, lease_until))
         found = [o for o in objs if o is not None] if errors else objs
         if not disk:   # the indexed strs, not the request's equal copies
             self._chains.policy.on_access_many([o.key for o in found])
@@ -479,12 +489,19 @@ class MasterState:
         return self._members.open_segments(replicas, self._recovery.recovering)
 
     def _why_missing(self, key) -> KVPoolError:
-        """Why a read finds no complete object at ``key`` (a miss is counted)."""
-        error = _attempt(self._index.complete, key)
-        assert isinstance(error, KVPoolError), f"{key!r} is complete: not a miss"
-        if isinstance(error, ObjectNotFound):
-            self._index.misses += 1
-        return error
+        """Why a read finds no complete object at ``key`` (a miss is counted). Built, not
+        raised and caught: a lookup of 65,536 absent keys held the loop ~1 s that way."""
+        try:
+            validate_key(key)
+        except InvalidArgument as e:
+            return e
+        obj = self._objects.get(key)
+        assert obj is None or obj.state is not COMPLETE, f"{key!r} is complete: not a miss"
+        self._index.misses += 1
+        # The message names a long key by its start: a repr of 1 KiB per miss costs more
+        # than the lookup (the answer carries the status only).
+        return ObjectNotFound(f"{key!r} not found" if len(key) <= 128
+                              else f"{key[:96]!r}... ({len(key)} characters) not found")
 
     def _put_end_one(self, key: str, checksum: int | None) -> None:
         obj = self._index.pending_entry(key)
@@ -585,12 +602,10 @@ class MasterState:
     def _pin_one(self, key: str, ttl_s: float | None, now: float, quota: bool = True) -> None:
         obj = self._index.complete(key)
         if self._pins.pin(obj, ttl_s, now, quota):
-            self._leasing.pinned(obj)
             self._log_records(obj, self._parent_of(obj))
 
     def _unpin_one(self, key: str) -> None:
         if self._pins.unpin(obj := self._index.complete(key)):
-            self._leasing.unpinned(obj, self._clock())
             self._log_records(obj, self._parent_of(obj))
 
     def _log_records(self, obj: ObjectEntry, parent: str | None) -> None:
@@ -664,7 +679,6 @@ class MasterState:
         if obj.state is COMPLETE:
             self._chains.forget(obj.key)
             self._pins.forget(obj)
-            self._leasing.forget(obj)
         else:
             self._space.pending.debit(obj)
         for e in obj.replicas:

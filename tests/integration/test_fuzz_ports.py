@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import socket
 import struct
+from types import SimpleNamespace
 
 import grpc
 import numpy as np
@@ -56,9 +57,8 @@ def fuzzed(tmp_path_factory):
             views = mc.locate(list(values)).views()
     node = views[0].replicas[0].node
     host, _, port = node.tcp_endpoint.rpartition(":")
-    yield type("Fuzzed", (), dict(
-        cluster=cluster, values=values, tcp=(host, int(port)), shm=node.shm_endpoint,
-        segment=views[0].replicas[0].extent.segment_id))()
+    yield SimpleNamespace(cluster=cluster, values=values, tcp=(host, int(port)),
+                          shm=node.shm_endpoint, segment=views[0].replicas[0].extent.segment_id)
     assert cluster.master_proc.alive(), "the master died"
     assert all(n.alive() for n in cluster.nodes), "a store node died"
     assert sum(examples.values()) >= 4 * 100, examples   # each property ran its examples
