@@ -14,37 +14,44 @@ from kvpool.master.membership import Segment
 
 
 class Holds:
-    """One kind of hold: ``attr`` names the Segment field it counts (``pending_bytes``, ...)."""
+    """One kind of hold: ``kind`` indexes ``Segment.held`` (membership.PENDING_HELD, ...)."""
 
-    def __init__(self, attr: str, segments: dict[str, Segment]) -> None:
-        self._attr = attr
+    def __init__(self, kind: int, segments: dict[str, Segment]) -> None:
+        self._kind = kind
         self._segments = segments
         self._credits: dict[ObjectEntry, tuple[tuple[Segment, int], ...]] = {}
         self.total_bytes = 0   # aligned bytes, every replica counted
 
     def credit(self, obj: ObjectEntry) -> None:
         """Count ``obj``'s replicas as they are now (again, if it was counted already)."""
-        if obj in self._credits:
+        credits = self._credits
+        if obj in credits:
             self.debit(obj)
-        attr, credits = self._attr, []
-        for e in obj.replicas:
-            seg = self._segments.get(e.segment_id)
-            if seg is None:
-                continue
+        kind, segments = self._kind, self._segments
+        seg = segments.get(obj.segment_id) if obj.segment_id else None
+        if seg is not None and not obj.more:   # the common case: one replica
             n = seg.allocator.aligned_size(obj.size)
-            setattr(seg, attr, getattr(seg, attr) + n)
-            credits.append((seg, n))
+            seg.held[kind] += n
             self.total_bytes += n
-        self._credits[obj] = tuple(credits)
+            credits[obj] = ((seg, n),)
+            return
+        out = []
+        for e in obj.replicas:
+            if (seg := segments.get(e.segment_id)) is not None:
+                n = seg.allocator.aligned_size(obj.size)
+                seg.held[kind] += n
+                self.total_bytes += n
+                out.append((seg, n))
+        credits[obj] = tuple(out)
 
     def debit(self, obj: ObjectEntry) -> None:
         """Stop counting ``obj`` (a no-op if it is not counted)."""
         credits = self._credits.pop(obj, None)
         if credits is None:
             return
-        attr = self._attr
+        kind = self._kind
         for seg, n in credits:   # a dropped segment's count goes with it: harmless
-            setattr(seg, attr, getattr(seg, attr) - n)
+            seg.held[kind] -= n
             self.total_bytes -= n
 
     def __contains__(self, obj: ObjectEntry) -> bool:

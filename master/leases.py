@@ -20,6 +20,7 @@ import itertools
 from collections.abc import Sequence
 
 from kvpool.master.index import ObjectEntry
+from kvpool.master.membership import LEASED_HELD as LEASED
 from kvpool.master.membership import Segment
 
 # One credit: the object, the segment it holds bytes of, and how many (aligned). A pause
@@ -62,12 +63,12 @@ class Leases:
                 seg = segments.get(obj.segment_id)
             if seg is not None:
                 n = seg.allocator.aligned_size(obj.size)
-                seg.leased_bytes += n
+                seg.held[LEASED] += n
                 add((obj, seg, n))
             for e in obj.more:   # further replicas (rare)
                 if (other := segments.get(e.segment_id)) is not None:
                     n = other.allocator.aligned_size(obj.size)
-                    other.leased_bytes += n
+                    other.held[LEASED] += n
                     add((obj, other, n))
         if credits:
             heapq.heappush(self._due, (until, next(self._seq), credits))
@@ -87,7 +88,7 @@ class Leases:
                     later.append(credit)
                     continue
                 if seg is not None:
-                    seg.leased_bytes -= n
+                    seg.held[LEASED] -= n
                 cap = caps.get(obj)
                 if cap is None:
                     continue

@@ -10,7 +10,7 @@ from kvpool.common.config import MasterConfig
 from kvpool.common.errors import NoSpace
 from kvpool.master.holds import Holds
 from kvpool.master.index import ObjectEntry
-from kvpool.master.membership import Segment
+from kvpool.master.membership import PINNED_HELD, Segment
 
 
 class Pins:
@@ -23,7 +23,7 @@ class Pins:
         # with nodes; the count must not drift).
         self.hard_bytes = 0
         # What hard pins hold per segment, every replica (admission counts it).
-        self.held = Holds("pinned_bytes", segments)
+        self.held = Holds(PINNED_HELD, segments)
 
     def pin(self, obj: ObjectEntry, ttl_s: float | None, now: float, quota: bool = True) -> bool:
         """Pin ``obj`` softly for ``ttl_s`` (again: extended), or hard if ``ttl_s`` is None

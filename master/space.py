@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator
 from kvpool.common.types import Extent, Reservation
 from kvpool.master.holds import Holds
 from kvpool.master.index import ObjectEntry
-from kvpool.master.membership import Segment
+from kvpool.master.membership import PENDING_HELD, Segment
 
 
 class Space:
@@ -21,7 +21,7 @@ class Space:
         # quarantine alike; ``abandoned``: the quarantine of reclaimed puts.
         self.deferred: list[tuple[float, int, list[tuple[Segment, Extent]], bool]] = []
         # What PENDING puts hold, and the quarantine of those reclaimed (aligned, every replica).
-        self.pending = Holds("pending_bytes", segments)
+        self.pending = Holds(PENDING_HELD, segments)
         self.abandoned_bytes = 0
         # (deadline, seq, objects): one entry per PutStart batch, not per object.
         self._put_deadlines: list[tuple[float, int, list[ObjectEntry]]] = []

@@ -589,16 +589,17 @@ def _check_books(state: MasterState) -> None:
         state._leasing.expire(state.now())
         now = state.now()
 
-        def held(keep) -> int:
+        def held(keep, seg=seg, sid=sid) -> int:
             return sum(seg.allocator.aligned_size(o.size) for o in state._objects.values()
                        if keep(o) for e in o.replicas if e.segment_id == sid)
         assert seg.pending_bytes == held(lambda o: o.state.name == "PENDING")
+        t = now
         assert seg.pinned_bytes == held(lambda o: o.pinned)
         # Leases: every leased object not pinned; at most also those pinned under their
         # lease and those removed under it (quarantined till it ends): master/leases.py.
-        leased = held(lambda o: o.lease_until > now and not o.pinned)
+        leased = held(lambda o, t=t: o.lease_until > t and not o.pinned)
         assert leased <= seg.leased_bytes <= leased + seg.quarantined_bytes + held(
-            lambda o: o.lease_until > now and o.pinned)
+            lambda o, t=t: o.lease_until > t and o.pinned)
         assert seg.reclaimable_bytes() >= seg.allocator.free_bytes
 
 
