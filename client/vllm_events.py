@@ -15,6 +15,11 @@ from the event's token ids and parent, remembering engine hash -> kvpool hash pe
 master's index speaks one hash language for every engine. A stored block whose parent it never
 saw (events missed before the bridge started) is skipped: without its prefix it can never be
 matched anyway.
+
+An engine's stream is input like any other: an event of a shape nobody expected (a string
+timestamp, a map for a hash, too few fields, an unknown tag) is logged (a few lines a minute,
+then counted) and skipped, alone; the bridge goes on. Only a block size other than the
+cluster's ends it (HashSpecMismatch: a configuration error, not a bad event).
 """
 
 from __future__ import annotations
@@ -37,10 +42,11 @@ from kvpool.common.kv_events import (
     KVEvent,
     tier_of_medium,
 )
-from kvpool.common.logging import get_logger
+from kvpool.common.logging import RateLimited, get_logger
 from kvpool.common.loops import LoopCrashed, OnCrash, Supervisor
 
 log = get_logger(__name__)
+_refusals = RateLimited(log)   # malformed events: a few lines a minute, then a count
 # A crash (a bug, or an engine message of a shape nobody expected) costs the batch being read;
 # the next ones are fine, so the bridge goes on. One that keeps coming ends the bridge like any
 # error of its own: in ``error``, raised by ``stop()``. Never the process: it may be the engine's.
@@ -69,11 +75,22 @@ def _fields(obj, names: Sequence[str]) -> dict:
 
 
 def decode_vllm_batch(payload: bytes) -> VLLMBatch:
-    """Decode one vLLM ``KVEventBatch`` payload (array-like or map encoding)."""
+    """Decode one vLLM ``KVEventBatch`` payload (array-like or map encoding); InvalidArgument
+    for anything else."""
     try:
         raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except Exception as e:  # noqa: BLE001  (msgpack raises many unrelated types on bad input)
         raise InvalidArgument(f"not a msgpack KV event batch: {e}") from None
+    try:
+        return _decode(raw)
+    except InvalidArgument:
+        raise
+    except Exception as e:  # noqa: BLE001  (decodable, but not the shape of a batch)
+        raise InvalidArgument(f"not a vLLM KV event batch: {type(e).__name__}: {e}"[:200]) \
+            from None
+
+
+def _decode(raw) -> VLLMBatch:
     batch = _fields(raw, _BATCH_FIELDS)
     events = []
     for ev in batch.get("events") or ():
@@ -85,7 +102,10 @@ def decode_vllm_batch(payload: bytes) -> VLLMBatch:
             events.append(ev)
         else:
             raise InvalidArgument(f"not a vLLM KV event: {ev!r:.80}")
-    return VLLMBatch(float(batch.get("ts") or 0.0), events, batch.get("data_parallel_rank"))
+    ts = batch.get("ts") or 0.0
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool):
+        raise InvalidArgument(f"KV event batch timestamp is not a number: {ts!r:.40}")
+    return VLLMBatch(float(ts), events, batch.get("data_parallel_rank"))
 
 
 class VLLMEventTranslator:
@@ -97,6 +117,7 @@ class VLLMEventTranslator:
         self._roots: dict[str | None, bytes] = {None: spec.root()}
         self._known: dict[str, dict[Hashable, bytes]] = {t: {} for t in LOCAL_TIERS}
         self.skipped_blocks = 0
+        self.malformed_events = 0   # skipped: not the shape vLLM publishes
 
     def _root(self, lora_name: str | None) -> bytes:
         if lora_name not in self._roots:
@@ -111,35 +132,51 @@ class VLLMEventTranslator:
         return None
 
     def translate(self, events: Sequence[dict]) -> list[KVEvent]:
+        """kvpool's events for ``events``; a malformed one is logged, counted and skipped
+        (HashSpecMismatch, a configuration error, is raised)."""
         out: list[KVEvent] = []
         for ev in events:
-            kind = ev.get("type")
-            if kind == "BlockStored":
-                out += self._stored(ev)
-            elif kind == "BlockRemoved":
-                tier = tier_of_medium(ev.get("medium"))
-                known = self._known[tier]
-                hashes = tuple(known.pop(_key(h)) for h in ev.get("block_hashes") or ()
-                               if _key(h) in known)
-                if hashes:
-                    out.append(BlockRemoved(hashes, tier))
-            elif kind == "AllBlocksCleared":
-                for known in self._known.values():
-                    known.clear()
-                out.append(AllBlocksCleared())
-            else:
-                log.warning("vllm_event_unknown", type=kind)
+            try:
+                out += self._translate_one(ev)
+            except HashSpecMismatch:
+                raise
+            except Exception as e:  # noqa: BLE001  (any shape an engine might send)
+                self.malformed_events += 1
+                _refusals.warning("vllm_event_malformed", kind=type(e).__name__,
+                                  error=f"{type(e).__name__}: {e}"[:200],
+                                  skipped=self.malformed_events)
         return out
 
+    def _translate_one(self, ev: dict) -> list[KVEvent]:
+        kind = ev.get("type")
+        if kind == "BlockStored":
+            return self._stored(ev)
+        if kind == "BlockRemoved":
+            tier = tier_of_medium(ev.get("medium"))
+            known = self._known[tier]
+            hashes = tuple(known.pop(k) for k in map(_key, ev.get("block_hashes") or ())
+                           if k in known)
+            return [BlockRemoved(hashes, tier)] if hashes else []
+        if kind == "AllBlocksCleared":
+            for known in self._known.values():
+                known.clear()
+            return [AllBlocksCleared()]
+        raise InvalidArgument(f"unknown KV event type {kind!r:.40}")
+
     def _stored(self, ev: dict) -> list[KVEvent]:
-        size = int(ev.get("block_size") or 0)
+        size = ev.get("block_size")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise InvalidArgument(f"BlockStored block_size is not an int >= 1: {size!r:.40}")
         if size != self.spec.block_size:
             raise HashSpecMismatch(
                 f"the engine publishes {size}-token blocks but the cluster hashes "
                 f"{self.spec.block_size}-token blocks: set the engine's --block-size to "
                 f"{self.spec.block_size}")
-        engine_hashes = list(ev.get("block_hashes") or ())
+        engine_hashes = [_key(h) for h in ev.get("block_hashes") or ()]
         tokens = list(ev.get("token_ids") or ())
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32
+                   for t in tokens):
+            raise InvalidArgument("BlockStored token ids must be ints in [0, 2**32)")
         if len(tokens) != size * len(engine_hashes):
             raise InvalidArgument(f"BlockStored with {len(engine_hashes)} blocks of {size} "
                                   f"tokens carries {len(tokens)} token ids")
@@ -159,8 +196,14 @@ class VLLMEventTranslator:
 
 
 def _key(engine_hash) -> Hashable:
-    # msgpack gives bytes or int; lists would not be hashable (defensive).
-    return tuple(engine_hash) if isinstance(engine_hash, list) else engine_hash
+    """An engine's block hash as a dict key: msgpack gives bytes or int (a list of ints from
+    some encoders becomes a tuple); anything else is not a block hash."""
+    if isinstance(engine_hash, (bytes, int, str)) and not isinstance(engine_hash, bool):
+        return engine_hash
+    if isinstance(engine_hash, (list, tuple)) and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in engine_hash):
+        return tuple(engine_hash)
+    raise InvalidArgument(f"not a block hash: {engine_hash!r:.40}")
 
 
 class ZMQEventBridge:
@@ -179,6 +222,7 @@ class ZMQEventBridge:
         self._thread: threading.Thread | None = None
         self.batches = 0
         self.missed_batches = 0
+        self.malformed_batches = 0   # not decodable as a KV event batch: skipped
         self.error: BaseException | None = None
         self._last_send = 0.0
 
@@ -206,7 +250,10 @@ class ZMQEventBridge:
                     continue
                 frames = self._sub.recv_multipart()
                 if len(frames) != 3:
-                    log.warning("vllm_event_malformed", frames=len(frames))
+                    self.malformed_batches += 1
+                    _refusals.warning("vllm_event_refused", instance=self.instance_id,
+                                      error=f"{len(frames)} frames, not 3",
+                                      skipped=self.malformed_batches)
                     continue
                 seq = int.from_bytes(frames[1], "big", signed=True)
                 if last_seq is not None and seq > last_seq + 1:
@@ -217,7 +264,9 @@ class ZMQEventBridge:
                 try:
                     events = self.translator.translate(decode_vllm_batch(frames[2]).events)
                 except InvalidArgument as e:
-                    log.warning("vllm_event_refused", instance=self.instance_id, error=str(e))
+                    self.malformed_batches += 1
+                    _refusals.warning("vllm_event_refused", instance=self.instance_id,
+                                      error=str(e)[:200], skipped=self.malformed_batches)
                     continue
                 self._stream.send(events)
                 self._last_send = time.monotonic()

@@ -96,6 +96,14 @@ class MasterConfig:
     promote_window_s: float = 60.0
     # Hard pins (never evicted) may hold at most this fraction of the cluster's capacity.
     pin_quota_fraction: float = 0.5
+    # PENDING puts (started, not ended), with the quarantine of those reclaimed, may hold at
+    # most this fraction of the cluster's capacity: puts started and abandoned cannot lock
+    # every other writer out for put_timeout_s + quarantine_s. A PutStart past it: NoSpace.
+    max_pending_fraction: float = 0.5
+    # A read lease, however often the object is re-read, ends this long after it began; reads
+    # then grant none for lease_ttl_s (the object may be evicted). Readers re-check reads
+    # past their lease, so this costs them a check, never a wrong byte.
+    max_lease_s: float = 60.0
     # Key components that name a namespace in the per-namespace lookup counts (3: the vLLM
     # connector's "kvpool/vllm1/<model namespace>"; 0: not counted). master/reads.py.
     namespace_depth: int = 3
@@ -108,12 +116,17 @@ class MasterConfig:
             raise ConfigError("watermarks must satisfy 0 < low_watermark < high_watermark <= 1")
         if not 0 <= self.pin_quota_fraction <= 1:
             raise ConfigError("pin_quota_fraction must be between 0 and 1")
+        if not 0 < self.max_pending_fraction <= 1:
+            raise ConfigError("max_pending_fraction must be more than 0 and at most 1")
+        if self.max_lease_s < self.lease_ttl_s:
+            raise ConfigError(f"max_lease_s ({self.max_lease_s}) must be at least lease_ttl_s "
+                              f"({self.lease_ttl_s})")
         if self.namespace_depth < 0:
             raise ConfigError("namespace_depth must be 0 or more")
         if self.default_replicas < 1:
             raise ConfigError("default_replicas must be at least 1")
         for f in ("put_timeout_s", "lease_ttl_s", "node_ttl_s", "quarantine_s",
-                  "promote_window_s"):
+                  "promote_window_s", "max_lease_s"):
             if getattr(self, f) <= 0:
                 raise ConfigError(f"{f} must be greater than zero")
 

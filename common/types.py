@@ -81,9 +81,15 @@ def validate_key(key: str) -> str:
         raise InvalidArgument(f"key must be str, not {type(key).__name__}")
     if not key:
         raise InvalidArgument("key must not be empty")
-    if len(key) * 4 <= MAX_KEY_BYTES:   # at most 4 bytes a character: no need to encode it
+    if key.isascii() and len(key) <= MAX_KEY_BYTES:   # the common case: nothing to encode
         return key
-    size = len(key.encode("utf-8", "surrogatepass"))
+    try:
+        size = len(key.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        # A lone surrogate (from a bad decode upstream) cannot go on the wire: protobuf needs
+        # UTF-8 strings, and would otherwise fail the whole batch instead of this key.
+        raise InvalidArgument(f"key {key[:64]!r} is not valid UTF-8 ({e.reason} at "
+                              f"character {e.start})") from None
     if size > MAX_KEY_BYTES:
         raise InvalidArgument(f"key is {size} bytes; the limit is {MAX_KEY_BYTES}")
     return key

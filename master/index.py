@@ -71,6 +71,9 @@ class LocatedColumns:
     counts: list[int]
     segment_ids: list[str]
     offsets: list[int]
+    # How long the shortest lease granted by this lookup runs (a lease capped by max_lease_s
+    # runs less than lease_ttl_s: master/leases.py); None: lease_ttl_s.
+    lease_s: float | None = None
 
 
 class ObjectIndex:
@@ -143,7 +146,8 @@ class ObjectIndex:
 
     @staticmethod
     def columns(objs: list[ObjectEntry | None], found: list[ObjectEntry],
-                errors: dict[int, KVPoolError]) -> LocatedColumns:
+                errors: dict[int, KVPoolError], lease_s: float | None = None
+                ) -> LocatedColumns:
         """``objs`` (None where ``errors`` explains a miss; ``found``: the others) in columns,
         by comprehensions, not a tuple per key: a lookup of a prompt is hundreds."""
         present = checksum.PRESENT   # checksum.encode, inlined
@@ -168,4 +172,5 @@ class ObjectIndex:
             counts = [0 if o is None else 1 for o in objs] if errors else [1] * len(found)
             segment_ids = [o.segment_id for o in found]
             offsets = [o.offset for o in found]
-        return LocatedColumns(errors, sizes, versions, sums, counts, segment_ids, offsets)
+        return LocatedColumns(errors, sizes, versions, sums, counts, segment_ids, offsets,
+                              lease_s)

@@ -11,6 +11,8 @@ from kvpool.common.types import TIER_RANK, Extent, NodeEndpoints, Replica, Segme
 from kvpool.master.allocator import RangeAllocator
 from kvpool.master.manifest_log import ManifestEvent
 
+PENDING_HELD, PINNED_HELD, LEASED_HELD = 0, 1, 2   # Segment.held
+
 
 @dataclass(eq=False, slots=True)
 class Node:
@@ -29,6 +31,26 @@ class Segment:
     manifest: list[ManifestEvent] | None = None   # its node's queue (manifest_log.py)
     moving_out_bytes: int = 0   # aligned bytes of in-flight moves out of here (leaving soon)
     draining: bool = False      # passed the high watermark, not yet down to the low one
+    # Aligned bytes eviction cannot free (master/holds.py), indexed by PENDING_HELD,
+    # PINNED_HELD, LEASED_HELD: a list, not three fields, so a hold's count is one index.
+    held: list[int] = field(default_factory=lambda: [0, 0, 0])
+
+    @property
+    def pending_bytes(self) -> int:
+        return self.held[PENDING_HELD]
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.held[PINNED_HELD]
+
+    @property
+    def leased_bytes(self) -> int:
+        return self.held[LEASED_HELD]
+
+    def reclaimable_bytes(self) -> int:
+        """At most how many bytes evicting every evictable object here could leave free: the
+        capacity less what pending puts, hard pins, read leases and quarantine hold."""
+        return self.allocator.capacity_bytes - self.quarantined_bytes - sum(self.held)
 
 
 class Membership:

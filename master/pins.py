@@ -8,8 +8,9 @@ from collections.abc import Iterable, Iterator
 
 from kvpool.common.config import MasterConfig
 from kvpool.common.errors import NoSpace
+from kvpool.master.holds import Holds
 from kvpool.master.index import ObjectEntry
-from kvpool.master.membership import Segment
+from kvpool.master.membership import PINNED_HELD, Segment
 
 
 class Pins:
@@ -21,6 +22,8 @@ class Pins:
         # What hard pins hold against the quota: each object's size (replicas come and go
         # with nodes; the count must not drift).
         self.hard_bytes = 0
+        # What hard pins hold per segment, every replica (admission counts it).
+        self.held = Holds(PINNED_HELD, segments)
 
     def pin(self, obj: ObjectEntry, ttl_s: float | None, now: float, quota: bool = True) -> bool:
         """Pin ``obj`` softly for ``ttl_s`` (again: extended), or hard if ``ttl_s`` is None
@@ -43,6 +46,7 @@ class Pins:
                           "or pin with a ttl_s (a soft pin)")
         obj.pinned = True
         self.hard_bytes += obj.size
+        self.held.credit(obj)
         self._soft.pop(obj.key, None)
         return True
 
@@ -53,14 +57,21 @@ class Pins:
             return False
         obj.pinned = False
         self.hard_bytes -= obj.size
+        self.held.debit(obj)
         return True
 
     def forget(self, obj: ObjectEntry) -> None:
         """``obj`` left the index, pins and all."""
         if obj.pinned:
             self.hard_bytes -= obj.size
+            self.held.debit(obj)
         if self._soft:
             self._soft.pop(obj.key, None)
+
+    def replicas_changed(self, obj: ObjectEntry) -> None:
+        """``obj`` gained, lost or moved a replica: a hard pin holds its replicas as they are."""
+        if obj.pinned:
+            self.held.credit(obj)
 
     def expire(self, now: float) -> None:
         heap = self._soft_ends

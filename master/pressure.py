@@ -1,6 +1,12 @@
 """Eviction under pressure: room made for a put that found none, and segments past their high
 watermark drained to their low one (a demotion where the node has a lower tier, a drop from
-its last tier)."""
+its last tier).
+
+Admission comes before eviction: a put is given room by evicting only if evicting could make
+it, counting what eviction cannot free (pending puts, hard pins, read leases, quarantine:
+``Segment.reclaimable_bytes``). Otherwise nothing is evicted: a put that cannot fit must not
+empty the cache on its way to NoSpace. The count is of bytes, not ranges: a put refused for
+fragmentation alone still evicts first (rare: objects of a cache are mostly of a few sizes)."""
 
 from __future__ import annotations
 
@@ -36,7 +42,7 @@ class Pressure:
         # Only objects with a replica in a segment that could hold this one make room for it,
         # and only a node's last tier drops data (a tier above it demotes instead: drain).
         fit_ids = {s.info.segment_id for s in fits if self._tiers.lower(s) is None}
-        if not fit_ids:
+        if not fit_ids or not self.admits(size, n, fits):
             return None
         for key in self._victims(now, fit_ids):
             obj = self._index.objects.get(key)
@@ -49,6 +55,18 @@ class Pressure:
             if extents is not None:
                 return extents
         return None
+
+    def admits(self, size: int, n: int, fits: list[Segment]) -> bool:
+        """Whether ``n`` distinct nodes could hold ``size`` bytes, now or by evicting: each
+        has an open segment with room for it, or a last-tier segment among ``fits`` in which
+        what eviction cannot free leaves room for it."""
+        nodes = {s.node_id for s in self._members.open_segments(n, self._closed)
+                 if s.allocator.largest_free_bytes >= s.allocator.aligned_size(size)}
+        for s in fits:
+            if s.node_id not in nodes and self._tiers.lower(s) is None \
+                    and s.reclaimable_bytes() >= s.allocator.aligned_size(size):
+                nodes.add(s.node_id)
+        return len(nodes) >= n
 
     def drain(self, now: float) -> None:
         """Bring every segment above its high watermark down to its low one, in policy order:

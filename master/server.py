@@ -14,6 +14,7 @@ from kvpool.common.loops import OnCrash, Supervisor
 from kvpool.common.metrics import MetricsServer, new_registry
 from kvpool.master.lookup_server import LookupServer, Stream
 from kvpool.master.metrics import MasterCollector, RpcMetrics, ServerFigures
+from kvpool.master.request_guard import RequestGuard
 from kvpool.master.routing import RoutingIndex
 from kvpool.master.routing_servicer import RouterServicer, store_lookup
 from kvpool.master.servicer import MasterServicer
@@ -82,7 +83,8 @@ class MasterServer:
 
     async def start(self) -> str:
         """Bind and serve; return the bound ``host:port``."""
-        interceptors = list(self._interceptors)
+        # The guard innermost: the other interceptors see its typed answers.
+        interceptors = [*self._interceptors, RequestGuard()]
         if self._metrics_port is not None:
             # Bound first: a port that is taken fails the start before anything serves.
             registry = new_registry()
@@ -117,7 +119,7 @@ class MasterServer:
 
     async def _serve(self, interceptors: list[grpc.aio.ServerInterceptor]) -> None:
         """Serve gRPC, and lookups on their port; nothing left serving if either fails."""
-        self._server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors or None)
+        self._server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
         self._servicer = MasterServicer(self.state)
         master_pb2_grpc.add_MasterServicer_to_server(self._servicer, self._server)
         router = RouterServicer(self.routing)

@@ -293,8 +293,9 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             results = self._state.unpin(list(request.keys))
         elif request.ttl_s < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ttl_s must be >= 0")
-        else:
-            results = self._state.pin(list(request.keys), request.ttl_s or None)
+        else:   # NaN or infinity: INVALID_ARGUMENT, as the lookup port would answer
+            results = await _answer(lambda r: self._state.pin(list(r.keys), r.ttl_s or None),
+                                    request, context)
         return pb.StatusesResponse(statuses=map(_status, results))
 
     async def Exists(self, request, context):
@@ -321,7 +322,9 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         columns = wire.ReplicaColumnsWriter()
         columns.add_columns(located.counts, located.segment_ids, located.offsets,
                             self._state.replica_in)
-        return pb.GetReplicasResponse(lease_ttl_s=self._state.config.lease_ttl_s,
+        # The shortest lease granted (max_lease_s caps a lease re-read for long).
+        lease_s = self._state.config.lease_ttl_s if located.lease_s is None else located.lease_s
+        return pb.GetReplicasResponse(lease_ttl_s=lease_s,
                                       statuses=statuses, sizes=located.sizes,
                                       versions=located.versions, replicas=columns.to_pb(),
                                       checksums=located.checksums)

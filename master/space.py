@@ -1,5 +1,6 @@
 """Space: frees at once or deferred (a lease still running, a writer that may linger), each
-deferred one mirrored to its node's manifest as a reservation, and the deadlines of puts."""
+deferred one mirrored to its node's manifest as a reservation, the deadlines of puts, and what
+PENDING puts hold (with the quarantine their reclaim leaves: ``max_pending_fraction``)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,20 @@ import itertools
 from collections.abc import Iterable, Iterator
 
 from kvpool.common.types import Extent, Reservation
+from kvpool.master.holds import Holds
 from kvpool.master.index import ObjectEntry
-from kvpool.master.membership import Segment
+from kvpool.master.membership import PENDING_HELD, Segment
 
 
 class Space:
     def __init__(self, segments: dict[str, Segment]) -> None:
         self._segments = segments
-        # (free_at, seq, [(segment, extent)]): lease-deferred removals and put quarantine alike.
-        self.deferred: list[tuple[float, int, list[tuple[Segment, Extent]]]] = []
+        # (free_at, seq, [(segment, extent)], abandoned): lease-deferred removals and put
+        # quarantine alike; ``abandoned``: the quarantine of reclaimed puts.
+        self.deferred: list[tuple[float, int, list[tuple[Segment, Extent]], bool]] = []
+        # What PENDING puts hold, and the quarantine of those reclaimed (aligned, every replica).
+        self.pending = Holds(PENDING_HELD, segments)
+        self.abandoned_bytes = 0
         # (deadline, seq, objects): one entry per PutStart batch, not per object.
         self._put_deadlines: list[tuple[float, int, list[ObjectEntry]]] = []
         self._seq = itertools.count()
@@ -25,21 +31,27 @@ class Space:
         for e in extents:
             self._segments[e.segment_id].allocator.free(e.offset, e.length)
 
-    def free_later(self, extents: Iterable[Extent], free_at: float) -> None:
+    def free_later(self, extents: Iterable[Extent], free_at: float,
+                   abandoned: bool = False) -> None:
         """Free ``extents`` at ``free_at``; until then they count as quarantined, and their
-        nodes' manifests reserve them, so that a restarted master waits as well."""
+        nodes' manifests reserve them, so that a restarted master waits as well.
+        ``abandoned``: a reclaimed put's, counted against ``max_pending_fraction`` too."""
         entries = [(self._segments[e.segment_id], e) for e in extents]
         for seg, e in entries:
             seg.quarantined_bytes += seg.allocator.aligned_size(e.length)
+            if abandoned:
+                self.abandoned_bytes += seg.allocator.aligned_size(e.length)
             if seg.manifest is not None:
                 seg.manifest.append(Reservation("", e.segment_id, e.offset, e.length, free_at))
-        heapq.heappush(self.deferred, (free_at, next(self._seq), entries))
+        heapq.heappush(self.deferred, (free_at, next(self._seq), entries, abandoned))
 
     def release_due(self, now: float) -> None:
         """Run the deferred frees that are due."""
         while self.deferred and self.deferred[0][0] <= now:
-            _, _, entries = heapq.heappop(self.deferred)
+            _, _, entries, abandoned = heapq.heappop(self.deferred)
             for seg, ext in entries:
+                if abandoned:
+                    self.abandoned_bytes -= seg.allocator.aligned_size(ext.length)
                 # A dropped segment took its space with it (a re-mount of its id is a new
                 # segment with a new allocator); only its quarantine count would change.
                 if self._segments.get(ext.segment_id) is seg:
@@ -56,13 +68,18 @@ class Space:
             yield from heapq.heappop(self._put_deadlines)[2]
 
     @staticmethod
-    def summary(segments: Iterable[Segment], pending: int) -> str:
-        """How much room ``segments`` have for new objects, for a NoSpace message."""
+    def summary(segments: Iterable[Segment]) -> str:
+        """Where the room of ``segments`` went, for a NoSpace message: free bytes, then what
+        eviction cannot free (pending puts, hard pins, leases, quarantine)."""
         segments = list(segments)
-        free = sum(s.allocator.free_bytes - s.quarantined_bytes for s in segments)
         total = sum(s.allocator.capacity_bytes for s in segments)
+        free = sum(s.allocator.free_bytes for s in segments)
         largest = max((s.allocator.largest_free_bytes for s in segments), default=0)
-        # What is left is held by pending, pinned or leased objects, which are never evicted.
+        held = {what: sum(getattr(s, f"{what}_bytes") for s in segments)
+                for what in ("pending", "pinned", "leased", "quarantined")}
+        evictable = max(0, total - free - sum(held.values()))
         return (f"the cluster has {free} of {total} bytes free in {len(segments)} segments "
-                f"(largest free range {largest} bytes), the rest held by objects that are "
-                f"pending, pinned or leased ({pending} pending)")
+                f"(largest free range {largest} bytes); eviction cannot free "
+                + ", ".join(f"{n} {what}" for what, n in held.items())
+                + f" (quarantined: freed space a late writer or reader may still use), "
+                f"and at most {evictable} bytes are evictable")

@@ -9,7 +9,7 @@ in the result list, never raised, so one bad key fails only its own slot.
 
 from __future__ import annotations
 
-
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,11 +38,12 @@ from kvpool.common.types import (
 from kvpool.master.chains import Chains
 from kvpool.master.eviction import EvictionPolicy, make_eviction_policy
 from kvpool.master.index import COMPLETE, PENDING, LocatedColumns, ObjectEntry, ObjectIndex
+from kvpool.master.leases import Leases
 from kvpool.master.manifest_log import ManifestDelta, ManifestLog, Removal
 from kvpool.master.membership import Membership, Segment
-from kvpool.master.reads import LeaseCount, NamespaceLookups
 from kvpool.master.pins import Pins
 from kvpool.master.pressure import Pressure
+from kvpool.master.reads import LeaseCount, NamespaceLookups
 from kvpool.master.recovery import Recovery
 from kvpool.master.space import Space
 from kvpool.master.tiers import Tiers
@@ -114,6 +115,11 @@ class MasterState:
         # The two tables nearly every operation reads (membership and the index own them).
         self._segments, self._objects = self._members.segments, self._index.objects
         self._space = Space(self._segments)
+        self._leasing = Leases(config.lease_ttl_s, config.max_lease_s, self._segments)
+        self._pending_limit = 0.0   # bytes PENDING puts may hold, as of the current PutStart
+        # Why the current PutStart's NoSpace came before any eviction, if it did (told in
+        # space_summary: the put's answer carries one summary, not a message per key).
+        self._refused_why: str | None = None
         self._chains = Chains(policy if policy is not None else
                               make_eviction_policy(config.eviction),
                               make_eviction_policy(config.eviction))
@@ -259,6 +265,10 @@ class MasterState:
             raise InvalidArgument(f"{len(keys)} keys but {len(parents)} parents")
         n = self._config.default_replicas if replicas is None else replicas
         now = self._clock()
+        self._leasing.expire(now)   # admission counts only the leases still running
+        self._refused_why = None
+        self._pending_limit = self._config.max_pending_fraction * sum(
+            s.allocator.capacity_bytes for s in self._segments.values())
         seen: set[str] = set()
         started: list[ObjectEntry] = []
         out = [_attempt(self._put_one, key, size, n, now, seen, started,
@@ -298,17 +308,30 @@ class MasterState:
             objs = [get(k) if isinstance(k, str) else None for k in keys]
         errors: dict[int, KVPoolError] = {}
         misses_before = self._index.misses
+        # Leases (master/leases.py): a running one is extended up to its cap here; new ones
+        # are opened together after the loop.
+        caps, fresh, shortest = self._leasing.caps, [], lease_until
         for i, obj in enumerate(objs):
             if obj is None or obj.state is not COMPLETE:   # only the misses learn why
                 errors[i] = self._why_missing(keys[i])
                 objs[i] = None
                 continue
-            if obj.lease_until < lease_until:   # noqa: PLR1730 (max() costs a call per key)
-                obj.lease_until = lease_until
+            lease = obj.lease_until
+            if lease < lease_until:   # not leased by this instant's reads already
+                if lease <= now:
+                    fresh.append(obj)
+                elif (cap := caps.get(obj, lease_until)) < lease_until:
+                    obj.lease_until = cap
+                    if cap < shortest:   # noqa: PLR1730 (the answer says so: readers re-check past it)
+                        shortest = cap
+                else:
+                    obj.lease_until = lease_until
             if disk:   # a read may promote: touch in order, as locate does
                 touch(obj.key)
                 if obj.segment_id in disk or obj.more:
                     self._tiers.note_disk_read(obj, now)
+        if fresh:
+            shortest = min(shortest, self._leasing.begin(fresh, now, lease_until))
         found = [o for o in objs if o is not None] if errors else objs
         if not disk:   # the indexed strs, not the request's equal copies
             self._chains.policy.on_access_many([o.key for o in found])
@@ -316,7 +339,7 @@ class MasterState:
         self._leases.granted(lease_until, len(found), now)
         if keys:
             self._namespaces.count(keys[0], len(found), self._index.misses - misses_before)
-        columns = self._index.columns(objs, found, errors)
+        columns = self._index.columns(objs, found, errors, max(0.0, shortest - now))
         self._index.hit_bytes += sum(columns.sizes)
         return columns
 
@@ -341,8 +364,8 @@ class MasterState:
         together hold at most ``pin_quota_fraction`` of the cluster's capacity (NoSpace past
         it). ``ttl_s > 0``: a soft pin for that long: evicted (or demoted) only after every
         unpinned candidate; pinning again extends it. A hard-pinned object stays hard."""
-        if ttl_s is not None and not ttl_s > 0:
-            raise InvalidArgument(f"a soft pin needs a ttl_s > 0, not {ttl_s!r}")
+        if ttl_s is not None and not 0 < ttl_s < math.inf:   # NaN fails both
+            raise InvalidArgument(f"a soft pin needs a finite ttl_s > 0, not {ttl_s!r}")
         now = self._clock()
         return [_attempt(self._pin_one, key, ttl_s, now) for key in keys]
 
@@ -385,6 +408,7 @@ class MasterState:
         self._reclaim_pending(now)
         self._tiers.expire(now)
         self._pins.expire(now)
+        self._leasing.expire(now)
         self._space.release_due(now)
         self._pressure.drain(now)
         return expired
@@ -421,11 +445,19 @@ class MasterState:
             # Checked up front: otherwise eviction would flush the cache for a put that can
             # never succeed.
             raise NoSpace(f"{key!r}: fewer than {n} nodes have a segment of {size} bytes")
+        self._check_pending_limit(key, size, n)
         extents = self._pressure.place(size, n, fits, now)
+        if extents is None and not self._pressure.admits(size, n, fits):
+            self._refused_why = (f"refused before evicting anything: evicting every evictable "
+                                 f"object would not make room for {size} bytes x{n}")
+            raise NoSpace(f"{key!r}: no room for {size} bytes x{n}, and evicting every "
+                          "evictable object would not make it, so nothing was evicted: "
+                          + Space.summary(segments))
         if extents is None:
             raise NoSpace(f"{key!r}: no room for {size} bytes x{n}, even after eviction: "
-                          + Space.summary(segments, self._index.pending))
+                          + Space.summary(segments))
         obj = self._index.add(key, size, extents, parent=parent or None)
+        self._space.pending.credit(obj)
         # Until its writer is surely done (its put reclaimed, then quarantined), a restarted
         # master must not hand this space out: the nodes keep a reservation of it.
         until = now + self._config.put_timeout_s + self._config.quarantine_s
@@ -437,26 +469,54 @@ class MasterState:
         started.append(obj)
         return extents
 
+    def _check_pending_limit(self, key: str, size: int, n: int) -> None:
+        """NoSpace if this put would take PENDING puts (and the quarantine of reclaimed ones)
+        past ``max_pending_fraction`` of the capacity."""
+        space = self._space
+        held = space.pending.total_bytes + space.abandoned_bytes
+        need = n * (-(-size // self._config.alignment_bytes) * self._config.alignment_bytes)
+        if held + need > self._pending_limit:
+            self._refused_why = (
+                f"refused before evicting anything: puts started and not ended (and the "
+                f"quarantine of those timed out) would pass max_pending_fraction "
+                f"{self._config.max_pending_fraction} of the capacity "
+                f"({held} of {int(self._pending_limit)} bytes held)")
+            raise NoSpace(f"{key!r}: puts started and not ended hold {space.pending.total_bytes} "
+                          f"bytes ({len(space.pending)} objects), and {space.abandoned_bytes} "
+                          f"more wait out their quarantine after a put timeout; {need} more would "
+                          f"pass the limit of {int(self._pending_limit)} (max_pending_fraction "
+                          f"{self._config.max_pending_fraction} of the capacity). End or revoke "
+                          "puts before starting more")
+
     def space_summary(self) -> str:
-        """How much room the cluster has for new objects, for a NoSpace message."""
-        return Space.summary(self._open_segments(),
-                             self._index.pending)
+        """How much room the cluster has for new objects, for a NoSpace message; first why
+        the last PutStart was refused before evicting, if it was."""
+        summary = Space.summary(self._open_segments())
+        return f"{self._refused_why}; {summary}" if self._refused_why else summary
 
     def _open_segments(self, replicas: int = 1):
         """Where new objects may go: not to segments still being announced."""
         return self._members.open_segments(replicas, self._recovery.recovering)
 
     def _why_missing(self, key) -> KVPoolError:
-        """Why a read finds no complete object at ``key`` (a miss is counted)."""
-        error = _attempt(self._index.complete, key)
-        assert isinstance(error, KVPoolError), f"{key!r} is complete: not a miss"
-        if isinstance(error, ObjectNotFound):
-            self._index.misses += 1
-        return error
+        """Why a read finds no complete object at ``key`` (a miss is counted). Built, not
+        raised and caught: a lookup of 65,536 absent keys held the loop ~1 s that way."""
+        try:
+            validate_key(key)
+        except InvalidArgument as e:
+            return e
+        obj = self._objects.get(key)
+        assert obj is None or obj.state is not COMPLETE, f"{key!r} is complete: not a miss"
+        self._index.misses += 1
+        # The message names a long key by its start: a repr of 1 KiB per miss costs more
+        # than the lookup (the answer carries the status only).
+        return ObjectNotFound(f"{key!r} not found" if len(key) <= 128
+                              else f"{key[:96]!r}... ({len(key)} characters) not found")
 
     def _put_end_one(self, key: str, checksum: int | None) -> None:
         obj = self._index.pending_entry(key)
         self._index.commit(obj, checksum)
+        self._space.pending.debit(obj)
         # The indexed strs, not the request's equal copies. A parent not stored yet (still
         # pending, or put later) is waited for, up to a bound (chains.py): linked when it
         # comes; meanwhile this block is a chain head to the policy (it can go first).
@@ -494,6 +554,7 @@ class MasterState:
         seg.keys.add(r.key)
         if obj is not None:   # another node's replica of it was announced first
             obj.replicas = [*obj.replicas, extent]
+            self._pins.replicas_changed(obj)
             self._announce_pin(obj, r)
             return
         obj = self._index.add(r.key, r.size, [extent], r.version, state=COMPLETE,
@@ -528,6 +589,7 @@ class MasterState:
             seg.manifest.append(Removal(key, version))
         # Other readers may be copying it under their lease: reuse only after that.
         self._space.free_later(bad, max(now, obj.lease_until))
+        self._pins.replicas_changed(obj)
         if not obj.replicas:
             self._recovery.tombstone(obj, self._clock())
             self._unindex(obj)
@@ -590,7 +652,8 @@ class MasterState:
                 continue   # committed, revoked or lost since: nothing to reclaim
             self._unindex(obj)
             # The writer may still be writing into these extents: keep them out of reuse.
-            self._space.free_later(obj.replicas, now + self._config.quarantine_s)
+            self._space.free_later(obj.replicas, now + self._config.quarantine_s,
+                                   abandoned=True)
 
     # -- tiers (see master/tiers.py) --------------------------------------------------------
 
@@ -606,7 +669,9 @@ class MasterState:
         now = self._clock()
         for ok, ids in ((True, done), (False, failed)):
             for move_id in ids:
-                self._tiers.finished(node_id, move_id, ok, now)
+                moved = self._tiers.finished(node_id, move_id, ok, now)
+                if moved is not None:
+                    self._pins.replicas_changed(moved)
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -624,6 +689,8 @@ class MasterState:
         if obj.state is COMPLETE:
             self._chains.forget(obj.key)
             self._pins.forget(obj)
+        else:
+            self._space.pending.debit(obj)
         for e in obj.replicas:
             seg = self._segments[e.segment_id]
             seg.keys.discard(obj.key)

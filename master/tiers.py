@@ -61,12 +61,13 @@ class Tiers:
         """The node is gone: its moves not taken yet go (the rest expire)."""
         self._outbox.pop(node_id, None)
 
-    def finished(self, node_id: str, move_id: int, ok: bool, now: float) -> None:
+    def finished(self, node_id: str, move_id: int, ok: bool, now: float
+                 ) -> ObjectEntry | None:
         """``node_id`` made (``ok``) or gave up on a move; unknown ids (expired, another
-        node's) are ignored."""
+        node's) are ignored. Returns the object if its replica moved."""
         m = self._moves.get(move_id)
         if m is None or m.src_seg.node_id != node_id:
-            return
+            return None
         del self._moves[move_id]
         obj = m.obj
         self._end(move_id, m)
@@ -75,7 +76,7 @@ class Tiers:
                 and m.src in obj.replicas):
             if dst_live:   # the node is done with the destination either way
                 self._space.free_now([m.dst])
-            return
+            return None
         disk = self._members.disk_segments
         was_on_disk = obj.segment_id in disk
         obj.replicas = [m.dst if e == m.src else e for e in obj.replicas]
@@ -99,6 +100,7 @@ class Tiers:
         else:
             self.promotions += 1
             self._disk_reads.pop(obj.key, None)
+        return obj
 
     def note_disk_read(self, obj: ObjectEntry, now: float) -> None:
         """``obj`` was read and may have replicas on disk: the second read within the window

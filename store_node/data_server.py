@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Self
 
-from kvpool.common.logging import get_logger
+from kvpool.common.logging import RateLimited, get_logger
 from kvpool.common.loops import OnCrash, Supervisor
 from kvpool.net.data_port import (
     HANDOFF_REQUEST,
@@ -48,6 +48,8 @@ from kvpool.net.sockets import PeerClosed, recv_exact_into
 from kvpool.store_node.memory import Segment
 
 log = get_logger(__name__)
+# What clients get wrong, once per request: a few lines a minute per kind, then counts.
+client_errors = RateLimited(log)
 
 _LINGER_S = 2.0          # how long to drain a refused client before closing (see _linger_close)
 _JOIN_TIMEOUT_S = 5.0
@@ -303,8 +305,9 @@ class DataServer:
                 continue
             self._count(op.name)
             status, message = self._refusal(segment_id, offset, length)
-            log.warning("request_refused", peer=peer, op=op.name, segment=segment_id,
-                        offset=offset, length=length, status=status.name)
+            client_errors.warning("request_refused", kind=status.name, peer=peer, op=op.name,
+                                  segment=segment_id, offset=offset, length=length,
+                                  status=status.name)
             send_refusal(conn, status, message)
             if op is Op.WRITE:
                 # The payload follows on the stream; we will not consume it frame by frame.
@@ -362,7 +365,7 @@ class DataServer:
                                            f"{segment_id!r} of {segment.info.size_bytes} bytes")
 
     def _refuse_malformed(self, conn: socket.socket, peer: str, reason: str) -> None:
-        log.warning("malformed_frame", peer=peer, reason=reason)
+        client_errors.warning("malformed_frame", peer=peer, reason=reason)
         send_refusal(conn, FrameStatus.BAD_REQUEST, reason)
         _linger_close(conn)
 
@@ -407,7 +410,8 @@ class DataServer:
 
     def _refuse_handoff(self, conn: socket.socket, peer: str, status: FrameStatus, message: str,
                         close: bool = False) -> None:
-        log.warning("handoff_refused", peer=peer, status=status.name, reason=message)
+        client_errors.warning("handoff_refused", kind=status.name, peer=peer,
+                              status=status.name, reason=message)
         send_refusal(conn, status, message)
         if close:
             _linger_close(conn)

@@ -50,6 +50,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pin-quota", type=fraction_type, metavar="FRACTION",
                    help="the share of the cluster's capacity that hard pins (never evicted) "
                         "may hold (default: 0.5)")
+    p.add_argument("--max-pending", type=fraction_type, metavar="FRACTION",
+                   help="the share of the cluster's capacity that puts started and not ended "
+                        "(with the quarantine of those timed out) may hold; a put past it is "
+                        "refused with NoSpace (default: 0.5)")
+    p.add_argument("--max-lease", type=duration_type, metavar="DURATION",
+                   help="a read lease ends this long after it began however often the object "
+                        "is re-read; reads then grant none for --lease-ttl (default: 60s)")
     p.add_argument("--eviction", choices=EVICTION_POLICIES,
                    help="what a full segment gives up first: 'prefix' evicts KV prefix chains "
                         "from the tail (blocks name their parent; shared prefixes go last, plain "
@@ -83,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
                   quarantine_s=args.quarantine, high_watermark=args.high_watermark,
                   low_watermark=args.low_watermark, default_replicas=args.replicas,
                   eviction=args.eviction, promote_window_s=args.promote_window,
-                  pin_quota_fraction=args.pin_quota, namespace_depth=args.namespace_depth)
+                  pin_quota_fraction=args.pin_quota, namespace_depth=args.namespace_depth,
+                  max_pending_fraction=args.max_pending, max_lease_s=args.max_lease)
     def announce(address: str, metrics: str | None) -> None:
         print(f"master: {address}", flush=True)
         if metrics:

@@ -58,5 +58,38 @@ def test_lora_blocks_hash_in_their_own_namespace():
 def test_an_engine_with_another_block_size_is_refused():
     with pytest.raises(HashSpecMismatch, match="16-token blocks.*--block-size to 4"):
         VLLMEventTranslator(SPEC).translate([stored([1], None, TOKENS, block_size=16)])
-    with pytest.raises(InvalidArgument, match="carries 3 token ids"):
-        VLLMEventTranslator(SPEC).translate([stored([1], None, TOKENS[:3])])
+    # A malformed event is skipped (and counted), not fatal: the bridge goes on.
+    t = VLLMEventTranslator(SPEC)
+    assert t.translate([stored([1], None, TOKENS[:3])]) == [] and t.malformed_events == 1
+
+
+@pytest.mark.parametrize("batch", [
+    [b"not a time", [], 0],                                  # a string timestamp
+    {"ts": "soon", "events": []},
+    [1.0, 7, 0],                                             # events not a list
+    [1.0, [[{"a": 1}, [1]]], 0],                             # an unhashable tag
+    [1.0, [42], 0],                                          # an event that is no struct
+])
+def test_a_batch_of_the_wrong_shape_is_invalid_argument(batch):
+    with pytest.raises(InvalidArgument):
+        decode_vllm_batch(msgpack.packb(batch))
+
+
+@pytest.mark.parametrize("event", [
+    ["BlockStored", [{"h": 1}], None, TOKENS[:4], 4, None, "GPU"],   # a map as a hash
+    ["BlockStored", [1]],                                             # too few fields
+    ["BlockStored", [1], None, ["a", "b", "c", "d"], 4, None, "GPU"],  # str token ids
+    ["BlockStored", [1], None, TOKENS[:4], "4", None, "GPU"],         # str block size
+    ["BlockStored", [1], {"p": 1}, TOKENS[:4], 4, None, "GPU"],       # a map as the parent
+    ["BlockRemoved", [{"h": 1}], None],
+    ["BlockRemoved", 5, None],
+    ["Teleported", [1]],                                              # an unknown tag
+])
+def test_a_malformed_event_is_skipped_alone(event):
+    t = VLLMEventTranslator(SPEC)
+    good = {"type": "BlockStored", "block_hashes": [9], "parent_block_hash": None,
+            "token_ids": TOKENS[:4], "block_size": 4, "medium": "GPU"}
+    [bad] = decode_vllm_batch(msgpack.packb([1.0, [event], 0])).events
+    out = t.translate([bad, good])
+    assert t.malformed_events == 1
+    assert [type(e) for e in out] == [BlockStored]

@@ -1,0 +1,61 @@
+"""What objects hold of their segments' bytes, per segment and in all: pending puts, hard pins
+and read leases, which eviction cannot free. Admission (master/pressure.py) reads the counts
+to refuse a put that cannot fit before evicting anything.
+
+Each object is counted as of when it was credited (its replicas then): a debit takes back
+exactly what was credited, so a replica that moves or goes meanwhile cannot make the counts
+drift; callers credit again when an object's replicas change (a pin outlives such changes).
+"""
+
+from __future__ import annotations
+
+from kvpool.master.index import ObjectEntry
+from kvpool.master.membership import Segment
+
+
+class Holds:
+    """One kind of hold: ``kind`` indexes ``Segment.held`` (membership.PENDING_HELD, ...)."""
+
+    def __init__(self, kind: int, segments: dict[str, Segment]) -> None:
+        self._kind = kind
+        self._segments = segments
+        self._credits: dict[ObjectEntry, tuple[tuple[Segment, int], ...]] = {}
+        self.total_bytes = 0   # aligned bytes, every replica counted
+
+    def credit(self, obj: ObjectEntry) -> None:
+        """Count ``obj``'s replicas as they are now (again, if it was counted already)."""
+        credits = self._credits
+        if obj in credits:
+            self.debit(obj)
+        kind, segments = self._kind, self._segments
+        seg = segments.get(obj.segment_id) if obj.segment_id else None
+        if seg is not None and not obj.more:   # the common case: one replica
+            n = seg.allocator.aligned_size(obj.size)
+            seg.held[kind] += n
+            self.total_bytes += n
+            credits[obj] = ((seg, n),)
+            return
+        out = []
+        for e in obj.replicas:
+            if (seg := segments.get(e.segment_id)) is not None:
+                n = seg.allocator.aligned_size(obj.size)
+                seg.held[kind] += n
+                self.total_bytes += n
+                out.append((seg, n))
+        credits[obj] = tuple(out)
+
+    def debit(self, obj: ObjectEntry) -> None:
+        """Stop counting ``obj`` (a no-op if it is not counted)."""
+        credits = self._credits.pop(obj, None)
+        if credits is None:
+            return
+        kind = self._kind
+        for seg, n in credits:   # a dropped segment's count goes with it: harmless
+            seg.held[kind] -= n
+            self.total_bytes -= n
+
+    def __contains__(self, obj: ObjectEntry) -> bool:
+        return obj in self._credits
+
+    def __len__(self) -> int:
+        return len(self._credits)

@@ -1,0 +1,192 @@
+"""Admission before eviction, and the limits on what careless or hostile clients may hold:
+a put that cannot fit is refused before anything is evicted, counting what pins, pending puts,
+leases and quarantine hold; PENDING puts hold at most ``max_pending_fraction`` of the
+capacity; a lease re-read forever ends ``max_lease_s`` after it began (issue 15's cases,
+scaled down: KiB for MiB)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from kvpool.common.config import ConfigError, MasterConfig
+from kvpool.common.errors import NoSpace
+
+from .conftest import get_replicas
+from .test_state import LEASE_S, PUT_TIMEOUT_S, QUARANTINE_S, make_state, mount
+
+KiB = 1024
+SEG = 64 * KiB
+
+
+def two_nodes(clock, **overrides):
+    state = make_state(clock, **overrides)
+    mount(state, "n1", "s1", SEG)
+    mount(state, "n2", "s2", SEG)
+    return state
+
+
+def put(state, key, size):
+    [placed] = state.put_start([key], [size])
+    assert isinstance(placed, tuple), placed
+    assert state.put_end([key]) == [None]
+
+
+def fill_small(state, n=20, size=KiB):
+    for i in range(n):
+        put(state, f"small{i}", size)
+    return [f"small{i}" for i in range(n)]
+
+
+def stored(state, keys) -> int:
+    return sum(state.exists(keys))
+
+
+def no_negative_figures(message: str) -> bool:
+    return re.search(r"-\d", message) is None
+
+
+def test_a_put_that_cannot_fit_beside_hard_pins_evicts_nothing(clock):
+    # Issue 15: two hard pins of 31 MiB (within the quota of half of 2 x 64 MiB), then a put
+    # of 40 MiB: it evicted every evictable object and still failed. Now: refused at once.
+    state = two_nodes(clock)
+    small = fill_small(state)
+    put(state, "p1", 31 * KiB)
+    put(state, "p2", 31 * KiB)
+    assert state.pin(["p1", "p2"]) == [None, None]
+    [result] = state.put_start(["big"], [40 * KiB])
+    assert isinstance(result, NoSpace)
+    assert "nothing was evicted" in str(result) and "pinned" in str(result)
+    assert no_negative_figures(str(result))
+    assert stored(state, small) == 20
+    assert state.stats().evictions == 0
+    # Once a pin goes, eviction can make room: the put evicts, as before.
+    assert state.unpin(["p1"]) == [None]
+    put(state, "big", 40 * KiB)
+    assert state.stats().evictions > 0
+
+
+def test_puts_started_and_never_ended_hold_at_most_their_share(clock):
+    # Issue 15: PutStart of 2 x 63 MiB without PutEnd evicted everything and locked every
+    # other put out for put timeout + quarantine. Now the second is refused (pending puts
+    # may hold half the capacity), nothing is evicted, and puts within what is left of that
+    # half go on (without identities, the half is shared by every client).
+    state = two_nodes(clock, max_pending_fraction=0.5)
+    small = fill_small(state)
+    [first] = state.put_start(["hog1"], [63 * KiB])
+    assert isinstance(first, tuple)   # it may evict: it fits once evicted
+    left = stored(state, small)
+    [second] = state.put_start(["hog2"], [63 * KiB])
+    assert isinstance(second, NoSpace)
+    assert "max_pending_fraction" in str(second) and "not ended" in str(second)
+    for i in range(4):
+        put(state, f"legit{i}", KiB // 2)
+    assert stored(state, small) == left
+    # Reclaimed at the put timeout, the hog's space waits out its quarantine, still counted.
+    clock.advance(PUT_TIMEOUT_S + 0.1)
+    state.tick()
+    [again] = state.put_start(["hog3"], [63 * KiB])
+    assert isinstance(again, NoSpace)
+    clock.advance(QUARANTINE_S)
+    state.tick()
+    [after] = state.put_start(["hog3"], [63 * KiB])
+    assert isinstance(after, tuple)
+
+
+def test_pending_puts_are_counted_before_evicting(clock):
+    # Without the pending cap, two pending puts fill both nodes: a third put that only
+    # eviction could place is refused without evicting the committed objects.
+    state = two_nodes(clock, max_pending_fraction=1.0)
+    small = fill_small(state)
+    for key in ("hog1", "hog2"):
+        [r] = state.put_start([key], [40 * KiB])
+        assert isinstance(r, tuple)
+    [result] = state.put_start(["big"], [30 * KiB])
+    assert isinstance(result, NoSpace) and "nothing was evicted" in str(result)
+    assert "pending" in str(result) and no_negative_figures(str(result))
+    assert stored(state, small) == 20
+
+
+def test_leased_objects_are_counted_before_evicting(clock):
+    state = two_nodes(clock)
+    small = fill_small(state, n=10, size=2 * KiB)
+    put(state, "read1", 40 * KiB)
+    put(state, "read2", 40 * KiB)
+    get_replicas(state, ["read1", "read2"])   # leased for LEASE_S
+    [result] = state.put_start(["big"], [30 * KiB])
+    assert isinstance(result, NoSpace) and "nothing was evicted" in str(result)
+    assert "leased" in str(result)
+    assert stored(state, small) == 10
+    clock.advance(LEASE_S + 0.1)   # the leases end: now eviction can make room
+    put(state, "big", 30 * KiB)
+
+
+def test_quarantine_is_counted_before_evicting(clock):
+    state = two_nodes(clock)
+    for key in ("gone1", "gone2"):
+        put(state, key, 40 * KiB)
+    get_replicas(state, ["gone1", "gone2"])
+    assert state.remove(["gone1", "gone2"]) == [None, None]   # freed after the lease
+    small = fill_small(state, n=10)
+    [result] = state.put_start(["big"], [30 * KiB])
+    assert isinstance(result, NoSpace) and "nothing was evicted" in str(result)
+    assert "quarantined" in str(result) and no_negative_figures(str(result))
+    assert stored(state, small) == 10
+
+
+def test_no_space_message_never_reports_negative_free_bytes(clock):
+    # Quarantined space is allocated still: free minus quarantine went negative.
+    state = two_nodes(clock, max_pending_fraction=1.0)
+    for key in ("hog1", "hog2"):
+        state.put_start([key], [63 * KiB])
+    clock.advance(PUT_TIMEOUT_S + 0.1)
+    state.tick()   # both reclaimed into quarantine
+    [result] = state.put_start(["x"], [8 * KiB])
+    assert isinstance(result, NoSpace)
+    assert no_negative_figures(str(result)) and no_negative_figures(state.space_summary())
+
+
+def test_a_lease_re_read_forever_ends_at_max_lease_s(clock):
+    state = two_nodes(clock, max_lease_s=12.0)
+    put(state, "hot", 40 * KiB)
+    put(state, "hot2", 40 * KiB)
+    start = clock.now
+    leases = []
+    while clock.now - start < 12.0:   # a reader re-reading every second
+        leases.append(state.locate_columns(["hot", "hot2"]).lease_s)
+        clock.advance(1.0)
+    assert leases[0] == LEASE_S
+    # Near the cap, the answer says the lease runs less: the reader re-checks past it.
+    assert leases[-1] == pytest.approx(1.0)
+    [obj] = [state._objects["hot"]]
+    assert obj.lease_until == pytest.approx(start + 12.0)
+    # Past the cap, reads grant no lease for lease_ttl_s: a put may evict the object now.
+    clock.advance(0.5)
+    assert state.locate_columns(["hot", "hot2"]).lease_s == 0
+    put(state, "newcomer", 40 * KiB)
+    assert state.stats().evictions == 1
+    # After the pause, a read leases again.
+    clock.advance(LEASE_S)
+    [survivor] = [k for k in ("hot", "hot2") if state.exists([k])[0]]
+    assert state.locate_columns([survivor]).lease_s == LEASE_S
+
+
+def test_a_pinned_object_read_is_held_by_its_pin(clock):
+    state = two_nodes(clock)
+    put(state, "p", 8 * KiB)
+    state.pin(["p"])
+    get_replicas(state, ["p"])
+    seg = state._segments[state._objects["p"].segment_id]
+    assert (seg.pinned_bytes, seg.leased_bytes) == (8 * KiB, 0)
+    state.unpin(["p"])
+    clock.advance(LEASE_S + 0.1)
+    state.tick()
+    assert (seg.pinned_bytes, seg.leased_bytes, seg.pending_bytes) == (0, 0, 0)
+
+
+def test_limits_are_validated():
+    with pytest.raises(ConfigError, match="max_pending_fraction"):
+        MasterConfig(max_pending_fraction=0)
+    with pytest.raises(ConfigError, match="max_lease_s"):
+        MasterConfig(lease_ttl_s=10, max_lease_s=5)
+    assert MasterConfig().max_pending_fraction == 0.5 and MasterConfig().max_lease_s == 60.0
