@@ -54,10 +54,11 @@ Policies choose among candidates (instance id, queue depth, in-flight prefill to
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvpool.common.errors import InvalidArgument
 from kvpool.common.kv_events import (  # noqa: F401  (re-exported: the index's vocabulary)
@@ -88,6 +89,15 @@ class Candidate:
     instance_id: str
     queue_depth: int = 0                # requests waiting or prefilling there
     inflight_prefill_tokens: int = 0    # tokens still to prefill there, after cache hits
+    # The instance's own rates, as the caller measured them (master/calibration.py); 0: the
+    # index's cost model's.
+    prefill_tokens_per_s: float = 0.0
+    store_tokens_per_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not all(0 <= r < math.inf for r in (self.prefill_tokens_per_s,
+                                               self.store_tokens_per_s)):
+            raise InvalidArgument("a candidate's rates must be >= 0 tokens/s (0: the default)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +125,7 @@ class Option:
     hit_tokens: dict[str, int]       # per tier, prompt tokens of those blocks
     recomputed_tokens: int
     estimated_ttft_s: float
+    cost: CostModel                  # the index's, with the candidate's own rates if it gave them
 
     @property
     def local_blocks(self) -> int:
@@ -144,6 +155,15 @@ class CostModel:
     @property
     def affinity_slack_s(self) -> float:
         return self.affinity_slack_tokens * self.prefill_s_per_token
+
+    def for_candidate(self, c: Candidate) -> CostModel:
+        """This model with the rates ``c`` reports (measured per instance) where it gives them."""
+        if not (c.prefill_tokens_per_s or c.store_tokens_per_s):
+            return self
+        return replace(self, prefill_s_per_token=1 / c.prefill_tokens_per_s
+                       if c.prefill_tokens_per_s else self.prefill_s_per_token,
+                       store_s_per_token=1 / c.store_tokens_per_s
+                       if c.store_tokens_per_s else self.store_s_per_token)
 
     def ttft_s(self, c: Candidate, recomputed: int, hit_tokens: dict[str, int]) -> float:
         return ((c.inflight_prefill_tokens + recomputed) * self.prefill_s_per_token
@@ -232,8 +252,8 @@ class RoutingIndex:
                 # Only the prompt's last block may be partial (trace blocks include it).
                 tokens[tier] += min(query.block_size, left)
                 left -= min(query.block_size, left)
-            out.append(Option(c, order, hits, tokens, left,
-                              self.cost.ttft_s(c, left, tokens)))
+            cost = self.cost.for_candidate(c)
+            out.append(Option(c, order, hits, tokens, left, cost.ttft_s(c, left, tokens), cost))
         return out
 
     def route(self, query: RouteQuery, candidates: Sequence[Candidate] | None,
@@ -315,12 +335,14 @@ class KVPoolPolicy(RoutingPolicy):
     name = "kvpool"
 
     def choose(self, options, cost):
+        # Each option weighs with its own cost model: candidates may report measured rates.
         def score_s(o: Option) -> float:
             return o.estimated_ttft_s + \
-                cost.recompute_weight * o.recomputed_tokens * cost.prefill_s_per_token
+                o.cost.recompute_weight * o.recomputed_tokens * o.cost.prefill_s_per_token
 
-        best_s = min(map(score_s, options))
-        close = [o for o in options if score_s(o) <= best_s + cost.affinity_slack_s]
+        best = min(options, key=score_s)
+        best_s = score_s(best)
+        close = [o for o in options if score_s(o) <= best_s + best.cost.affinity_slack_s]
         return min(close, key=lambda o: (-o.local_blocks, score_s(o), *_load_key(o)))
 
 
