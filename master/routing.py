@@ -151,6 +151,14 @@ class CostModel:
     cpu_s_per_token: float = 1 / 160000
     recompute_weight: float = 1.0
     affinity_slack_tokens: int = 4096
+    backlog_weight_per_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if min(self.prefill_s_per_token, self.store_s_per_token, self.cpu_s_per_token) <= 0:
+            raise InvalidArgument("cost model rates must be > 0 s/token")
+        if min(self.recompute_weight, self.affinity_slack_tokens,
+               self.backlog_weight_per_s) < 0:
+            raise InvalidArgument("cost model weights must be >= 0")
 
     @property
     def affinity_slack_s(self) -> float:
@@ -335,10 +343,15 @@ class KVPoolPolicy(RoutingPolicy):
     name = "kvpool"
 
     def choose(self, options, cost):
+        # The cluster's backlog: how long until even the least loaded candidate is free.
+        backlog_s = min(o.candidate.inflight_prefill_tokens * o.cost.prefill_s_per_token
+                        for o in options)
+
         # Each option weighs with its own cost model: candidates may report measured rates.
         def score_s(o: Option) -> float:
+            weight = o.cost.recompute_weight * (1 + o.cost.backlog_weight_per_s * backlog_s)
             return o.estimated_ttft_s + \
-                o.cost.recompute_weight * o.recomputed_tokens * o.cost.prefill_s_per_token
+                weight * o.recomputed_tokens * o.cost.prefill_s_per_token
 
         best = min(options, key=score_s)
         best_s = score_s(best)
