@@ -23,10 +23,20 @@ stalled engine, a request that waited on something else) are dropped and the fit
 The store rate is fitted only from enough samples that loaded from the store and when it is
 not collinear with prefill; otherwise it holds (without a store it cannot be observed).
 
-**Bounds and smoothing.** An engine keeps the prior until it has ``min_samples`` samples;
-each fit then moves the estimate a fraction ``smoothing`` of the way (in log space, so 4x too
-high and 4x too low converge alike), clamped to ``prefill_bounds`` / ``store_bounds``
-(tokens/s): no run of bad samples can take the router somewhere absurd.
+**The fleet first.** Every sample also feeds a fleet-wide fit (a window four times longer).
+An engine with fewer than ``min_samples`` samples of its own is judged by the fleet's
+estimate, and its own estimate starts from the fleet's: from a prior 4x off, engines judged
+by the prior next to engines already measured would look 4x faster or slower than they are,
+and the router would crowd onto the ones that look fast. (Scaling every rate alike changes few
+decisions; scaling some engines' is what routes badly.) Until the fleet has ``min_samples``
+samples, everything is the prior (``measured`` says None: the router's own model decides).
+
+**Bounds and smoothing.** Each fit moves an estimate a fraction ``smoothing`` of the way (in
+log space, so 4x too high and 4x too low converge alike), clamped to ``prefill_bounds`` /
+``store_bounds`` (tokens/s): no run of bad samples can take the router somewhere absurd.
+
+The model has no constant term: a fixed per-request overhead (HTTP, scheduling) is folded
+into the rates, which overstates the cost of short prompts a little.
 """
 
 from __future__ import annotations
@@ -156,6 +166,14 @@ class CostCalibrator:
         own."""
         e = self._engines.get(engine)
         return e.rates if e is not None and e.fits > 0 else self._fleet.rates
+
+    def measured(self, engine: str) -> Rates | None:
+        """``rates(engine)`` once measured (the engine's or the fleet's fit); None while it
+        is still the prior, so a caller can leave the router's own configuration in force."""
+        e = self._engines.get(engine)
+        if e is not None and e.fits > 0:
+            return e.rates
+        return self._fleet.rates if self._fleet.fits > 0 else None
 
     def fleet_rates(self) -> Rates:
         return self._fleet.rates

@@ -28,10 +28,15 @@ Policies choose among candidates (instance id, queue depth, in-flight prefill to
   ``prefill_s_per_token``; a gpu hit costs nothing); queueing counts through what it delays.
   The policy ranks candidates by::
 
-      score_s = ttft_s + recompute_weight * recomputed_tokens * prefill_s_per_token
+      score_s = ttft_s + w * recomputed_tokens * prefill_s_per_token
+      w = recompute_weight * (1 + backlog_weight_per_s * backlog_s)
 
   because recomputation costs more than this request's wait: it is work every request queued
-  behind it on that instance waits for too, and KV the cluster already held. Then affinity:
+  behind it on that instance waits for too, and KV the cluster already held. ``backlog_s`` is
+  how long until even the least loaded candidate is free: while every instance has work
+  queued, the cluster is saturated and work added now delays everything that arrives until
+  the backlog drains, so recomputation is weighed up (doubled per 0.5 s of backlog at the
+  default 2/s); with one candidate idle the weight is ``recompute_weight``. Then affinity:
   among the candidates within ``affinity_slack_tokens * prefill_s_per_token`` of the best
   score, the one with the longest local (gpu + cpu) prefix wins (then the lower score, then the
   lighter load). Scores that close are within their estimates' error; keeping the request where
@@ -39,17 +44,28 @@ Policies choose among candidates (instance id, queue depth, in-flight prefill to
   store's bandwidth to requests that need it.
 
   The parameters live in :class:`CostModel`; set them to the deployment's measured prefill
-  throughput and transfer bandwidth. Defaults: a LLaMA2-70B-class model on an 8-GPU node
-  (Mooncake's testbed; derivation in ``kvpool.tools.replay_sim.InstanceModel``), 8,000
-  prefill tokens/s per instance, KV loads from the store at ~10x and from host memory at ~20x
-  prefill speed, ``recompute_weight`` 1 and a slack of 4,096 tokens (0.5 s).
+  throughput and transfer bandwidth, or let the caller measure them: a candidate may carry its
+  own ``prefill_tokens_per_s`` and ``store_tokens_per_s`` (a gateway's
+  :class:`~kvpool.master.calibration.CostCalibrator` learns them per engine from observed
+  first-token times), which replace the configured ones for that candidate. Defaults: a
+  LLaMA2-70B-class model on an 8-GPU node (Mooncake's testbed; derivation in
+  ``kvpool.tools.replay_sim.InstanceModel``), 8,000 prefill tokens/s per instance, KV loads from
+  the store at ~10x and from host memory at ~20x prefill speed, ``recompute_weight`` 1,
+  ``backlog_weight_per_s`` 2 and a slack of 4,096 tokens (0.5 s).
 
-  Measured with ``kvpool replay`` on the Mooncake conversation trace (exact per-instance queue
-  estimates; 60,000-block store): the slack trades local hits against nothing measurable up to
-  4,096 tokens (slack 0: 25.3% local, p90 2.575 s; 4,096: 28.8%, 2.574 s), then against p90
-  (16,384: 32.6%, 2.655 s; ``prefix_affinity``, an unbounded slack: 36.1%, 3.39 s). While the
-  store holds a prefix, a local hit saves only its load (a tenth of its prefill), so chasing
-  locality costs more queueing than it saves; without a store it is what saves the prefill.
+  Measured with ``kvpool replay --sweep 16000,8000,5000,4000`` on the Mooncake conversation
+  trace (8 instances x 6,000 blocks, 60,000-block store or none, store loads at 10x prefill
+  speed): the default's p90 TTFT is the best of the policies at all eight points. The backlog
+  term is what holds it at 80% load without a store: with a constant weight of 1 the default
+  left prefixes too readily there (p90 13.44 s against ``prefix_affinity``'s 13.08 s; now
+  11.41 s), and a constant weight high enough for that load cost p90 at light load (weight 3:
+  1.39 s instead of 1.35 s at 20% load). With a store the weight changes nothing measurable:
+  every instance reuses the same prefixes, so recomputation is the same wherever a request
+  goes. The slack trades local hits against nothing measurable up to 4,096 tokens, then
+  against p90 (``prefix_affinity``, an unbounded slack: 3.39 s at 8,000 tokens/s against
+  2.57 s). While the store holds a prefix, a local hit saves only its load (a tenth of its
+  prefill), so chasing locality costs more queueing than it saves; without a store it is what
+  saves the prefill.
 """
 
 from __future__ import annotations

@@ -70,32 +70,32 @@ def _run(requests, model, truth: Rates, fp: float, fs: float, calibrated: bool,
                [t for t, _ in history], pr, sr)
 
 
-def converged_after(run: Run, tol: float = 0.05) -> int | None:
-    """The first request from which both mean rate ratios stay within ``tol`` of 1."""
-    last_bad = -1
-    for i, (p, s) in enumerate(zip(run.prefill_ratio, run.store_ratio)):
-        if abs(p - 1) > tol or abs(s - 1) > tol:
-            last_bad = i
-    return last_bad + 1 if last_bad + 1 < len(run.prefill_ratio) else None
+def converged_after(ratios: list[float], tol: float = 0.05) -> int | None:
+    """The first request from which a rate ratio stays within ``tol`` of 1 (None: never)."""
+    last_bad = max((i for i, r in enumerate(ratios) if abs(r - 1) > tol), default=-1)
+    return last_bad + 1 if last_bad + 1 < len(ratios) else None
 
 
 def format_calibration(runs: list[Run], header: str) -> str:
     base = runs[0].result["ttft_p90_s"]
     half = len(runs[0].ttfts) // 2
     base_late = percentile(sorted(runs[0].ttfts[half:]), 0.9)
-    lines = [header,
-             f"{'router cost model':<38} {'p90_s':>7} {'vs conf':>7} {'p90_2nd_half':>12} "
-             f"{'vs conf':>7} {'rates_at_end':>14} {'within_5%_from':>14}"]
+    columns = (f"{'router cost model':<38} {'p90_s':>7} {'vs conf':>7} {'p90_2nd_half':>12} "
+               f"{'vs conf':>7} {'rates_at_end':>14} {'prefill_ok_from':>15} "
+               f"{'store_ok_from':>13}")
+    lines = [header, columns]
     for r in runs:
         late = percentile(sorted(r.ttfts[half:]), 0.9)
-        conv = converged_after(r) if r.calibrated else None
+        conv = [converged_after(x) if r.calibrated else None
+                for x in (r.prefill_ratio, r.store_ratio)]
         lines.append(
             f"{r.label:<38} {r.result['ttft_p90_s']:>7.3f} {r.result['ttft_p90_s'] / base:>7.3f} "
             f"{late:>12.3f} {late / base_late:>7.3f} "
             f"{f'x{r.prefill_ratio[-1]:.2f}/x{r.store_ratio[-1]:.2f}':>14} "
-            f"{('request ' + str(conv)) if conv is not None else '-':>14}")
+            f"{_req(conv[0]):>15} {_req(conv[1]):>13}")
     lines.append("(p90 over the whole trace and over its second half; rates_at_end: the router's "
-                 "prefill/store rates over the true ones, geometric mean over instances)")
+                 "prefill/store rates over the true ones, geometric mean over instances; "
+                 "*_ok_from: the request from which that mean stays within 5% of the truth)")
     return "\n".join(lines)
 
 
@@ -133,7 +133,7 @@ def plot_calibration(runs: list[Run], path: str, title: str, window: int = 500) 
     ax2.set_ylabel("router's rate / true rate (mean over instances)")
     ax2.set_title("calibrated rates (prefill solid, store dashed)")
     ax2.legend(fontsize=6, ncol=2)
-    fig.suptitle(title)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -148,6 +148,10 @@ def _rolling_p90(run: Run, window: int) -> tuple[list[float], list[float]]:
     return xs, ys
 
 
+def _req(i: int | None) -> str:
+    return "-" if i is None else f"#{i}"
+
+
 def _gmean(xs: list[float]) -> float:
     return math.exp(sum(map(math.log, xs)) / len(xs))
 
@@ -158,6 +162,8 @@ def _f(x: float) -> str:
 
 def as_report(runs: list[Run]) -> dict:
     return {r.label: {**r.result, "rates_at_end": [r.prefill_ratio[-1], r.store_ratio[-1]],
-                      "converged_after": converged_after(r) if r.calibrated else None}
+                      "converged_after": [converged_after(x) for x in (r.prefill_ratio,
+                                                                       r.store_ratio)]
+                      if r.calibrated else None}
             for r in runs}
 

@@ -70,10 +70,10 @@ def sweep(requests: list[Request], rates: list[float], policies: list[str], *,
 
 def format_sweep(points: list[Point], header: str, applies_below: float = 10.0,
                  tolerance: float = 0.02) -> str:
-    lines = [header,
-             f"{'prefill/s':>9} {'store':>6} {'floor_p90':>9} {'best':<16} {'best_p90':>8} "
-             f"{'default_p90':>11} {'ratio':>6}  {'best_other':<16} {'its_p90':>8} "
-             f"{'default/it':>10}  target"]
+    columns = (f"{'prefill/s':>9} {'store':>6} {'floor_p90':>9} {'best':<16} {'best_p90':>8} "
+               f"{'default_p90':>11} {'ratio':>6}  {'best_other':<16} {'its_p90':>8} "
+               f"{'default/it':>10}  target")
+    lines = [header, columns]
     met = True
     for p in points:
         applies = p.p90_s[p.best] < applies_below * p.floor_p90_s
