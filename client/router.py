@@ -37,6 +37,10 @@ class Candidate:
     instance_id: str
     queue_depth: int = 0
     inflight_prefill_tokens: int = 0
+    # Its measured rates (kvpool.master.calibration.CostCalibrator), tokens/s; 0: the
+    # master's configured cost model.
+    prefill_tokens_per_s: float = 0.0
+    store_tokens_per_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +93,9 @@ class RouterClient(GrpcClient):
             prompt_tokens=prompt_tokens, policy=policy,
             extra_keys=[pb.ExtraKey(name=k, value=str(v)) for k, v in (extra_keys or {}).items()],
             candidates=[pb.Candidate(instance_id=c.instance_id, queue_depth=c.queue_depth,
-                                     inflight_prefill_tokens=c.inflight_prefill_tokens)
+                                     inflight_prefill_tokens=c.inflight_prefill_tokens,
+                                     prefill_tokens_per_s=c.prefill_tokens_per_s,
+                                     store_tokens_per_s=c.store_tokens_per_s)
                         for c in candidates])
         r = self._call_port(self._lookups, lookup_port.ROUTE, req, pb.RouteResponse)
         if r is None:

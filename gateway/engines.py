@@ -14,6 +14,10 @@ Load, per engine, as Route's ``Candidate`` takes it:
 - ``inflight_prefill_tokens``: prompt tokens the gateway sent there that are still to be
   prefilled, i.e. its requests without a first token yet, each counted as its prompt less the
   prefix Route expected it to reuse.
+- ``prefill_tokens_per_s``, ``store_tokens_per_s``: with a ``calibrator``
+  (:class:`~kvpool.master.calibration.CostCalibrator`), the engine's rates as measured from
+  its first tokens against what Route expected each request to recompute and load; 0 (the
+  master's cost model) until there are enough samples.
 
 An engine that fails (refused connection, reset, timeout, a 502/503/504) is marked down and
 offered to no request until a probe finds it healthy again; the probes back off from
@@ -28,6 +32,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from kvpool.client.router import Candidate
+from kvpool.master.calibration import CostCalibrator, Ticket
 
 
 class EngineSpecError(ValueError):
@@ -86,18 +91,24 @@ class EngineState:
     def up(self) -> bool:
         return self.down_since is None
 
-    def candidate(self) -> Candidate:
+    def candidate(self, calibrator: CostCalibrator | None = None) -> Candidate:
+        rates = calibrator.measured(self.spec.instance_id) if calibrator else None
         return Candidate(self.spec.instance_id,
                          max(len(self.waiting_first_token), self.reported_queue),
-                         sum(self.waiting_first_token.values()))
+                         sum(self.waiting_first_token.values()),
+                         *((rates.prefill_tokens_per_s, rates.store_tokens_per_s)
+                           if rates else ()))
 
 
 class EnginePool:
     """Every engine's state. One event loop owns it: no locks."""
 
     def __init__(self, specs: Iterable[EngineSpec], *, backoff_s: float = 1.0,
-                 max_backoff_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+                 max_backoff_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
+                 calibrator: CostCalibrator | None = None):
         self.engines = {s.instance_id: EngineState(s) for s in specs}
+        self.calibrator = calibrator
+        self._calibrating: dict[int, tuple[Ticket, int, int]] = {}
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self._clock = clock
         self._next_request = 0
@@ -109,26 +120,34 @@ class EnginePool:
         """The engines up, less ``exclude`` (those a request already failed on), as Route
         candidates with their load."""
         skip = set(exclude)
-        return [e.candidate() for e in self.engines.values()
+        return [e.candidate(self.calibrator) for e in self.engines.values()
                 if e.up and e.spec.instance_id not in skip]
 
     # -- a request's life on an engine --
-    def sent(self, instance_id: str, prefill_tokens: int) -> int:
-        """A request went to the engine with ``prefill_tokens`` to prefill; returns its
-        ticket for ``first_token`` and ``done``."""
+    def sent(self, instance_id: str, prefill_tokens: int, store_tokens: int = 0) -> int:
+        """A request went to the engine with ``prefill_tokens`` to prefill and
+        ``store_tokens`` to load from the store (Route's expectation); returns its ticket for
+        ``first_token`` and ``done``."""
         self._next_request += 1
         e = self.engines[instance_id]
         e.waiting_first_token[self._next_request] = max(0, prefill_tokens)
         e.inflight += 1
+        if self.calibrator is not None:
+            self._calibrating[self._next_request] = (
+                self.calibrator.sent(instance_id), max(0, prefill_tokens), max(0, store_tokens))
         return self._next_request
 
     def first_token(self, instance_id: str, ticket: int) -> None:
         self.engines[instance_id].waiting_first_token.pop(ticket, None)
+        seen = self._calibrating.pop(ticket, None)
+        if seen is not None:
+            self.calibrator.first_token(*seen)
 
     def done(self, instance_id: str, ticket: int) -> None:
         e = self.engines[instance_id]
         e.waiting_first_token.pop(ticket, None)
         e.inflight -= 1
+        self._calibrating.pop(ticket, None)   # failed before its first token: nothing learned
 
     # -- health --
     def failed(self, instance_id: str) -> bool:

@@ -32,6 +32,12 @@ class Choice:
     hit_tokens: int             # prompt tokens those blocks cover (estimated)
     route_s: float              # how long choosing took
 
+    @property
+    def store_tokens(self) -> int:
+        """The prompt tokens Route expects the engine to load from the store."""
+        blocks = sum(self.hit_blocks.values())
+        return self.hit_tokens * self.hit_blocks.get("store", 0) // blocks if blocks else 0
+
 
 def least_loaded(candidates: Sequence[Candidate]) -> Candidate:
     return min(candidates, key=lambda c: (c.inflight_prefill_tokens, c.queue_depth))

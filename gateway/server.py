@@ -40,6 +40,8 @@ from kvpool.gateway.upstream import (
     Outcome,
     forward,
 )
+from kvpool.master.calibration import CostCalibrator, Rates
+from kvpool.master.routing import CostModel
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 log = get_logger(__name__)
@@ -60,13 +62,22 @@ class GatewayConfig:
     probe_timeout_s: float = 5.0
     backoff_s: float = 1.0
     max_backoff_s: float = 30.0
+    # Measure each engine's prefill and store-load rates from its first tokens and send them
+    # with Route's candidates (master/calibration.py); off: the master's cost model alone.
+    calibrate: bool = True
 
 
 class Gateway:
     def __init__(self, config: GatewayConfig, *, tokenizer: PromptTokenizer | None = None):
         self.config = config
+        # The prior is the master's default cost model: until the calibrator has samples the
+        # candidates carry no rates and the master's own model decides.
+        prior = CostModel()
+        calibrator = CostCalibrator(Rates(1 / prior.prefill_s_per_token,
+                                          1 / prior.store_s_per_token)) \
+            if config.calibrate else None
         self.pool = EnginePool(config.engines, backoff_s=config.backoff_s,
-                               max_backoff_s=config.max_backoff_s)
+                               max_backoff_s=config.max_backoff_s, calibrator=calibrator)
         self.metrics = GatewayMetrics(self.pool)
         self.tokenizer = tokenizer or PromptTokenizer(config.model_dir)
         self.router = EngineRouter(config.master, policy=config.policy,
@@ -207,7 +218,8 @@ class Gateway:
     async def _try(self, request: web.Request, endpoint: str, raw: bytes, stream: bool,
                    deadline: float, tokens: list[int], choice: Choice, t0: float) -> Outcome:
         engine = self.pool[choice.instance_id]
-        ticket = self.pool.sent(choice.instance_id, len(tokens) - choice.hit_tokens)
+        ticket = self.pool.sent(choice.instance_id, len(tokens) - choice.hit_tokens,
+                                choice.store_tokens)
         try:
             return await forward(
                 self._session, request, f"{engine.spec.url}/v1/{endpoint}", raw,

@@ -28,10 +28,15 @@ Policies choose among candidates (instance id, queue depth, in-flight prefill to
   ``prefill_s_per_token``; a gpu hit costs nothing); queueing counts through what it delays.
   The policy ranks candidates by::
 
-      score_s = ttft_s + recompute_weight * recomputed_tokens * prefill_s_per_token
+      score_s = ttft_s + w * recomputed_tokens * prefill_s_per_token
+      w = recompute_weight * (1 + backlog_weight_per_s * backlog_s)
 
   because recomputation costs more than this request's wait: it is work every request queued
-  behind it on that instance waits for too, and KV the cluster already held. Then affinity:
+  behind it on that instance waits for too, and KV the cluster already held. ``backlog_s`` is
+  how long until even the least loaded candidate is free: while every instance has work
+  queued, the cluster is saturated and work added now delays everything that arrives until
+  the backlog drains, so recomputation is weighed up (doubled per 0.5 s of backlog at the
+  default 2/s); with one candidate idle the weight is ``recompute_weight``. Then affinity:
   among the candidates within ``affinity_slack_tokens * prefill_s_per_token`` of the best
   score, the one with the longest local (gpu + cpu) prefix wins (then the lower score, then the
   lighter load). Scores that close are within their estimates' error; keeping the request where
@@ -39,25 +44,37 @@ Policies choose among candidates (instance id, queue depth, in-flight prefill to
   store's bandwidth to requests that need it.
 
   The parameters live in :class:`CostModel`; set them to the deployment's measured prefill
-  throughput and transfer bandwidth. Defaults: a LLaMA2-70B-class model on an 8-GPU node
-  (Mooncake's testbed; derivation in ``kvpool.tools.replay_sim.InstanceModel``), 8,000
-  prefill tokens/s per instance, KV loads from the store at ~10x and from host memory at ~20x
-  prefill speed, ``recompute_weight`` 1 and a slack of 4,096 tokens (0.5 s).
+  throughput and transfer bandwidth, or let the caller measure them: a candidate may carry its
+  own ``prefill_tokens_per_s`` and ``store_tokens_per_s`` (a gateway's
+  :class:`~kvpool.master.calibration.CostCalibrator` learns them per engine from observed
+  first-token times), which replace the configured ones for that candidate. Defaults: a
+  LLaMA2-70B-class model on an 8-GPU node (Mooncake's testbed; derivation in
+  ``kvpool.tools.replay_sim.InstanceModel``), 8,000 prefill tokens/s per instance, KV loads from
+  the store at ~10x and from host memory at ~20x prefill speed, ``recompute_weight`` 1,
+  ``backlog_weight_per_s`` 2 and a slack of 4,096 tokens (0.5 s).
 
-  Measured with ``kvpool replay`` on the Mooncake conversation trace (exact per-instance queue
-  estimates; 60,000-block store): the slack trades local hits against nothing measurable up to
-  4,096 tokens (slack 0: 25.3% local, p90 2.575 s; 4,096: 28.8%, 2.574 s), then against p90
-  (16,384: 32.6%, 2.655 s; ``prefix_affinity``, an unbounded slack: 36.1%, 3.39 s). While the
-  store holds a prefix, a local hit saves only its load (a tenth of its prefill), so chasing
-  locality costs more queueing than it saves; without a store it is what saves the prefill.
+  Measured with ``kvpool replay --sweep 16000,8000,5000,4000`` on the Mooncake conversation
+  trace (8 instances x 6,000 blocks, 60,000-block store or none, store loads at 10x prefill
+  speed): the default's p90 TTFT is the best of the policies at all eight points. The backlog
+  term is what holds it at 80% load without a store: with a constant weight of 1 the default
+  left prefixes too readily there (p90 13.44 s against ``prefix_affinity``'s 13.08 s; now
+  11.41 s), and a constant weight high enough for that load cost p90 at light load (weight 3:
+  1.39 s instead of 1.35 s at 20% load). With a store the weight changes nothing measurable:
+  every instance reuses the same prefixes, so recomputation is the same wherever a request
+  goes. The slack trades local hits against nothing measurable up to 4,096 tokens, then
+  against p90 (``prefix_affinity``, an unbounded slack: 3.39 s at 8,000 tokens/s against
+  2.57 s). While the store holds a prefix, a local hit saves only its load (a tenth of its
+  prefill), so chasing locality costs more queueing than it saves; without a store it is what
+  saves the prefill.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvpool.common.errors import InvalidArgument
 from kvpool.common.kv_events import (  # noqa: F401  (re-exported: the index's vocabulary)
@@ -88,6 +105,15 @@ class Candidate:
     instance_id: str
     queue_depth: int = 0                # requests waiting or prefilling there
     inflight_prefill_tokens: int = 0    # tokens still to prefill there, after cache hits
+    # The instance's own rates, as the caller measured them (master/calibration.py); 0: the
+    # index's cost model's.
+    prefill_tokens_per_s: float = 0.0
+    store_tokens_per_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not all(0 <= r < math.inf for r in (self.prefill_tokens_per_s,
+                                               self.store_tokens_per_s)):
+            raise InvalidArgument("a candidate's rates must be >= 0 tokens/s (0: the default)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +141,7 @@ class Option:
     hit_tokens: dict[str, int]       # per tier, prompt tokens of those blocks
     recomputed_tokens: int
     estimated_ttft_s: float
+    cost: CostModel                  # the index's, with the candidate's own rates if it gave them
 
     @property
     def local_blocks(self) -> int:
@@ -140,10 +167,27 @@ class CostModel:
     cpu_s_per_token: float = 1 / 160000
     recompute_weight: float = 1.0
     affinity_slack_tokens: int = 4096
+    backlog_weight_per_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if min(self.prefill_s_per_token, self.store_s_per_token, self.cpu_s_per_token) <= 0:
+            raise InvalidArgument("cost model rates must be > 0 s/token")
+        if min(self.recompute_weight, self.affinity_slack_tokens,
+               self.backlog_weight_per_s) < 0:
+            raise InvalidArgument("cost model weights must be >= 0")
 
     @property
     def affinity_slack_s(self) -> float:
         return self.affinity_slack_tokens * self.prefill_s_per_token
+
+    def for_candidate(self, c: Candidate) -> CostModel:
+        """This model with the rates ``c`` reports (measured per instance) where it gives them."""
+        if not (c.prefill_tokens_per_s or c.store_tokens_per_s):
+            return self
+        return replace(self, prefill_s_per_token=1 / c.prefill_tokens_per_s
+                       if c.prefill_tokens_per_s else self.prefill_s_per_token,
+                       store_s_per_token=1 / c.store_tokens_per_s
+                       if c.store_tokens_per_s else self.store_s_per_token)
 
     def ttft_s(self, c: Candidate, recomputed: int, hit_tokens: dict[str, int]) -> float:
         return ((c.inflight_prefill_tokens + recomputed) * self.prefill_s_per_token
@@ -232,8 +276,8 @@ class RoutingIndex:
                 # Only the prompt's last block may be partial (trace blocks include it).
                 tokens[tier] += min(query.block_size, left)
                 left -= min(query.block_size, left)
-            out.append(Option(c, order, hits, tokens, left,
-                              self.cost.ttft_s(c, left, tokens)))
+            cost = self.cost.for_candidate(c)
+            out.append(Option(c, order, hits, tokens, left, cost.ttft_s(c, left, tokens), cost))
         return out
 
     def route(self, query: RouteQuery, candidates: Sequence[Candidate] | None,
@@ -315,12 +359,19 @@ class KVPoolPolicy(RoutingPolicy):
     name = "kvpool"
 
     def choose(self, options, cost):
-        def score_s(o: Option) -> float:
-            return o.estimated_ttft_s + \
-                cost.recompute_weight * o.recomputed_tokens * cost.prefill_s_per_token
+        # The cluster's backlog: how long until even the least loaded candidate is free.
+        backlog_s = min(o.candidate.inflight_prefill_tokens * o.cost.prefill_s_per_token
+                        for o in options)
 
-        best_s = min(map(score_s, options))
-        close = [o for o in options if score_s(o) <= best_s + cost.affinity_slack_s]
+        # Each option weighs with its own cost model: candidates may report measured rates.
+        def score_s(o: Option) -> float:
+            weight = o.cost.recompute_weight * (1 + o.cost.backlog_weight_per_s * backlog_s)
+            return o.estimated_ttft_s + \
+                weight * o.recomputed_tokens * o.cost.prefill_s_per_token
+
+        best = min(options, key=score_s)
+        best_s = score_s(best)
+        close = [o for o in options if score_s(o) <= best_s + best.cost.affinity_slack_s]
         return min(close, key=lambda o: (-o.local_blocks, score_s(o), *_load_key(o)))
 
 

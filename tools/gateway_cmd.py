@@ -38,6 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "kv-events --model NAME`) (default: the served model name)")
     p.add_argument("--policy", default=DEFAULT_POLICY, choices=list(POLICIES),
                    help=f"the routing policy Route applies (default: {DEFAULT_POLICY})")
+    p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                   help="send Route no measured rates: the master's cost model alone (default: "
+                        "each engine's prefill and store-load rates are measured from its first "
+                        "tokens and sent with its load)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default: 127.0.0.1)")
     p.add_argument("--port", type=port_type, default=8080,
                    help="listen port (default: 8080; 0 = any free port)")
@@ -80,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
         engines=engines, model_dir=args.model, master=args.master, policy=args.policy,
         served_model_name=args.served_model_name or args.model, hash_model=args.hash_model,
         request_timeout_s=args.request_timeout, read_timeout_s=args.read_timeout,
-        connect_timeout_s=args.connect_timeout, probe_interval_s=args.probe_interval)
+        connect_timeout_s=args.connect_timeout, probe_interval_s=args.probe_interval,
+        calibrate=args.calibrate)
     return asyncio.run(_serve(config, args.host, args.port))
 
 

@@ -47,6 +47,14 @@ def _policies(text: str) -> list[str]:
     return names
 
 
+def _rates(text: str) -> list[float]:
+    try:
+        return [_positive(t) for t in text.split(",") if t.strip()] or [_positive(text)]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"invalid list {text!r}: expected numbers > 0 "
+                                         "separated by commas") from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.description = ("Replay a Mooncake-format request trace (one JSON object per line: "
@@ -64,6 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 "what an infinite shared cache would reuse; floor p90 is the p90 TTFT no policy "
                 "can beat (each prompt's prefill of what no earlier request computed).\n\n"
                 "Example: kvpool replay trace.jsonl --json out.json --plot out.png\n"
+                "         kvpool replay trace.jsonl --sweep 16000,8000,5000,4000\n"
+                "         kvpool replay trace.jsonl --calibrate --plot calibration.png\n"
                 "         kvpool replay trace.jsonl --live --master 127.0.0.1:50051 --requests 50")
     p.add_argument("trace", metavar="TRACE", help="Mooncake-format trace (.jsonl)")
     p.add_argument("--instances", type=count_type, default=8, help="serving instances (default: 8)")
@@ -93,6 +103,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="write a PNG: reuse per tier and TTFT CDF")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--service-jitter", type=float, default=0.0, metavar="F",
+                   help="each service time times a uniform factor in 1 +- F, seeded "
+                        "(default: 0; --calibrate: 0.1)")
+    study = p.add_argument_group("studies")
+    study.add_argument("--sweep", type=_rates, metavar="RATE,...",
+                       help="run the policies at each of these prefill speeds (the store "
+                            "speed kept at the same multiple), with the store and without, "
+                            "and check the routing targets: the default's p90 within 2%% of "
+                            "the best policy's wherever that is under 10x the floor p90")
+    study.add_argument("--calibrate", action="store_true",
+                       help="the default policy with its cost model's prefill and store rates "
+                            "each started at every --calibrate-factors multiple of the true "
+                            "ones, fixed and calibrated online from the simulated first-token "
+                            "times (master/calibration.py), against the correctly configured "
+                            "model; --plot: rolling p90 and the rates over time")
+    study.add_argument("--calibrate-factors", type=_rates, default=[4.0, 0.25],
+                       metavar="F,...", help="misconfiguration factors (default: 4,0.25)")
     live = p.add_argument_group("live replay (against a running cluster)")
     live.add_argument("--live", action="store_true",
                       help="replay the first --requests requests against --master with real "
@@ -135,9 +162,15 @@ def run(args) -> int:
     if args.live:
         from kvpool.tools.replay_live import run_live
         return run_live(args)
+    if not 0 <= args.service_jitter < 1:
+        raise InvalidArgument("--service-jitter must be in [0, 1)")
     requests = load_trace(args.trace, args.limit)
     model = InstanceModel(1 / args.prefill_tokens_per_s, 1 / args.store_tokens_per_s,
                           args.block_tokens)
+    if args.sweep:
+        return run_sweep(args, requests)
+    if args.calibrate:
+        return run_calibrate(args, requests, model)
     ideal = ideal_reuse(requests, args.block_tokens)
     results, ttfts = {}, {}
     for name in args.policies:
@@ -145,6 +178,7 @@ def run(args) -> int:
             requests, name, instances=args.instances, cache_blocks=args.cache_blocks,
             store_blocks=args.store_blocks, model=model, seed=args.seed,
             store_writes=args.store_writes, store_eviction=args.store_eviction,
+            service_jitter=args.service_jitter,
             progress=Progress(name, len(requests), enabled=not args.no_progress))
         results[name] = as_dict(result)
     report = {
@@ -167,6 +201,53 @@ def run(args) -> int:
         print(f"wrote {args.json}")
     if args.plot:
         plot(report, ttfts, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _sim_args(args) -> dict:
+    return {"instances": args.instances, "cache_blocks": args.cache_blocks, "seed": args.seed,
+            "store_writes": args.store_writes, "store_eviction": args.store_eviction}
+
+
+def _describe(args, requests) -> str:
+    return (f"{Path(args.trace).name}: {len(requests)} requests; {args.instances} instances x "
+            f"{args.cache_blocks} blocks, store {args.store_blocks} blocks")
+
+
+def run_sweep(args, requests) -> int:
+    from kvpool.tools.replay_sweep import as_report, format_sweep, sweep
+    speedup = args.store_tokens_per_s / args.prefill_tokens_per_s
+    points = sweep(requests, args.sweep, args.policies, store_speedup=speedup,
+                   store_blocks=args.store_blocks, block_tokens=args.block_tokens,
+                   service_jitter=args.service_jitter, **_sim_args(args))
+    print(format_sweep(points, f"{_describe(args, requests)}; store loads at {speedup:g}x "
+                               f"the prefill speed; p90 TTFT in simulated seconds"))
+    if args.json:
+        Path(args.json).write_text(json.dumps(as_report(points), indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def run_calibrate(args, requests, model) -> int:
+    from kvpool.tools.replay_calibration import (
+        as_report,
+        format_calibration,
+        plot_calibration,
+        run_calibration,
+    )
+    jitter = args.service_jitter or 0.1
+    runs = run_calibration(requests, model, factors=args.calibrate_factors,
+                           service_jitter=jitter, store_blocks=args.store_blocks,
+                           **_sim_args(args))
+    title = (f"{_describe(args, requests)}; {args.prefill_tokens_per_s:,.0f} prefill, "
+             f"{args.store_tokens_per_s:,.0f} store tokens/s, service jitter +-{jitter:.0%}")
+    print(format_calibration(runs, title))
+    if args.json:
+        Path(args.json).write_text(json.dumps(as_report(runs), indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot_calibration(runs, args.plot, title)
         print(f"wrote {args.plot}")
     return 0
 

@@ -31,6 +31,15 @@ The instance model (documented here because every figure depends on it):
 - The index learns of cache changes through KV events (BlockStored / BlockRemoved) applied at
   the same simulated instant, and the router sees each instance's exact remaining work as
   ``inflight_prefill_tokens`` (seconds of queued work / prefill_s_per_token) and queue depth.
+- The router's cost model uses the instance model's rates unless ``router_rates`` says
+  otherwise (a misconfigured router). With ``calibrate``, a
+  :class:`~kvpool.master.calibration.CostCalibrator` starting from those rates learns each
+  instance's rates from what a gateway would see (when each request was sent, when its first
+  token came, the hits Route expected) as the simulated clock passes each first token, and the
+  router gets them as each candidate's rates, as the gateway sends them.
+- ``service_jitter`` (0 by default) multiplies each service time by a uniform factor in
+  ``1 +- service_jitter`` (seeded): real step times vary, and a calibrator fed exact times
+  would have it too easy.
 
 A block counts as a hit only while every earlier block of its prompt also hits; fractions are of
 prompt tokens. ``ideal_reuse`` is the fraction reusable with an infinite shared cache that knows
@@ -42,12 +51,14 @@ from __future__ import annotations
 import heapq
 import json
 import math
+import random
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from kvpool.common.errors import InvalidArgument
+from kvpool.master.calibration import CostCalibrator, Rates
 from kvpool.master.eviction import PrefixAwarePolicy
 from kvpool.master.routing import (
     GPU,
@@ -262,8 +273,13 @@ def simulate(requests: Sequence[Request], policy: str, *, instances: int = 8,
              model: InstanceModel = InstanceModel(), seed: int = 0,
              store_writes: str = "prefill", store_eviction: str = "prefix",
              affinity_slack_tokens: int | None = None,
+             router_rates: Rates | None = None, calibrate: bool = False,
+             service_jitter: float = 0.0,
+             history: list[tuple[float, dict[str, Rates]]] | None = None,
              progress: Callable[[int], None] | None = None) -> tuple[PolicyResult, list[float]]:
-    """Replay ``requests`` through ``policy``; return the result and every request's TTFT."""
+    """Replay ``requests`` through ``policy``; return the result and every request's TTFT.
+    ``history``: a list to which each request's arrival time and the calibrated rates per
+    instance (with ``calibrate``) are appended."""
     if instances < 1:
         raise InvalidArgument("--instances must be >= 1")
     if store_writes not in STORE_WRITES:
@@ -271,24 +287,34 @@ def simulate(requests: Sequence[Request], policy: str, *, instances: int = 8,
     if store_eviction not in STORE_EVICTIONS:
         raise InvalidArgument(f"store eviction {store_eviction!r}: expected one of "
                               f"{STORE_EVICTIONS}")
+    if not 0 <= service_jitter < 1:
+        raise InvalidArgument("service jitter must be in [0, 1)")
     parent_of: dict = {}
     store = PrefixBlocks(store_blocks, parent_of) if store_eviction == "prefix" \
         else LRUBlocks(store_blocks)
     index = RoutingIndex(lambda: 0.0, instance_ttl_s=math.inf,
                          store_lookup=lambda hs: [h in store for h in hs],
-                         cost=_cost(model, affinity_slack_tokens))
+                         cost=_cost(model, affinity_slack_tokens, router_rates))
     router = make_policy(policy, seed)
+    clock = [0.0]   # the simulated now, for the calibrator
+    calibrator = CostCalibrator(router_rates or model_rates(model), clock=lambda: clock[0]) \
+        if calibrate else None
+    jitter = random.Random(seed)
     fleet = {f"i{k}": _Instance(f"i{k}", LRUBlocks(cache_blocks), finishes=[])
              for k in range(instances)}
     for name in fleet:
         index.apply(name, [])
-    done: list[tuple[float, int, str, tuple]] = []   # (finish_s, seq, instance, hashes)
+    # (finish_s, seq, instance, hashes, (calibrator ticket, recomputed, store-hit tokens))
+    done: list[tuple[float, int, str, tuple, tuple]] = []
     ttfts: list[float] = []
     local = via_store = total = 0
     for n, req in enumerate(requests):
         now = req.arrival_s
         while done and done[0][0] <= now:
-            _, _, name, hashes = heapq.heappop(done)
+            finish_s, _, name, hashes, seen = heapq.heappop(done)
+            if calibrator is not None:
+                clock[0] = finish_s
+                calibrator.first_token(*seen)
             # Tail first, as vLLM frees a finished request's blocks: its cache evicts a
             # prompt's last blocks before its first.
             stored, evicted = fleet[name].cache.add(hashes[::-1])
@@ -303,8 +329,14 @@ def simulate(requests: Sequence[Request], policy: str, *, instances: int = 8,
             while inst.finishes and inst.finishes[0] <= now:
                 heapq.heappop(inst.finishes)
             queued_s = max(0.0, inst.free_at_s - now)
-            candidates.append(Candidate(inst.name, len(inst.finishes),
-                                        round(queued_s / model.prefill_s_per_token)))
+            rates = calibrator.rates(inst.name) if calibrator is not None else None
+            candidates.append(Candidate(
+                inst.name, len(inst.finishes), round(queued_s / model.prefill_s_per_token),
+                *((rates.prefill_tokens_per_s, rates.store_tokens_per_s) if rates else ())))
+        if history is not None:
+            history.append((now, {c.instance_id: Rates(c.prefill_tokens_per_s,
+                                                       c.store_tokens_per_s)
+                                  for c in candidates} if calibrator is not None else {}))
         for parent, h in zip((None, *req.hash_ids), req.hash_ids):
             parent_of.setdefault(h, parent)
         query = RouteQuery(req.hash_ids, req.input_tokens, model.block_tokens)
@@ -315,10 +347,17 @@ def simulate(requests: Sequence[Request], policy: str, *, instances: int = 8,
         store.touch(req.hash_ids[hit_gpu:hit_gpu + hit_store])   # only reads touch the store
         service_s = (d.recomputed_tokens * model.prefill_s_per_token
                      + d.hit_tokens[STORE] * model.store_s_per_token)
+        if service_jitter:
+            service_s *= 1 + jitter.uniform(-service_jitter, service_jitter)
         finish = max(now, inst.free_at_s) + service_s
         inst.free_at_s = finish
         heapq.heappush(inst.finishes, finish)
-        heapq.heappush(done, (finish, n, inst.name, req.hash_ids))
+        if calibrator is not None:
+            clock[0] = now
+            seen = (calibrator.sent(inst.name), d.recomputed_tokens, d.hit_tokens[STORE])
+        else:
+            seen = ()
+        heapq.heappush(done, (finish, n, inst.name, req.hash_ids, seen))
         ttfts.append(finish - now)
         local += d.hit_tokens[GPU]
         via_store += d.hit_tokens[STORE]
@@ -334,10 +373,17 @@ def simulate(requests: Sequence[Request], policy: str, *, instances: int = 8,
     return result, ttfts
 
 
-def _cost(model: InstanceModel, affinity_slack_tokens: int | None) -> CostModel:
+def model_rates(model: InstanceModel) -> Rates:
+    return Rates(1 / model.prefill_s_per_token, 1 / model.store_s_per_token)
+
+
+def _cost(model: InstanceModel, affinity_slack_tokens: int | None,
+          router_rates: Rates | None = None) -> CostModel:
     """The router's cost model: the instance model's own rates (an operator would measure
-    them), the default policy's other parameters at their defaults unless given."""
-    cost = CostModel(model.prefill_s_per_token, model.store_s_per_token)
+    them) unless ``router_rates`` (a misconfigured router), the default policy's other
+    parameters at their defaults unless given."""
+    r = router_rates or model_rates(model)
+    cost = CostModel(1 / r.prefill_tokens_per_s, 1 / r.store_tokens_per_s)
     return cost if affinity_slack_tokens is None else \
         replace(cost, affinity_slack_tokens=affinity_slack_tokens)
 

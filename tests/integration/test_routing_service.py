@@ -81,6 +81,29 @@ def test_route_follows_events_and_the_store(cluster):
             router.route(block_hashes=hashes, policy="nope")
 
 
+def test_route_weighs_each_candidates_measured_rates(cluster):
+    """A gateway's calibrated rates travel in the candidates (over the lookup port after the
+    first answer, gRPC before it) and the master's default policy judges each by its own."""
+    spec = HashSpec.of(BS, model="m")
+    hashes = spec.hashes(list(range(4 * BS)))
+    with RouterClient(cluster.master) as router:
+        router.register(spec)
+        router.publish("engine-a", [BlockStored(tuple(hashes[:1]))])
+        router.publish("engine-b", [BlockStored(tuple(hashes[:3]))])
+        for _ in range(2):   # the second time on the lookup port
+            same = [Candidate("engine-a", 1, 1000), Candidate("engine-b", 1, 1000)]
+            assert router.route(block_hashes=hashes, candidates=same).instance_id == "engine-b"
+            # engine-b measured at 100 prefill tokens/s: its 1,000 queued tokens take 10 s.
+            slow_b = [Candidate("engine-a", 1, 1000),
+                      Candidate("engine-b", 1, 1000, prefill_tokens_per_s=100.0)]
+            got = router.route(block_hashes=hashes, candidates=slow_b)
+            assert got.instance_id == "engine-a"
+            assert got.estimated_ttft_s == pytest.approx((1000 + 3 * BS) / 8000, rel=0.05)
+            with pytest.raises(InvalidArgument, match="rates"):
+                router.route(block_hashes=hashes,
+                             candidates=[Candidate("engine-a", store_tokens_per_s=-1.0)])
+
+
 def test_silent_instances_age_out_of_a_running_master():
     import asyncio
     import threading
