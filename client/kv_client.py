@@ -553,10 +553,10 @@ def _serves(scheme: str, replica: Replica) -> bool:
 def _validate_keys(keys: Sequence[str]) -> tuple[list, list[int]]:
     """Per-key results pre-filled with InvalidArgument for bad keys, and the good indexes."""
     results: list = [None] * len(keys)
-    # The common case without a Python step per key: every key a non-empty str short enough
-    # not to need encoding.
+    # The common case without a Python step per key: every key a non-empty ASCII str short
+    # enough not to need encoding (a lone surrogate would fail the whole batch in protobuf).
     if keys and set(map(type, keys)) == {str} and 0 < min(map(len, keys)) \
-            and max(map(len, keys)) <= _SHORT_KEY_CHARS:
+            and max(map(len, keys)) <= _SHORT_KEY_CHARS and all(map(str.isascii, keys)):
         return results, list(range(len(keys)))
     valid = []
     for i, k in enumerate(keys):

@@ -218,8 +218,8 @@ class MasterClient(GrpcClient):
         placed = wire.replicas_from_columns(r.replicas, sizes)
         out = [error_for_status(s, k) or p for k, s, p in zip(keys, r.statuses, placed)]
         if r.space_summary:   # say how much was asked, and how much room there is
-            out = [NoSpace(f"{k!r}: no room for {size} bytes (x{replicas or 'default'} "
-                           f"replicas), even after eviction; {r.space_summary}")
+            copies = f"x{replicas}" if replicas else "the default replicas"
+            out = [NoSpace(f"{k!r}: no room for {size} bytes ({copies}); {r.space_summary}")
                    if type(o) is NoSpace else o for k, size, o in zip(keys, sizes, out)]
         return out, r.put_timeout_s
 

@@ -79,13 +79,8 @@ def test_pin_ttl_nan_or_infinite_is_invalid_argument(cluster, kv):
             assert e.value.code() in (grpc.StatusCode.INVALID_ARGUMENT,), e.value.details()
 
 
-# client/kv_client.py's fast path skips validate_key for short str keys (one character is
-# at most 4 bytes); it must also require ASCII (or encode) for a surrogate to be caught per
-# key there. That file is being reworked by another change: the one-line fix is proposed
-# there, and this test says when it landed.
-@pytest.mark.xfail(strict=True, raises=UnicodeEncodeError,
-                   reason="client/kv_client.py _validate_keys' fast path lets a lone "
-                          "surrogate through to protobuf (fix proposed, not in this change)")
+# client/kv_client.py's fast path skips validate_key for short ASCII str keys only: a lone
+# surrogate is caught per key there, not by protobuf for the whole batch.
 def test_a_key_with_a_lone_surrogate_fails_only_its_own_slot_in_the_client(cluster, kv):
     bad = "kv/\ud800/0"
     results = kv.batch_put(["good1", bad, "good2"], [b"1", b"2", b"3"])
