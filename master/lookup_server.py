@@ -125,29 +125,40 @@ class LookupServer:
 
     async def _stream(self, stream: Stream, body: bytes, reader: asyncio.StreamReader,
                       writer: asyncio.StreamWriter) -> None:
-        """Serve a stream until either end stops it; its replies are read meanwhile."""
+        """Serve a stream until either end stops it: its messages go out as they come while
+        its replies are read; a peer that hangs up (or sends anything else) ends it at once,
+        as a cancelled gRPC stream does, so its watch is not left waiting for the next
+        message to find out."""
         if (why := self._refusal()) is not None:
             writer.write(lookup_port.encode_response(_UNAVAILABLE, why.encode()))
             return await writer.drain()
         try:
             messages = stream.open(stream.request_type.FromString(body))
-            replies = asyncio.create_task(self._replies(stream, reader))
         except DecodeError:
             writer.write(lookup_port.encode_response(_INVALID, b"malformed stream request"))
             return await writer.drain()
-        try:
+
+        async def send() -> None:
             async with contextlib.aclosing(messages):
                 async for message in messages:
-                    if replies.done():   # the peer hung up, or sent something else
-                        break
                     writer.write(lookup_port.encode_response(_OK, message.SerializeToString()))
                     await writer.drain()
-        except KVPoolError as e:   # refused at the start (a node the master does not know)
-            code = _NOT_FOUND if isinstance(e, UnknownNode) else _INVALID
-            writer.write(lookup_port.encode_response(code, str(e).encode()))
-            await writer.drain()
+
+        sending = asyncio.create_task(send())
+        replies = asyncio.create_task(self._replies(stream, reader))
+        try:
+            await asyncio.wait((sending, replies), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            replies.cancel()
+            for task in (sending, replies):
+                task.cancel()
+            await asyncio.gather(sending, replies, return_exceptions=True)
+        error = None if sending.cancelled() else sending.exception()
+        if isinstance(error, KVPoolError):   # refused at the start (a node it does not know)
+            code = _NOT_FOUND if isinstance(error, UnknownNode) else _INVALID
+            writer.write(lookup_port.encode_response(code, str(error).encode()))
+            await writer.drain()
+        elif isinstance(error, Exception) and not isinstance(error, ConnectionError):
+            log.error("stream_failed", error=repr(error))
 
     @staticmethod
     async def _replies(stream: Stream, reader: asyncio.StreamReader) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 
 import grpc
 import pytest
@@ -329,3 +330,21 @@ def test_a_manifest_stream_ended_on_purpose_leaves_the_port_in_use_and_close_end
     ended.join(5)
     assert not ended.is_alive()                # close() ended the stream at once
     assert "WatchManifest" not in master.counter.calls
+
+
+def test_a_node_whose_stream_connection_drops_is_unwatched_at_once(master):
+    """A node gone from its port stream (killed, partitioned) is no longer watched: its changes
+    wait for its next stream, not for a dead one's acknowledgement."""
+    with MasterClient(master.address) as node:
+        endpoints = NodeEndpoints(node_id="n", boot_id="", tcp_endpoint="127.0.0.1:9")
+        node.mount_segment(endpoints, SegmentInfo("n/0", 1 << 20), keeps_manifest=True)
+        stream = node.watch_manifest("n", 30.0)
+        assert next(stream)[0] == 0
+        watchers = master.server._servicer._watchers
+        assert "n" in watchers.unacked()              # watched on its open stream
+        node._port_watches["n"].close()               # the connection drops, nothing sent
+        deadline = time.monotonic() + 2.0
+        while "n" in watchers.unacked():
+            assert time.monotonic() < deadline, "the dead stream stayed watched"
+            time.sleep(0.01)
+        stream.close()
