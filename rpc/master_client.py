@@ -268,10 +268,8 @@ class MasterClient(GrpcClient):
         r = self._call(rpc, request)
         if method == lookup_port.GET_REPLICAS:
             self._lookups.learn(self.address, r.lookup_port)
-        elif self._lookups.wants_port(address := self.address):
-            # An empty GetReplicas names the port, for a client that only asks Exists.
-            port = self._call("GetReplicas", pb.KeysRequest()).lookup_port
-            self._lookups.learn(address, port)
+        else:   # a client that only puts or asks Exists learns the port this way
+            self._lookup_channel()
         return r
 
     def close(self) -> None:
