@@ -182,7 +182,9 @@ def test_pins_through_the_client(disk_cluster, tmp_path):
             kv.pin("missing")
         # The default quota: hard pins hold at most half the cluster (4 + 64 MiB here).
         keys = [f"p{i}" for i in range(160)]
-        assert kv.batch_put(keys, [value(i) for i in range(160)]) == [None] * 160
+        for lo in range(0, 160, 40):   # 40 MiB in one batch would pass --max-pending (0.5)
+            assert kv.batch_put(keys[lo:lo + 40],
+                                [value(i) for i in range(lo, lo + 40)]) == [None] * 40
         errors = kv.batch_pin(keys)
         assert any(isinstance(e, NoSpace) for e in errors)
         pinned = [k for k, e in zip(keys, errors) if e is None]
