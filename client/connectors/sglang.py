@@ -307,19 +307,27 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             start += n
         return out
 
+    def _with_store(self, call):
+        """``call(client)``'s per-key results; None when the store is unreachable or the call
+        failed for want of it (every page then fails, and SGLang recomputes them)."""
+        kv = self._store.client()
+        if kv is None:
+            return None
+        try:
+            return call(kv)
+        except KVPoolError as e:
+            self._store.failed(e)
+            return None
+
     def _put(self, keys: list[str], views: list[list[memoryview]], before: str | None
              ) -> list[bool]:
         if not keys:
             return []
         scheme = self._ready()
-        kv = self._store.client()
-        if kv is None:
-            return [False] * len(keys)
-        try:
-            results = kv.batch_put(scheme.keys(keys), [v for page in views for v in page],
-                                   parents=scheme.parents(keys, before))
-        except KVPoolError as e:
-            self._store.failed(e)
+        results = self._with_store(lambda kv: kv.batch_put(
+            scheme.keys(keys), [v for page in views for v in page],
+            parents=scheme.parents(keys, before)))
+        if results is None:
             return [False] * len(keys)
         parts, ok, errors = scheme.parts, [], []
         for i in range(len(keys)):
@@ -335,14 +343,10 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         if not keys:
             return []
         scheme = self._ready()
-        kv = self._store.client()
-        if kv is None:
-            return [False] * len(keys)
         flat = [v for page in views for v in page]
-        try:
-            results = kv.batch_get_into(scheme.keys(keys), flat, verify=self._options.verify)
-        except KVPoolError as e:
-            self._store.failed(e)
+        results = self._with_store(lambda kv: kv.batch_get_into(
+            scheme.keys(keys), flat, verify=self._options.verify))
+        if results is None:
             return [False] * len(keys)
         # A part read whole has exactly its size: anything else (an error, fewer bytes) fails
         # the page, and SGLang recomputes it.
