@@ -304,8 +304,18 @@ def test_a_client_that_goes_away_cancels_its_engine_request(setup):
 def test_an_engine_killed_mid_run_fails_over(setup):
     gw = setup.gateway
     bodies = [completion(words(10, 20 + i), max_tokens=450) for i in range(2)]
+    def inflight() -> float:
+        return sum(gw.metric("kvpool_gateway_inflight_requests", engine=e) for e in "ab")
+
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(gw.post, "/v1/completions", b) for b in bodies]
+        # One after the other: the second is routed once the first counts as load (sent
+        # together, both could be routed before either did, to the same idle engine).
+        futures = [pool.submit(gw.post, "/v1/completions", bodies[0])]
+        deadline = time.monotonic() + 10
+        while inflight() < 1:
+            assert time.monotonic() < deadline, "the first request never started"
+            time.sleep(0.05)
+        futures.append(pool.submit(gw.post, "/v1/completions", bodies[1]))
         deadline = time.monotonic() + 10     # both being generated, one on each engine
         while gw.metric("kvpool_gateway_inflight_requests", engine="a") < 1:
             assert time.monotonic() < deadline, "no request went to a"
