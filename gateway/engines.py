@@ -19,6 +19,11 @@ Load, per engine, as Route's ``Candidate`` takes it:
   its first tokens against what Route expected each request to recompute and load; 0 (the
   master's cost model) until there are enough samples.
 
+Disaggregated serving: each engine has a ``role``: ``both`` (colocated: prefill and decode),
+``prefill`` (a ``kv_producer``: computes prompts, stores their KV in kvpool) or ``decode`` (a
+``kv_consumer``: loads a prompt's KV from kvpool and generates); :func:`check_roles` refuses a
+mix that cannot serve.
+
 An engine that fails (refused connection, reset, timeout, a 502/503/504) is marked down and
 offered to no request until a probe finds it healthy again; the probes back off from
 ``backoff_s`` doubling to ``max_backoff_s``.
@@ -39,15 +44,20 @@ class EngineSpecError(ValueError):
     """An ``--engines`` entry that names no engine (the message says which and why)."""
 
 
+ROLES = ("both", "prefill", "decode")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineSpec:
     instance_id: str
     url: str          # scheme://host:port, no trailing slash
+    role: str = "both"
 
 
-def parse_engines(text: str) -> list[EngineSpec]:
-    """``ID=URL,URL,...`` -> specs; ids default to the URL's ``host:port``; ids and URLs must be
-    unique. ``http://`` is assumed when a URL has no scheme."""
+def parse_engines(text: str, role: str = "both") -> list[EngineSpec]:
+    """``ID=URL,URL,...`` -> specs (each with ``role``); ids default to the URL's
+    ``host:port``; ids and URLs must be unique. ``http://`` is assumed when a URL has no
+    scheme."""
     specs = []
     for item in (s.strip() for s in text.split(",")):
         if not item:
@@ -67,13 +77,39 @@ def parse_engines(text: str) -> list[EngineSpec]:
             raise EngineSpecError(f"invalid engine {item!r}: expected [ID=]http://HOST:PORT")
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
         specs.append(EngineSpec(instance_id.strip() or f"{host}:{port}",
-                                f"{parts.scheme}://{host}:{port}"))
+                                f"{parts.scheme}://{host}:{port}", role))
     if not specs:
         raise EngineSpecError("no engines given: expected [ID=]http://HOST:PORT,...")
+    _check_unique(specs)
+    return specs
+
+
+def check_roles(specs: list[EngineSpec]) -> list[EngineSpec]:
+    """Refuse engines that cannot serve together: an id or URL listed twice (in any roles: an
+    engine that should both prefill and decode is a colocated one), prefill engines without
+    decode engines or the reverse, colocated engines mixed with a disaggregated pair."""
+    roles = {s.role for s in specs}
+    if roles - set(ROLES):
+        raise EngineSpecError(f"unknown engine role(s) {sorted(roles - set(ROLES))}: "
+                              f"expected {', '.join(ROLES)}")
+    _check_unique(specs)
+    if "both" in roles and roles != {"both"}:
+        raise EngineSpecError("colocated engines (--engines) cannot be mixed with "
+                              "disaggregated ones (--prefill/--decode): give one or the other")
+    if roles & {"prefill", "decode"} and roles != {"prefill", "decode"}:
+        have, lack = ("prefill", "decode") if "prefill" in roles else ("decode", "prefill")
+        raise EngineSpecError(f"disaggregated serving needs both prefill and decode engines: "
+                              f"{have} engines given, no --{lack} engines")
+    return specs
+
+
+def _check_unique(specs: list[EngineSpec]) -> None:
     for what, values in (("id", [s.instance_id for s in specs]), ("URL", [s.url for s in specs])):
         if len(set(values)) != len(values):
-            raise EngineSpecError(f"an engine {what} is listed twice: {', '.join(values)}")
-    return specs
+            twice = sorted({v for v in values if values.count(v) > 1})
+            raise EngineSpecError(f"an engine {what} is listed twice: {', '.join(twice)} (an "
+                                  "engine that both prefills and decodes is a colocated one: "
+                                  "list it in --engines only)")
 
 
 @dataclass(eq=False, slots=True)
@@ -116,12 +152,30 @@ class EnginePool:
     def __getitem__(self, instance_id: str) -> EngineState:
         return self.engines[instance_id]
 
-    def candidates(self, exclude: Iterable[str] = ()) -> list[Candidate]:
-        """The engines up, less ``exclude`` (those a request already failed on), as Route
-        candidates with their load."""
+    @property
+    def disaggregated(self) -> bool:
+        return any(e.spec.role != "both" for e in self.engines.values())
+
+    def candidates(self, exclude: Iterable[str] = (), role: str | None = None
+                   ) -> list[Candidate]:
+        """The engines up (of ``role``, if given), less ``exclude`` (those a request already
+        failed on), as Route candidates with their load."""
         skip = set(exclude)
         return [e.candidate(self.calibrator) for e in self.engines.values()
-                if e.up and e.spec.instance_id not in skip]
+                if e.up and e.spec.instance_id not in skip
+                and (role is None or e.spec.role == role)]
+
+    def least_busy(self, role: str, exclude: Iterable[str] = ()) -> str | None:
+        """The engine up of ``role`` with the fewest requests (the gateway's in flight there,
+        or the engine's own count at its last scrape, whichever is larger): how decode engines
+        are chosen, whose work is generating, not prefilling. None: no engine left."""
+        skip = set(exclude)
+        up = [e for e in self.engines.values()
+              if e.up and e.spec.role == role and e.spec.instance_id not in skip]
+        if not up:
+            return None
+        return min(up, key=lambda e: (max(e.inflight, e.reported_queue), e.inflight)
+                   ).spec.instance_id
 
     # -- a request's life on an engine --
     def sent(self, instance_id: str, prefill_tokens: int, store_tokens: int = 0) -> int:

@@ -7,9 +7,26 @@ until its deadline; the engine is marked down until a probe finds it healthy. ``
 /v1/models`` (the served model), ``/health`` (200 while an engine is up), ``/metrics``.
 
 Colocated serving: each request goes to one engine. The steps of a request are in
-``_serve``: plan, then ``_try`` per engine; a disaggregated mode (a prefill engine, then a
-decode engine that loads the prompt's KV from kvpool) is another ``_try``, one hop per role,
-over pools of each role.
+``_serve``: plan, then ``_try`` per engine.
+
+Disaggregated serving (engines given as prefill and decode, ``kvpool gateway --prefill ...
+--decode ...``): a request goes first to a prefill engine (a ``kv_producer``), chosen by Route
+as a colocated engine is (prefix affinity and load), with ``max_tokens: 1``, not streamed, and
+``kv_transfer_params: {"kvpool_prefill": true}``: it computes the prompt, stores its KV in
+kvpool and answers ``kv_transfer_params: {"kvpool_blocks": N}``. Then the request as the client
+sent it, carrying those ``kv_transfer_params``, goes to the least busy decode engine (a
+``kv_consumer``), which loads the prompt's blocks from kvpool (waiting a bounded time for puts
+still landing: ``client/connectors/vllm.py``), computes the prompt's last token, and generates
+every output token; its answer (a stream passed through as it arrives) is the client's. A
+prefill engine that fails is replaced by another before the decode hop; a decode engine that
+fails before answering is replaced by another decode engine (the KV is in kvpool by then).
+
+Why the client's stream starts with the decode engine's first token rather than the prefill's
+(vLLM's disaggregated proxy examples do the same): the decode engine must compute the
+prompt's last token anyway (its KV is never loaded: vLLM needs that token's logits), and that
+one forward step yields the first token, so sending the prefill's token ahead would save one
+decode step of TTFT at the cost of rewriting the engines' streams (chat role chunks, merged
+events, usage) and, when sampling, of a first token the decode's continuation did not follow.
 """
 
 from __future__ import annotations
@@ -38,6 +55,7 @@ from kvpool.gateway.upstream import (
     EngineFailed,
     EngineFailedMidStream,
     Outcome,
+    call,
     forward,
 )
 from kvpool.master.calibration import CostCalibrator, Rates
@@ -84,6 +102,7 @@ class Gateway:
                                    model=config.hash_model or config.served_model_name)
         self._plans = ThreadPoolExecutor(4, thread_name_prefix="gateway-plan")
         self._ids = itertools.count(1)
+        self._warned_no_kv: set[str] = set()      # prefill engines that stored no KV
         self._created = int(time.time())
         self._session: aiohttp.ClientSession | None = None
         self._prober: EngineProber | None = None
@@ -164,10 +183,21 @@ class Gateway:
         tokens: list[int] | None = None
         tried: list[str] = []
         record = {"request": rid, "endpoint": endpoint, "stream": stream}
+        if self.pool.disaggregated:
+            prefilled = await self._prefill_hop(request, endpoint, body, deadline, to_tokens,
+                                                record, t0)
+            if isinstance(prefilled, web.StreamResponse):
+                return prefilled          # the prefill engine's own error answer
+            tokens, params = prefilled
+            if params is not None:
+                raw = json.dumps({**body, "kv_transfer_params": params}).encode()
         while True:
-            tokens, choice = await loop.run_in_executor(
-                self._plans, self._plan, body, to_tokens, tokens,
-                self.pool.candidates(exclude=tried))
+            if self.pool.disaggregated:
+                choice = self._decode_choice(tokens, tried)
+            else:
+                tokens, choice = await loop.run_in_executor(
+                    self._plans, self._plan, body, to_tokens, tokens,
+                    self.pool.candidates(exclude=tried))
             if choice is None:
                 self._count(endpoint, "", 503)
                 raise NoEngine(("every engine failed this request: " + ", ".join(tried))
@@ -176,7 +206,7 @@ class Gateway:
             self.metrics.route.labels(choice.policy).observe(choice.route_s)
             try:
                 outcome = await self._try(request, endpoint, raw, stream, deadline, tokens,
-                                          choice, t0)
+                                          choice, record.get("prefill_engine"))
             except EngineFailed as e:
                 self._engine_failed(choice.instance_id, "request", str(e))
                 tried.append(choice.instance_id)
@@ -186,9 +216,7 @@ class Gateway:
                 self._count(endpoint, choice.instance_id, 504)
                 if e.outcome is not None:
                     return e.outcome.response
-                raise APIError(f"no answer within the request's deadline "
-                               f"({self.config.request_timeout_s:g} s)", status=504,
-                               code="timeout") from None
+                raise self._deadline_error() from None
             except EngineFailedMidStream as e:
                 self._engine_failed(choice.instance_id, "stream", str(e))
                 self._record(record, choice, tokens, e.outcome, t0, tried, "failed_mid_stream")
@@ -203,6 +231,91 @@ class Gateway:
             self._record(record, choice, tokens, outcome, t0, tried, "ok")
             return outcome.response
 
+    def _deadline_error(self) -> APIError:
+        return APIError(f"no answer within the request's deadline "
+                        f"({self.config.request_timeout_s:g} s)", status=504, code="timeout")
+
+    async def _prefill_hop(self, request: web.Request, endpoint: str, body: dict,
+                           deadline: float, to_tokens: Callable[[dict], list[int]],
+                           record: dict, t0: float
+                           ) -> tuple[list[int], dict | None] | web.StreamResponse:
+        """A disaggregated request's first hop: the prompt computed on a prefill engine
+        (chosen by Route, replaced by another if it fails), its KV stored in kvpool. Returns
+        the prompt's tokens and the ``kv_transfer_params`` for the decode engine, or the
+        prefill engine's own answer when it refused the request (a 4xx: the client's)."""
+        prefill = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        prefill.update(max_tokens=1, stream=False, kv_transfer_params={"kvpool_prefill": True})
+        prefill.pop("min_tokens", None)
+        if "max_completion_tokens" in prefill:
+            prefill["max_completion_tokens"] = 1
+        raw = json.dumps(prefill).encode()
+        loop = asyncio.get_running_loop()
+        tokens: list[int] | None = None
+        tried: list[str] = []
+        while True:
+            tokens, choice = await loop.run_in_executor(
+                self._plans, self._plan, body, to_tokens, tokens,
+                self.pool.candidates(exclude=tried, role="prefill"))
+            if choice is None:
+                self._count(endpoint, "", 503)
+                raise NoEngine(("every prefill engine failed this request: " + ", ".join(tried))
+                               if tried else "no prefill engine is up")
+            self.metrics.route.labels(choice.policy).observe(choice.route_s)
+            engine = self.pool[choice.instance_id]
+            ticket = self.pool.sent(choice.instance_id, len(tokens) - choice.hit_tokens,
+                                    choice.store_tokens)
+            try:
+                status, answer = await call(
+                    self._session, request, f"{engine.spec.url}/v1/{endpoint}", raw,
+                    deadline=deadline, connect_timeout_s=self.config.connect_timeout_s)
+                self.pool.first_token(choice.instance_id, ticket)   # its answer is one token
+            except EngineFailed as e:
+                self._engine_failed(choice.instance_id, "request", str(e))
+                tried.append(choice.instance_id)
+                self.metrics.retries.inc()
+                continue
+            except DeadlineExceeded:
+                self._count(endpoint, choice.instance_id, 504)
+                raise self._deadline_error() from None
+            finally:
+                self.pool.done(choice.instance_id, ticket)
+            break
+        record.update(prefill_engine=choice.instance_id, prefill_policy=choice.policy,
+                      prefill_s=round(time.perf_counter() - t0, 4),
+                      prefill_hits_gpu=choice.hit_blocks["gpu"],
+                      prefill_hits_store=choice.hit_blocks["store"])
+        if status != 200:
+            self._count(endpoint, choice.instance_id, status)
+            log.info("request_refused_by_prefill", status=status, **record)
+            return web.Response(body=answer, status=status,
+                                headers={"Content-Type": "application/json",
+                                         "X-Kvpool-Prefill-Engine": choice.instance_id})
+        try:
+            params = json.loads(answer).get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            params = None
+        if not isinstance(params, dict) or "kvpool_blocks" not in params:
+            # Not an error for the client (the decode engine computes the prompt itself), but
+            # the set-up is wrong: said once per engine.
+            if choice.instance_id not in self._warned_no_kv:
+                self._warned_no_kv.add(choice.instance_id)
+                log.warning("prefill_engine_stored_no_kv", engine=choice.instance_id,
+                            fix="run it with the kvpool connector and kv_role kv_producer "
+                                "(or kv_both)")
+            params = None
+        record["prefill_blocks"] = None if params is None else params["kvpool_blocks"]
+        return tokens, params
+
+    def _decode_choice(self, tokens: list[int], tried: list[str]) -> Choice | None:
+        """The least busy decode engine: it loads the prompt (all but its last token) from
+        kvpool, wherever it runs, so only its load matters."""
+        t = time.perf_counter()
+        instance_id = self.pool.least_busy("decode", exclude=tried)
+        if instance_id is None:
+            return None
+        return Choice(instance_id, "decode_least_busy", {"gpu": 0, "cpu": 0, "store": 1},
+                      max(0, len(tokens) - 1), time.perf_counter() - t)
+
     def _plan(self, body: dict, to_tokens: Callable[[dict], list[int]],
               tokens: list[int] | None, candidates: list[Candidate]
               ) -> tuple[list[int], Choice | None]:
@@ -216,7 +329,8 @@ class Gateway:
         return tokens, self.router.choose(tokens, candidates) if candidates else None
 
     async def _try(self, request: web.Request, endpoint: str, raw: bytes, stream: bool,
-                   deadline: float, tokens: list[int], choice: Choice, t0: float) -> Outcome:
+                   deadline: float, tokens: list[int], choice: Choice,
+                   prefill_engine: str | None = None) -> Outcome:
         engine = self.pool[choice.instance_id]
         ticket = self.pool.sent(choice.instance_id, len(tokens) - choice.hit_tokens,
                                 choice.store_tokens)
@@ -226,7 +340,9 @@ class Gateway:
                 stream=stream, deadline=deadline,
                 connect_timeout_s=self.config.connect_timeout_s,
                 read_timeout_s=self.config.read_timeout_s,
-                headers={"X-Kvpool-Engine": choice.instance_id},
+                headers={"X-Kvpool-Engine": choice.instance_id,
+                         **({"X-Kvpool-Prefill-Engine": prefill_engine}
+                            if prefill_engine else {})},
                 on_first_chunk=lambda: self.pool.first_token(choice.instance_id, ticket))
         finally:
             self.pool.done(choice.instance_id, ticket)

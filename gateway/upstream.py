@@ -155,3 +155,33 @@ async def _client_io(aw, response: web.StreamResponse) -> None:
 
 def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+async def call(session: aiohttp.ClientSession, request: web.Request, url: str, body: bytes, *,
+               deadline: float, connect_timeout_s: float) -> tuple[int, bytes]:
+    """Send ``body`` to ``url`` and read the whole answer, passing nothing to the client (a
+    disaggregated request's prefill hop): ``(status, body)``. Failures map as in
+    :func:`forward`: the engine's to :class:`EngineFailed`, the deadline's to
+    :class:`DeadlineExceeded`; a handler cancelled for a client that left closes the
+    connection, and vLLM aborts the request."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceeded()
+    timeout = aiohttp.ClientTimeout(total=left, sock_connect=connect_timeout_s)
+    sent = {"Content-Type": "application/json"}
+    sent.update((h, request.headers[h]) for h in _PASSED_HEADERS if h in request.headers)
+    try:
+        async with session.post(url, data=body, headers=sent, timeout=timeout) as up:
+            if up.status in RETRY_STATUSES:
+                raise EngineFailed(f"answered HTTP {up.status}")
+            try:
+                return up.status, await up.read()
+            except BaseException:
+                up.close()
+                raise
+    except aiohttp.ServerTimeoutError as e:
+        raise EngineFailed(_describe(e)) from None
+    except TimeoutError:
+        raise DeadlineExceeded() from None
+    except aiohttp.ClientError as e:
+        raise EngineFailed(_describe(e)) from None

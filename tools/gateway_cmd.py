@@ -21,13 +21,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "/metrics) in front of engines (vLLM's OpenAI server): each request's prompt is "
         "tokenized with the model's own tokenizer and chat template and routed by the master's "
         "Route to the engine where its prefix is cheapest to get, given each engine's load. "
+        "Disaggregated prefill and decode: --prefill and --decode instead of --engines; each "
+        "request is computed on a prefill engine (vLLM with the kvpool connector, kv_role "
+        "kv_producer), which stores its KV in kvpool, then generated on the least busy decode "
+        "engine (kv_role kv_consumer), which loads that KV from kvpool. "
         "Prints `gateway: http://HOST:PORT` once it serves; Ctrl-C stops. Needs the gateway "
         "extra: pip install 'kvpool[gateway]'.")
     master_arg(p)
-    p.add_argument("--engines", required=True, metavar="[ID=]URL,...",
-                   help="the engines, e.g. http://10.0.0.5:8000,http://10.0.0.6:8000; ID is the "
-                        "instance id the engine's KV events are published under (`kvpool "
-                        "kv-events --instance-id ID`), default the URL's HOST:PORT")
+    p.add_argument("--engines", metavar="[ID=]URL,...",
+                   help="colocated engines (each prefills and decodes), e.g. "
+                        "http://10.0.0.5:8000,http://10.0.0.6:8000; ID is the instance id the "
+                        "engine's KV events are published under (`kvpool kv-events "
+                        "--instance-id ID`), default the URL's HOST:PORT")
+    p.add_argument("--prefill", metavar="[ID=]URL,...",
+                   help="disaggregated serving: the prefill engines (kv_role kv_producer), "
+                        "chosen per request by Route (prefix affinity and load); needs --decode")
+    p.add_argument("--decode", metavar="[ID=]URL,...",
+                   help="disaggregated serving: the decode engines (kv_role kv_consumer), "
+                        "chosen per request by load; needs --prefill")
     p.add_argument("--model", required=True, metavar="DIR",
                    help="the model's local folder: its tokenizer and chat template")
     p.add_argument("--served-model-name", metavar="NAME",
@@ -72,11 +83,11 @@ def run(args: argparse.Namespace) -> int:
               "pip install 'kvpool[gateway]'", file=sys.stderr)
         return 1
     from kvpool.common.logging import configure
-    from kvpool.gateway.engines import EngineSpecError, parse_engines
+    from kvpool.gateway.engines import EngineSpecError
     from kvpool.gateway.server import GatewayConfig
     configure(args.log_level, component="gateway", fmt=args.log_format)
     try:
-        engines = parse_engines(args.engines)
+        engines = _engines(args)
     except EngineSpecError as e:
         print(f"kvpool gateway: error: {e}", file=sys.stderr)
         return 2
@@ -87,6 +98,25 @@ def run(args: argparse.Namespace) -> int:
         connect_timeout_s=args.connect_timeout, probe_interval_s=args.probe_interval,
         calibrate=args.calibrate)
     return asyncio.run(_serve(config, args.host, args.port))
+
+
+def _engines(args: argparse.Namespace) -> list:
+    """The engines from --engines, or --prefill and --decode; EngineSpecError says what is
+    wrong with them."""
+    from kvpool.gateway.engines import EngineSpecError, check_roles, parse_engines
+    if args.engines and (args.prefill or args.decode):
+        raise EngineSpecError("--engines (colocated) cannot be combined with --prefill/--decode "
+                              "(disaggregated): give one or the other")
+    if args.engines:
+        return parse_engines(args.engines)
+    if not args.prefill and not args.decode:
+        raise EngineSpecError("no engines: give --engines URL,... (colocated), or --prefill "
+                              "URL,... and --decode URL,... (disaggregated)")
+    specs = []
+    for role, text in (("prefill", args.prefill), ("decode", args.decode)):
+        if text:
+            specs += parse_engines(text, role)
+    return check_roles(specs)
 
 
 async def _serve(config, host: str, port: int) -> int:

@@ -17,7 +17,19 @@ default 10), ``model_id`` (the key namespace's model name; default the served mo
 it when engines load the same weights from different paths), ``metrics`` (count the
 connector's keys, bytes and call times as ``kvpool_client_*`` in prometheus-client's default
 registry, which vLLM's ``/metrics`` serves, its worker processes' too through its
-multiprocess collector; default true).
+multiprocess collector; default true), ``load_wait_s`` (a ``kv_consumer``'s bound on waiting for
+KV its prefill engine is still committing; default 5).
+
+``kv_role`` (vLLM's ``KVTransferConfig``): ``kv_both`` loads and stores, ``kv_producer`` (a
+prefill engine of a disaggregated pair) only stores, ``kv_consumer`` (a decode engine) only
+loads. The prefill-to-decode hand-off, as ``kvpool gateway --prefill ... --decode ...`` makes
+it (vLLM's own disaggregated proxies pass ``kv_transfer_params`` the same way): the prefill
+request carries ``kv_transfer_params: {"kvpool_prefill": true}``; when it finishes, the producer
+answers ``{"kvpool_blocks": N}`` (the prompt's blocks it stored or found stored; the puts may
+still be in flight); the decode request carries that back, and the consumer waits, up to
+``load_wait_s`` from its first look, until the store holds those blocks (answering vLLM "ask me
+again" meanwhile, so the engine's other requests run on), then loads what is there and vLLM
+recomputes the rest. A request without ``kvpool_blocks`` never waits.
 
 Scheduler side: for a new request, the longest prefix of its blocks (``request.block_hashes``,
 beyond what the engine's own cache holds) whose every layer is in kvpool, found with one
@@ -94,6 +106,8 @@ class _RequestState:
     saved_upto: int = 0         # leading blocks stored or handed to a save
     load: tuple[int, int] | None = None   # (first block, count) planned by the last lookup
     has_saves: bool = False
+    wait_until: float | None = None   # a consumer's deadline for KV its producer is committing
+    next_look: float = 0.0            # the consumer's next store lookup while waiting
 
 
 @dataclass(frozen=True)
@@ -106,6 +120,7 @@ class _Options:
     retry_s: float
     model_id: str | None
     metrics: bool = True
+    load_wait_s: float = 5.0
 
     @classmethod
     def read(cls, kv_transfer_config) -> _Options:
@@ -120,7 +135,19 @@ class _Options:
         return cls(master=str(master), transports=transports,
                    verify=_as_bool(get("verify", True)), replicas=int(get("replicas", 0)),
                    timeout_s=float(get("timeout_s", 5.0)), retry_s=float(get("retry_s", 10.0)),
-                   model_id=get("model_id", None), metrics=_as_bool(get("metrics", True)))
+                   model_id=get("model_id", None), metrics=_as_bool(get("metrics", True)),
+                   load_wait_s=_non_negative("load_wait_s", get("load_wait_s", 5.0)))
+
+
+def _non_negative(name: str, value: Any) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        v = -1.0
+    if not v >= 0:
+        raise ValueError(f"KVPoolConnector: kv_connector_extra_config.{name} must be a number "
+                         f"of seconds >= 0; got {value!r}")
+    return v
 
 
 def _as_bool(v: Any) -> bool:
@@ -143,6 +170,9 @@ class KVPoolConnector(KVConnectorBase_V1):
                                 metrics=_registry() if self._options.metrics else None)
         self._block_size = vllm_config.cache_config.block_size
         self._scheme = _key_scheme(vllm_config, kv_cache_config, self._options.model_id)
+        role_config = self._kv_transfer_config
+        self._loads = role_config.is_kv_consumer    # kv_consumer or kv_both
+        self._stores = role_config.is_kv_producer   # kv_producer or kv_both
         # scheduler side
         self._requests: dict[str, _RequestState] = {}
         # worker side
@@ -158,9 +188,9 @@ class KVPoolConnector(KVConnectorBase_V1):
             log.warning("kvpool_failure_policy_fail: a block kvpool cannot load fails its "
                         "request; set kv_load_failure_policy=recompute in --kv-transfer-config "
                         "to recompute it instead")
-        log.info("kvpool_connector_started role=%s master=%s verify=%s namespace=%s layers=%d",
-                 role.name.lower(), self._options.master, self._options.verify,
-                 self._scheme.namespace, len(self._scheme.layer_names))
+        log.info("kvpool_connector_started role=%s kv_role=%s master=%s verify=%s namespace=%s "
+                 "layers=%d", role.name.lower(), role_config.kv_role, self._options.master,
+                 self._options.verify, self._scheme.namespace, len(self._scheme.layer_names))
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -169,7 +199,7 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     # ---------------------------------------------------------------- scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
-                                   ) -> tuple[int, bool]:
+                                   ) -> tuple[int | None, bool]:
         bs = self._block_size
         st = self._requests.get(request.request_id)
         if st is None:
@@ -177,9 +207,18 @@ class KVPoolConnector(KVConnectorBase_V1):
         first = num_computed_tokens // bs
         st.present_upto = max(st.present_upto, first)
         st.load = None
+        if not self._loads:     # kv_producer: computes its prompts, only stores
+            return 0, False
         last = loadable_blocks(request.num_tokens, len(request.block_hashes), bs)
         if last <= first:
             return 0, False
+        expected = min(last, _expected_blocks(request))
+        now = time.monotonic()
+        if expected > first and st.wait_until is None:
+            st.wait_until = now + self._options.load_wait_s
+        waiting = st.wait_until is not None and now < st.wait_until
+        if waiting and now < st.next_look:
+            return None, False          # vLLM asks again at a later step
         kv = self._store.client()
         if kv is None:
             return 0, False
@@ -189,6 +228,15 @@ class KVPoolConnector(KVConnectorBase_V1):
             self._store.failed(e)
             return 0, False
         hit = present_prefix(found, self._scheme.objects_per_block)
+        if waiting and first + hit < expected:
+            # The prefill engine said it stored these blocks; its puts are still landing.
+            st.next_look = now + _WAIT_POLL_S
+            return None, False
+        if st.wait_until is not None and first + hit < expected:
+            log.warning("kvpool_load_wait_expired req=%s expected_blocks=%d found_blocks=%d "
+                        "waited_s=%.3f (the rest is recomputed)", request.request_id,
+                        expected, first + hit, self._options.load_wait_s)
+        st.wait_until = None
         st.present_upto = max(st.present_upto, first + hit)
         if hit == 0:
             return 0, False
@@ -234,6 +282,8 @@ class KVPoolConnector(KVConnectorBase_V1):
                 st.load = None
                 meta.loads.append(BlockMove(req_id, list(hashes[first:first + n]),
                                             st.block_ids[first:first + n]))
+            if not self._stores:   # kv_consumer: loads only
+                continue
             # Blocks full once this step has run, that the store does not hold yet.
             done = done_before + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             full = min(done // self._block_size, len(hashes), len(st.block_ids))
@@ -249,9 +299,15 @@ class KVPoolConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         st = self._requests.pop(request.request_id, None)
+        # What a decode engine's consumer waits for (see the module docstring): the prompt's
+        # blocks this producer stored, or found already stored.
+        params = None
+        if st is not None and self._stores and (request.kv_transfer_params or {}).get(
+                "kvpool_prefill"):
+            params = {"kvpool_blocks": max(st.saved_upto, st.present_upto)}
         # Keep the blocks until the worker's put of them is done (it reports the request in
         # get_finished), so a freed block is never overwritten while it is being read.
-        return (st is not None and st.has_saves), None
+        return (st is not None and st.has_saves), params
 
     # ---------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -398,6 +454,19 @@ class KVPoolConnector(KVConnectorBase_V1):
             self._wait_saves(timeout_s=30.0)
             self._saver.shutdown(wait=True)
         self._store.close()
+
+
+# How often a waiting consumer looks in the store again (each look is one batch_exists).
+_WAIT_POLL_S = 0.005
+
+
+def _expected_blocks(request: Request) -> int:
+    """The blocks a producer said it stored for this request (0: nothing expected)."""
+    params = request.kv_transfer_params or {}
+    try:
+        return max(0, int(params.get("kvpool_blocks", 0)))
+    except (TypeError, ValueError):
+        return 0
 
 
 def _key_scheme(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,

@@ -84,12 +84,13 @@ class Server:
 
 
 def start_engine(python: str, model: str, master: str, name: str, events_port: int,
-                 log: Path) -> Server:
+                 log: Path, kv_role: str = "kv_both", **extra_config) -> Server:
     port = free_port()
     kv_transfer = {"kv_connector": "KVPoolConnector",
                    "kv_connector_module_path": "kvpool.client.connectors.vllm",
-                   "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                   "kv_connector_extra_config": {"master": master, "timeout_s": 2.0}}
+                   "kv_role": kv_role, "kv_load_failure_policy": "recompute",
+                   "kv_connector_extra_config": {"master": master, "timeout_s": 2.0,
+                                                 **extra_config}}
     kv_events = {"enable_kv_cache_events": True, "publisher": "zmq",
                  "endpoint": f"tcp://*:{events_port}"}
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,

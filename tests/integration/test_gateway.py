@@ -169,3 +169,36 @@ def test_without_the_gateway_extra_the_command_says_what_to_install(tokenizer_di
     assert r.returncode == 1
     assert "pip install 'kvpool[gateway]'" in r.stderr and "transformers" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("engines, message", [
+    ([], "no engines: give --engines URL,... (colocated), or --prefill URL,... and --decode"),
+    (["--prefill", "http://h:1"], "needs both prefill and decode engines: prefill engines "
+                                  "given, no --decode engines"),
+    (["--decode", "http://h:1"], "no --prefill engines"),
+    (["--engines", "http://h:1", "--prefill", "http://h:2", "--decode", "http://h:3"],
+     "--engines (colocated) cannot be combined with --prefill/--decode"),
+    (["--prefill", "p=http://h:1", "--decode", "d=http://h:1"],
+     "an engine URL is listed twice: http://h:1 (an engine that both prefills and decodes is "
+     "a colocated one"),
+])
+def test_bad_prefill_and_decode_configurations_are_refused(tokenizer_dir, engines, message):
+    r = kvpool("gateway", "--master", "127.0.0.1:1", "--model", tokenizer_dir, "--port", "0",
+               *engines)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("kvpool gateway: error: ") and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_a_disaggregated_gateway_without_prefill_engines_up_answers_503(master, tokenizer_dir,
+                                                                        tmp_path):
+    g = GatewayProcess("--master", master.master, "--model", tokenizer_dir,
+                       "--served-model-name", MODEL,
+                       "--prefill", f"p=http://127.0.0.1:{dead_port()}",
+                       "--decode", f"d=http://127.0.0.1:{dead_port()}", log=tmp_path / "gw.log")
+    try:
+        status, answer = g.post("/v1/completions", {"model": MODEL, "prompt": "w5 w6"})
+        assert status == 503 and answer["error"]["type"] == "service_unavailable", answer
+        assert "prefill engine" in answer["error"]["message"]
+    finally:
+        assert "Traceback" not in g.stop()

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 from kvpool.client.router import Candidate
-from kvpool.gateway.engines import EnginePool, EngineSpec, EngineSpecError, parse_engines
+from kvpool.gateway.engines import (
+    EnginePool,
+    EngineSpec,
+    EngineSpecError,
+    check_roles,
+    parse_engines,
+)
 from kvpool.gateway.probes import reported_queue
 
 
@@ -28,6 +34,45 @@ def test_engines_are_named_by_their_id_or_their_host_and_port():
 def test_bad_engine_lists_are_explained(text, message):
     with pytest.raises(EngineSpecError, match=message.replace("[", r"\[")):
         parse_engines(text)
+
+
+def disaggregated(prefill: str, decode: str) -> list[EngineSpec]:
+    return check_roles(parse_engines(prefill, "prefill") + parse_engines(decode, "decode"))
+
+
+def test_prefill_and_decode_engines_keep_their_roles():
+    assert [(s.instance_id, s.role) for s in disaggregated("p=h:1,h:2", "d=h:3")] == [
+        ("p", "prefill"), ("h:2", "prefill"), ("d", "decode")]
+
+
+@pytest.mark.parametrize("specs, message", [
+    (lambda: parse_engines("h:1", "prefill"), "needs both prefill and decode engines: "
+                                              "prefill engines given, no --decode"),
+    (lambda: parse_engines("h:1", "decode"), "no --prefill engines"),
+    (lambda: parse_engines("h:1") + parse_engines("h:2", "prefill")
+     + parse_engines("h:3", "decode"), "cannot be mixed"),
+    (lambda: parse_engines("a=h:1", "prefill") + parse_engines("b=h:1", "decode"),
+     "an engine URL is listed twice: http://h:1 .*colocated"),
+    (lambda: parse_engines("a=h:1", "prefill") + parse_engines("a=h:2", "decode"),
+     "an engine id is listed twice: a"),
+])
+def test_bad_prefill_and_decode_lists_are_explained(specs, message):
+    with pytest.raises(EngineSpecError, match=message):
+        check_roles(specs())
+
+
+def test_decode_engines_are_chosen_by_their_requests_and_route_sees_prefill_engines(clock):
+    p = EnginePool(disaggregated("p0=h:1,p1=h:2", "d0=h:3,d1=h:4"), clock=clock)
+    assert p.disaggregated and not pool(clock).disaggregated
+    assert [c.instance_id for c in p.candidates(role="prefill")] == ["p0", "p1"]
+    t = p.sent("d0", 0)
+    p.first_token("d0", t)          # still generating: busy, though its prefill is done
+    assert p.least_busy("decode") == "d1"
+    p.reported("d1", 3)             # other clients' requests there
+    assert p.least_busy("decode") == "d0"
+    p.failed("d0")
+    assert p.least_busy("decode") == "d1"
+    assert p.least_busy("decode", exclude=["d1"]) is None
 
 
 def pool(clock, n=2):
