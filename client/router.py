@@ -52,6 +52,18 @@ class RouteChoice:
     estimated_ttft_s: float
 
 
+@dataclass(frozen=True, slots=True)
+class InstanceInfo:
+    """A live instance of the master's routing index (``list_instances``)."""
+
+    instance_id: str
+    url: str                      # its OpenAI server, as its bridge announced it ("": none)
+    role: str                     # "both", "prefill", "decode"
+    gpu_blocks: int
+    cpu_blocks: int
+    seen_s_ago: float
+
+
 class RouterClient(GrpcClient):
     """A blocking, thread-safe client of the master's Router service."""
 
@@ -78,9 +90,17 @@ class RouterClient(GrpcClient):
         return self._call("PublishKVEvents", iter([batch_to_pb(instance_id, events)]),
                           retry=False).events
 
-    def event_stream(self, instance_id: str) -> KVEventStream:
+    def event_stream(self, instance_id: str, *, url: str = "", role: str = "") -> KVEventStream:
+        """A stream of ``instance_id``'s events; ``url`` and ``role`` (its OpenAI server, and
+        "both", "prefill" or "decode") go with every batch, for ``list_instances``."""
         _, stub = self._live_stub()
-        return KVEventStream(stub, instance_id)
+        return KVEventStream(stub, instance_id, url=url, role=role)
+
+    def list_instances(self) -> list[InstanceInfo]:
+        """The live instances the master knows (from their KV events and heartbeats)."""
+        r = self._call("ListInstances", pb.ListInstancesRequest())
+        return [InstanceInfo(i.instance_id, i.url, i.role or "both", i.gpu_blocks,
+                             i.cpu_blocks, i.seen_s_ago) for i in r.instances]
 
     def route(self, *, token_ids: Sequence[int] | None = None,
               block_hashes: Sequence[bytes] | None = None, prompt_tokens: int = 0,
@@ -112,8 +132,9 @@ class KVEventStream:
     """One long-lived PublishKVEvents stream; ``send`` queues a batch, ``close`` ends the
     stream and returns the number of events the master applied."""
 
-    def __init__(self, stub: routing_pb2_grpc.RouterStub, instance_id: str):
-        self.instance_id = instance_id
+    def __init__(self, stub: routing_pb2_grpc.RouterStub, instance_id: str, *, url: str = "",
+                 role: str = ""):
+        self.instance_id, self.url, self.role = instance_id, url, role
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._closed = False
@@ -129,7 +150,9 @@ class KVEventStream:
                 raise ClientClosed("the event stream is closed")
             if self._future.done():
                 self._raise()
-            self._queue.put(batch_to_pb(self.instance_id, events))
+            batch = batch_to_pb(self.instance_id, events)
+            batch.url, batch.role = self.url, self.role
+            self._queue.put(batch)
 
     def close(self, timeout_s: float = 10.0) -> int:
         with self._lock:

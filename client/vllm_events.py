@@ -212,8 +212,9 @@ class ZMQEventBridge:
     an empty batch every ``heartbeat_s`` so the instance does not age out of the index."""
 
     def __init__(self, endpoint: str, instance_id: str, master: str, spec: HashSpec, *,
-                 topic: str = "", heartbeat_s: float = 5.0):
+                 topic: str = "", heartbeat_s: float = 5.0, url: str = "", role: str = ""):
         self.endpoint, self.instance_id, self.topic = endpoint, instance_id, topic
+        self.url, self.role = url, role   # announced with every batch (gateway discovery)
         self.heartbeat_s = heartbeat_s
         self._router = RouterClient(master)
         self.spec = self._router.register(spec, client_id=f"vllm-bridge:{instance_id}")
@@ -232,7 +233,7 @@ class ZMQEventBridge:
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
         self._sub.connect(self.endpoint)
-        self._stream = self._router.event_stream(self.instance_id)
+        self._stream = self._router.event_stream(self.instance_id, url=self.url, role=self.role)
         self._stream.send([])       # announce the instance at once
         self._thread = Supervisor(fatal=self._give_up).start_thread(
             f"vllm-events-{self.instance_id}", self._run, _ON_CRASH, self._stop)

@@ -149,6 +149,21 @@ class EnginePool:
         self._clock = clock
         self._next_request = 0
 
+    def add(self, spec: EngineSpec) -> None:
+        """A new engine (found by discovery): down until a probe finds it healthy, so that no
+        request meets an engine that does not answer yet."""
+        e = self.engines[spec.instance_id] = EngineState(spec)
+        e.down_since = e.retry_at = self._clock()
+
+    def remove(self, instance_id: str) -> bool:
+        """Forget an engine with no request of the gateway's in flight there; returns whether
+        it was removed (an engine still serving is left for a later call)."""
+        e = self.engines.get(instance_id)
+        if e is None or e.inflight:
+            return False
+        del self.engines[instance_id]
+        return True
+
     def __getitem__(self, instance_id: str) -> EngineState:
         return self.engines[instance_id]
 

@@ -71,6 +71,8 @@ class EngineProber:
             ok, page, error = False, b"", f"{type(e).__name__}: {e}"
         else:
             error = f"{path} answered HTTP {r.status}"
+        if instance_id not in self.pool.engines:   # removed meanwhile (discovery)
+            return
         if not ok:
             self.metrics.failures.labels(instance_id, "probe").inc()
             if self.pool.failed(instance_id):

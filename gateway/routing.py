@@ -75,6 +75,12 @@ class EngineRouter:
         return Choice(c.instance_id, "fallback_least_loaded", dict.fromkeys(TIERS, 0), 0,
                       time.perf_counter() - t0)
 
+    def list_instances(self) -> list:
+        """The master's live instances (``kvpool gateway --discover``); blocking."""
+        if self._client is None:
+            raise KVPoolError("no master to discover engines from")
+        return self._client.list_instances()
+
     def _master_failed(self, e: KVPoolError) -> None:
         with self._lock:
             self._skip_until = self._clock() + self.master_backoff_s

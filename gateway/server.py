@@ -43,6 +43,7 @@ import aiohttp
 from aiohttp import web
 from kvpool.client.router import Candidate
 from kvpool.common.logging import get_logger
+from kvpool.gateway.discovery import EngineDiscovery
 from kvpool.gateway.engines import EnginePool, EngineSpec
 from kvpool.gateway.errors import APIError, BadRequest, ModelNotFound, NoEngine, NotFound
 from kvpool.gateway.metrics import GatewayMetrics
@@ -83,6 +84,9 @@ class GatewayConfig:
     # Measure each engine's prefill and store-load rates from its first tokens and send them
     # with Route's candidates (master/calibration.py); off: the master's cost model alone.
     calibrate: bool = True
+    # Engines also found through the master's routing index (gateway/discovery.py).
+    discover: bool = False
+    discover_interval_s: float = 2.0
 
 
 class Gateway:
@@ -106,6 +110,7 @@ class Gateway:
         self._created = int(time.time())
         self._session: aiohttp.ClientSession | None = None
         self._prober: EngineProber | None = None
+        self.discovery: EngineDiscovery | None = None
         self._runner: web.AppRunner | None = None
 
     # -- lifecycle --
@@ -126,6 +131,11 @@ class Gateway:
         self._prober = EngineProber(self.pool, self._session, self.metrics,
                                     interval_s=self.config.probe_interval_s,
                                     timeout_s=self.config.probe_timeout_s).start()
+        if self.config.discover:
+            self.discovery = EngineDiscovery(self.pool, self.router.list_instances,
+                                             interval_s=self.config.discover_interval_s)
+            await self.discovery.refresh()     # engines known before the first request
+            self.discovery.start()
         # handler_cancellation: a client that disconnects cancels its handler, and with it the
         # engine request (aiohttp's default since 3.9 lets the handler run on).
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
@@ -137,6 +147,8 @@ class Gateway:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+        if self.discovery is not None:
+            await self.discovery.stop()
         if self._prober is not None:
             await self._prober.stop()
         if self._session is not None:

@@ -197,10 +197,28 @@ class CostModel:
 
 # -- the index ----------------------------------------------------------------------------------
 
+# What an instance serves as, when its bridge says (disaggregated prefill and decode).
+INSTANCE_ROLES = ("both", "prefill", "decode")
+
+
 @dataclass(eq=False, slots=True)
 class _Instance:
     last_seen: float
     tiers: dict[str, set] = field(default_factory=lambda: {GPU: set(), CPU: set()})
+    url: str = ""
+    role: str = "both"
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceView:
+    """A live instance as ``ListInstances`` tells it (for ``kvpool gateway --discover``)."""
+
+    instance_id: str
+    url: str
+    role: str
+    gpu_blocks: int
+    cpu_blocks: int
+    seen_s_ago: float
 
 
 class RoutingIndex:
@@ -238,6 +256,17 @@ class RoutingIndex:
                 raise InvalidArgument(f"unknown KV event {ev!r}")
         return len(events)
 
+    def announce(self, instance_id: str, url: str, role: str = "") -> None:
+        """The instance's serving URL and role, as its bridge announces them (each batch
+        carries them: a restarted master learns them with the next heartbeat)."""
+        role = role or "both"
+        if role not in INSTANCE_ROLES:
+            raise InvalidArgument(f"unknown instance role {role!r}: expected "
+                                  f"{', '.join(INSTANCE_ROLES)}")
+        inst = self._instances.get(instance_id)
+        if inst is not None and url:
+            inst.url, inst.role = url, role
+
     def forget(self, instance_id: str) -> None:
         self._instances.pop(instance_id, None)
 
@@ -251,6 +280,12 @@ class RoutingIndex:
 
     def instances(self) -> list[str]:
         return sorted(self._instances)
+
+    def describe(self) -> list[InstanceView]:
+        now = self._clock()
+        return [InstanceView(i, inst.url, inst.role, len(inst.tiers[GPU]), len(inst.tiers[CPU]),
+                             max(0.0, now - inst.last_seen))
+                for i, inst in sorted(self._instances.items())]
 
     def blocks(self, instance_id: str, tier: str = GPU) -> int:
         inst = self._instances.get(instance_id)

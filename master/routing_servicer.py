@@ -66,6 +66,8 @@ class RouterServicer(routing_pb2_grpc.RouterServicer):
         async for batch in request_iterator:
             try:
                 events += self.index.apply(batch.instance_id, events_from_pb(batch))
+                if batch.url or batch.role:
+                    self.index.announce(batch.instance_id, batch.url, batch.role)
             except InvalidArgument as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             batches += 1
@@ -91,6 +93,13 @@ class RouterServicer(routing_pb2_grpc.RouterServicer):
             instance_id=decision.instance_id, policy=decision.policy, blocks=len(query.hashes),
             estimated_ttft_s=decision.estimated_ttft_s,
             hits=[pb.TierHits(tier=t, blocks=b) for t, b in decision.hit_blocks.items()])
+
+    async def ListInstances(self, request, context):
+        return pb.ListInstancesResponse(instances=[
+            pb.InstanceInfo(instance_id=v.instance_id, url=v.url, role=v.role,
+                            gpu_blocks=v.gpu_blocks, cpu_blocks=v.cpu_blocks,
+                            seen_s_ago=v.seen_s_ago)
+            for v in self.index.describe()])
 
     def _policy(self, name: str) -> RoutingPolicy:
         policy = make_policy(name, self._seed)

@@ -39,6 +39,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", metavar="[ID=]URL,...",
                    help="disaggregated serving: the decode engines (kv_role kv_consumer), "
                         "chosen per request by load; needs --prefill")
+    p.add_argument("--discover", action="store_true",
+                   help="also serve the engines the master knows: the instances whose KV-event "
+                        "bridge announces its OpenAI server (`kvpool kv-events --url URL "
+                        "[--role prefill|decode]`), polled every 2 s; engines that stop "
+                        "publishing are dropped (needs --master)")
     p.add_argument("--model", required=True, metavar="DIR",
                    help="the model's local folder: its tokenizer and chat template")
     p.add_argument("--served-model-name", metavar="NAME",
@@ -96,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or args.model, hash_model=args.hash_model,
         request_timeout_s=args.request_timeout, read_timeout_s=args.read_timeout,
         connect_timeout_s=args.connect_timeout, probe_interval_s=args.probe_interval,
-        calibrate=args.calibrate)
+        calibrate=args.calibrate, discover=args.discover)
     return asyncio.run(_serve(config, args.host, args.port))
 
 
@@ -107,11 +112,16 @@ def _engines(args: argparse.Namespace) -> list:
     if args.engines and (args.prefill or args.decode):
         raise EngineSpecError("--engines (colocated) cannot be combined with --prefill/--decode "
                               "(disaggregated): give one or the other")
+    if args.discover and not args.master:
+        raise EngineSpecError("--discover finds engines through the master: give --master "
+                              "HOST:PORT (or $KVPOOL_MASTER)")
     if args.engines:
         return parse_engines(args.engines)
     if not args.prefill and not args.decode:
+        if args.discover:
+            return []
         raise EngineSpecError("no engines: give --engines URL,... (colocated), or --prefill "
-                              "URL,... and --decode URL,... (disaggregated)")
+                              "URL,... and --decode URL,... (disaggregated), or --discover")
     specs = []
     for role, text in (("prefill", args.prefill), ("decode", args.decode)):
         if text:

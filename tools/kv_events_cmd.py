@@ -30,13 +30,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the served model's name: the hash namespace every client of this "
                         "model uses (HashSpec extra key `model`)")
     p.add_argument("--topic", default="", help="ZMQ topic (default: all)")
+    p.add_argument("--url", default="", metavar="http://HOST:PORT",
+                   help="the instance's OpenAI server, announced to the master with its events "
+                        "so that `kvpool gateway --discover` serves it (default: not announced)")
+    p.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
+                   help="what the instance serves as, announced with --url: both (colocated), "
+                        "prefill (vLLM kv_role kv_producer) or decode (kv_consumer) "
+                        "(default: both)")
 
 
 def run(args) -> int:
     from kvpool.client.vllm_events import ZMQEventBridge
     spec = HashSpec.of(args.block_size, model=args.model)
+    url = args.url.rstrip("/")
+    if url and "://" not in url:
+        url = "http://" + url
     bridge = ZMQEventBridge(args.endpoint, args.instance_id, args.master, spec,
-                            topic=args.topic).start()
+                            topic=args.topic, url=url, role=args.role if url else "").start()
     print(f"kv-events: {args.instance_id} <- {args.endpoint}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

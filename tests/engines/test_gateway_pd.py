@@ -14,6 +14,7 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from kvpool.tools.cluster import LocalCluster
@@ -38,9 +39,11 @@ LOAD_WAIT_S = 3.0
 @dataclass
 class PD:
     cluster: LocalCluster
+    tiny_model: str
     prefill: Server
     decode: Server
     gateway: Server
+    tmp: Path
 
 
 @pytest.fixture(scope="module")
@@ -54,22 +57,28 @@ def pd(vllm_python, tiny_model, tmp_path_factory):
         events = free_port()
         engines.append(start_engine(vllm_python, tiny_model, cluster.master, "prefill", events,
                                     tmp / "engine-prefill.log", kv_role="kv_producer"))
+        d_events = free_port()
         engines.append(start_engine(vllm_python, tiny_model, cluster.master, "decode",
-                                    free_port(), tmp / "engine-decode.log",
+                                    d_events, tmp / "engine-decode.log",
                                     kv_role="kv_consumer", load_wait_s=LOAD_WAIT_S))
         for e in engines:
             wait_healthy(e)
-        procs.append(start_line(
-            ["kv-events", "--master", cluster.master, "--endpoint", f"tcp://127.0.0.1:{events}",
-             "--instance-id", "p", "--block-size", str(BLOCK), "--model", MODEL],
-            tmp / "kv-events.log", "kv-events:"))
+        # Both bridged, announcing their servers and roles (for the --discover test); Route
+        # sees P's prefixes.
+        for name, port, engine, role in (("p", events, engines[0], "prefill"),
+                                          ("d", d_events, engines[1], "decode")):
+            procs.append(start_line(
+                ["kv-events", "--master", cluster.master, "--endpoint",
+                 f"tcp://127.0.0.1:{port}", "--instance-id", name, "--block-size", str(BLOCK),
+                 "--model", MODEL, "--url", engine.url, "--role", role],
+                tmp / f"kv-events-{name}.log", "kv-events:"))
         gw = start_line(["gateway", "--master", cluster.master, "--model", tiny_model,
                          "--served-model-name", MODEL, "--prefill", f"p={engines[0].url}",
                          "--decode", f"d={engines[1].url}", "--port", "0"],
                         tmp / "gateway.log", "gateway: http://")
         procs.append(gw)
-        yield PD(cluster, *engines, Server("gateway", gw.first_line.split()[1], gw,
-                                           tmp / "gateway.log"))
+        yield PD(cluster, tiny_model, *engines, Server("gateway", gw.first_line.split()[1], gw,
+                                           tmp / "gateway.log"), tmp)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -173,3 +182,30 @@ def test_a_request_the_prefill_engine_refuses_gets_its_error(pd):
     status, headers, answer = pd.gateway.post("/v1/completions", completion(words(900, 70), 4))
     assert status == 400 and set(answer["error"]) >= {"message", "type"}, answer
     assert headers["x-kvpool-prefill-engine"] == "p"
+
+
+def test_a_gateway_discovers_the_pair_through_the_master(pd):
+    gw = start_line(["gateway", "--master", pd.cluster.master, "--discover", "--model",
+                     pd.tiny_model, "--served-model-name", MODEL, "--port", "0"],
+                    pd.tmp / "gateway-discover.log", "gateway: http://")
+    server = Server("gateway-discover", gw.first_line.split()[1], gw,
+                    pd.tmp / "gateway-discover.log")
+    try:
+        deadline = time.monotonic() + 30
+        while True:     # found at start; up once a probe found each healthy
+            status, _, health = server.request("GET", "/health")
+            if json.loads(health) == {"engines": {"p": True, "d": True}}:
+                break
+            assert time.monotonic() < deadline, health
+            time.sleep(0.2)
+        body = completion(words(100, 80), 8)
+        status, headers, via = server.post("/v1/completions", body)
+        assert status == 200, via
+        assert headers["x-kvpool-engine"] == "d" and headers["x-kvpool-prefill-engine"] == "p"
+        _, _, colocated = pd.prefill.post("/v1/completions", body)
+        assert via["choices"][0]["text"] == colocated["choices"][0]["text"]
+    finally:
+        gw.send_signal(signal.SIGINT)
+        gw.wait(timeout=20)
+    log = server.log.read_text()
+    assert "engine_discovered" in log and "Traceback" not in log, log[-3000:]

@@ -202,3 +202,34 @@ def test_a_disaggregated_gateway_without_prefill_engines_up_answers_503(master, 
         assert "prefill engine" in answer["error"]["message"]
     finally:
         assert "Traceback" not in g.stop()
+
+
+def test_engines_announced_to_the_master_are_discovered(master, tokenizer_dir, tmp_path):
+    from kvpool.client.router import RouterClient
+    from kvpool.common.hashing import HashSpec
+    urls = {"p": f"http://127.0.0.1:{dead_port()}", "d": f"http://127.0.0.1:{dead_port()}"}
+    with RouterClient(master.master) as router:
+        router.register(HashSpec.of(32, model=MODEL))
+        # What `kvpool kv-events --url URL --role ROLE` sends with every batch.
+        streams = [router.event_stream(i, url=urls[i], role=role)
+                   for i, role in (("p", "prefill"), ("d", "decode"))]
+        for s in streams:
+            s.send([])
+        deadline = time.monotonic() + 10
+        while {(i.instance_id, i.url, i.role) for i in router.list_instances()} \
+                < {("p", urls["p"], "prefill"), ("d", urls["d"], "decode")}:
+            assert time.monotonic() < deadline, router.list_instances()
+            time.sleep(0.05)
+        g = GatewayProcess("--master", master.master, "--model", tokenizer_dir,
+                           "--served-model-name", MODEL, "--discover", log=tmp_path / "gw.log")
+        try:
+            # Found before the gateway serves; down, as nothing listens at their URLs.
+            status, _, data = g.request("GET", "/health")
+            assert status == 503 and json.loads(data) == {"engines": {"p": False, "d": False}}
+            status, answer = g.post("/v1/completions", {"model": MODEL, "prompt": "w5 w6"})
+            assert status == 503 and answer["error"]["message"] == "no prefill engine is up"
+        finally:
+            log = g.stop()
+            for s in streams:
+                s.close()
+    assert "engine_discovered" in log and "Traceback" not in log

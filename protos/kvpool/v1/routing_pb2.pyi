@@ -59,14 +59,18 @@ class KVEvent(_message.Message):
     def __init__(self, stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
 
 class KVEventBatch(_message.Message):
-    __slots__ = ("instance_id", "ts", "events")
+    __slots__ = ("instance_id", "ts", "events", "url", "role")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     TS_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     ts: float
     events: _containers.RepeatedCompositeFieldContainer[KVEvent]
-    def __init__(self, instance_id: _Optional[str] = ..., ts: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ...) -> None: ...
+    url: str
+    role: str
+    def __init__(self, instance_id: _Optional[str] = ..., ts: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., url: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
 
 class PublishKVEventsResponse(_message.Message):
     __slots__ = ("batches", "events")
@@ -137,3 +141,29 @@ class RouteResponse(_message.Message):
     blocks: int
     lookup_port: int
     def __init__(self, instance_id: _Optional[str] = ..., hits: _Optional[_Iterable[_Union[TierHits, _Mapping]]] = ..., estimated_ttft_s: _Optional[float] = ..., policy: _Optional[str] = ..., blocks: _Optional[int] = ..., lookup_port: _Optional[int] = ...) -> None: ...
+
+class ListInstancesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InstanceInfo(_message.Message):
+    __slots__ = ("instance_id", "url", "role", "gpu_blocks", "cpu_blocks", "seen_s_ago")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SEEN_S_AGO_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    url: str
+    role: str
+    gpu_blocks: int
+    cpu_blocks: int
+    seen_s_ago: float
+    def __init__(self, instance_id: _Optional[str] = ..., url: _Optional[str] = ..., role: _Optional[str] = ..., gpu_blocks: _Optional[int] = ..., cpu_blocks: _Optional[int] = ..., seen_s_ago: _Optional[float] = ...) -> None: ...
+
+class ListInstancesResponse(_message.Message):
+    __slots__ = ("instances",)
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    instances: _containers.RepeatedCompositeFieldContainer[InstanceInfo]
+    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ...) -> None: ...

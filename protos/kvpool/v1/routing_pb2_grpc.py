@@ -49,6 +49,11 @@ class RouterStub:
                 request_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_routing__pb2.RouteRequest.SerializeToString,
                 response_deserializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_routing__pb2.RouteResponse.FromString,
                 _registered_method=True)
+        self.ListInstances = channel.unary_unary(
+                '/kvpool.v1.Router/ListInstances',
+                request_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_routing__pb2.ListInstancesRequest.SerializeToString,
+                response_deserializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_routing__pb2.ListInstancesResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -72,6 +77,12 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListInstances(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +100,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Route,
                     request_deserializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_routing__pb2.RouteRequest.FromString,
                     response_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_routing__pb2.RouteResponse.SerializeToString,
+            ),
+            'ListInstances': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListInstances,
+                    request_deserializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_routing__pb2.ListInstancesRequest.FromString,
+                    response_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_routing__pb2.ListInstancesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +188,33 @@ class Router:
             '/kvpool.v1.Router/Route',
             kvpool_dot_protos_dot_kvpool_dot_v1_dot_routing__pb2.RouteRequest.SerializeToString,
             kvpool_dot_protos_dot_kvpool_dot_v1_dot_routing__pb2.RouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListInstances(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Router/ListInstances',
+            kvpool_dot_protos_dot_kvpool_dot_v1_dot_routing__pb2.ListInstancesRequest.SerializeToString,
+            kvpool_dot_protos_dot_kvpool_dot_v1_dot_routing__pb2.ListInstancesResponse.FromString,
             options,
             channel_credentials,
             insecure,
