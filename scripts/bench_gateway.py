@@ -13,6 +13,17 @@ chunk. Each request has its own random prompt (no prefix-cache hits on either pa
 of the differences of each back-to-back pair, less sensitive to the machine's load drifting
 during the run), and from the gateway's own log the time to choose the engine (tokenize +
 Route) and the Route call alone.
+
+Disaggregated prefill and decode against colocated serving on the same engines::
+
+    python3 scripts/bench_gateway.py --prefill URL --decode URL --master M --model DIR
+
+P (``kv_role: kv_producer``) and D (``kv_consumer``) run with the kvpool connector on master
+M. The two paths, alternating: ``colocated``, each request sent whole to P (a producer computes
+every token itself, as a colocated engine does), and ``disaggregated``, through a gateway
+started with ``--prefill P --decode D`` (P computes the prompt and stores its KV, D loads it and
+generates). Prints each path's TTFT and time per output token (TPOT: from the first token to
+the last, over the tokens after the first) p50/p90.
 """
 
 from __future__ import annotations
@@ -37,10 +48,21 @@ class Target:
         parts = urlsplit(url)
         self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
         self.model = model
+        self.last_used = 0.0
 
     def ttft_s(self, prompt: list[int], max_tokens: int) -> float:
+        return self.times_s(prompt, max_tokens)[0]
+
+    def times_s(self, prompt: list[int], max_tokens: int) -> tuple[float, float | None]:
+        """(TTFT, TPOT): TPOT from the first chunk to the last one before ``[DONE]``, over the
+        ``max_tokens - 1`` tokens after the first (``ignore_eos``: all of them come); None
+        for one token."""
         body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                            "temperature": 0, "stream": True, "ignore_eos": True})
+        if time.monotonic() - self.last_used > 2.0:
+            # vLLM's server drops a connection idle for 5 s: start a new one, outside the time.
+            self.conn.close()
+            self.conn.connect()
         t0 = time.perf_counter()
         self.conn.request("POST", "/v1/completions", body,
                           {"Content-Type": "application/json"})
@@ -49,8 +71,12 @@ class Target:
         ttft = time.perf_counter() - t0
         if r.status != 200 or not first.startswith(b"data: {"):
             raise SystemExit(f"bench: HTTP {r.status}: {first[:300]!r}")
-        r.read()
-        return ttft
+        last = ttft
+        while chunk := r.read1(65536):
+            if chunk.strip() != b"data: [DONE]":
+                last = time.perf_counter() - t0
+        self.last_used = time.monotonic()
+        return ttft, (last - ttft) / (max_tokens - 1) if max_tokens > 1 else None
 
 
 def pct(values: list[float], q: float) -> float:
@@ -60,7 +86,9 @@ def pct(values: list[float], q: float) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", required=True, help="the engine's URL (an OpenAI server)")
+    p.add_argument("--engine", help="the engine's URL (an OpenAI server)")
+    p.add_argument("--prefill", help="disaggregated: the prefill engine's URL (kv_producer)")
+    p.add_argument("--decode", help="disaggregated: the decode engine's URL (kv_consumer)")
     p.add_argument("--model", required=True, help="the model folder the engine serves")
     p.add_argument("--served-model-name", help="default: --model as given")
     p.add_argument("--master", help="a kvpool master (default: start a local cluster)")
@@ -71,8 +99,17 @@ def main() -> int:
     p.add_argument("--same-prompt", action="store_true",
                    help="one prompt for every request (prefix-cache hits on both paths)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--probe-interval", default="1s",
+                   help="the gateway's --probe-interval (its scrapes of each engine's /metrics)")
     a = p.parse_args()
     name = a.served_model_name or a.model
+    if a.prefill or a.decode:
+        if not (a.prefill and a.decode and a.master) or a.engine:
+            p.error("disaggregated: give --prefill, --decode and --master (the engines' "
+                    "master), not --engine")
+        return disaggregated(a, name)
+    if not a.engine:
+        p.error("give --engine URL, or --prefill URL --decode URL --master M")
 
     cluster = None
     if a.master is None:
@@ -87,7 +124,8 @@ def main() -> int:
     log = tempfile.TemporaryFile("w+")  # noqa: SIM115  (a pipe would fill up and stall the gateway)
     gw = subprocess.Popen(
         [sys.executable, "-m", "kvpool", "gateway", "--master", a.master, "--engines", a.engine,
-         "--model", a.model, "--served-model-name", name, "--port", "0"],
+         "--model", a.model, "--served-model-name", name, "--port", "0",
+         "--probe-interval", a.probe_interval],
         stdout=subprocess.PIPE, stderr=log, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -133,6 +171,56 @@ def main() -> int:
     paired = [g - d for g, d in zip(ttft["gateway"], ttft["direct"])]
     print(f"added TTFT p50: {(g50 - d50) * 1e3:.2f} ms (p50 through the gateway - p50 direct); "
           f"median of the paired differences {statistics.median(paired) * 1e3:.2f} ms")
+    return 0
+
+
+def start_gateway(args: list[str]) -> tuple[subprocess.Popen, str, object]:
+    log = tempfile.TemporaryFile("w+")  # noqa: SIM115  (a pipe would fill up and stall the gateway)
+    gw = subprocess.Popen([sys.executable, "-m", "kvpool", "gateway", *args, "--port", "0"],
+                          stdout=subprocess.PIPE, stderr=log, text=True,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    line = gw.stdout.readline()
+    if not line.startswith("gateway: "):
+        gw.kill()
+        log.seek(0)
+        raise SystemExit(f"bench: the gateway did not start: {line}{log.read()}")
+    return gw, line.split()[1], log
+
+
+def disaggregated(a: argparse.Namespace, name: str) -> int:
+    gw, url, log = start_gateway(["--master", a.master, "--prefill", a.prefill, "--decode",
+                                  a.decode, "--model", a.model, "--served-model-name", name,
+                                  "--probe-interval", a.probe_interval])
+    try:
+        rng = random.Random(a.seed)
+        paths = {"colocated": Target(a.prefill, name), "disaggregated": Target(url, name)}
+        times: dict[str, list[tuple[float, float | None]]] = {k: [] for k in paths}
+        for path in paths.values():       # warm the connections and both engines
+            for _ in range(3):
+                path.times_s([rng.randrange(3, 1000) for _ in range(a.prompt_tokens)],
+                             a.max_tokens)
+        for i in range(a.requests):
+            order = list(paths) if i % 2 == 0 else list(paths)[::-1]
+            for which in order:           # a new prompt each: no engine holds it yet
+                prompt = [rng.randrange(3, 1000) for _ in range(a.prompt_tokens)]
+                times[which].append(paths[which].times_s(prompt, a.max_tokens))
+    finally:
+        gw.terminate()
+        gw.wait(timeout=30)
+    print(f"requests: {a.requests} per path, alternating, one at a time; prompt "
+          f"{a.prompt_tokens} tokens (a new prompt each), {a.max_tokens} out")
+    for which, v in times.items():
+        ttft = [t for t, _ in v]
+        tpot = [t for _, t in v if t is not None]
+        print(f"{which:14s} TTFT p50 {pct(ttft, 50) * 1e3:8.2f} ms  p90 {pct(ttft, 90) * 1e3:8.2f}"
+              f" ms   TPOT p50 {pct(tpot, 50) * 1e3:7.2f} ms  p90 {pct(tpot, 90) * 1e3:7.2f} ms")
+    log.seek(0)
+    served = [dict(f.split("=", 1) for f in row.split() if "=" in f)
+              for row in log.read().splitlines() if "request_served" in row]
+    prefill = [float(r["prefill_s"]) for r in served if "prefill_s" in r]
+    if prefill:
+        print(f"disaggregated: arrival to the prefill's answer p50 "
+              f"{statistics.median(prefill) * 1e3:.2f} ms (the gateway's log)")
     return 0
 
 

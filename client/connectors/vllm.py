@@ -232,10 +232,15 @@ class KVPoolConnector(KVConnectorBase_V1):
             # The prefill engine said it stored these blocks; its puts are still landing.
             st.next_look = now + _WAIT_POLL_S
             return None, False
-        if st.wait_until is not None and first + hit < expected:
-            log.warning("kvpool_load_wait_expired req=%s expected_blocks=%d found_blocks=%d "
-                        "waited_s=%.3f (the rest is recomputed)", request.request_id,
-                        expected, first + hit, self._options.load_wait_s)
+        if st.wait_until is not None:
+            waited_s = self._options.load_wait_s - (st.wait_until - now)
+            if first + hit < expected:
+                log.warning("kvpool_load_wait_expired req=%s expected_blocks=%d found_blocks=%d "
+                            "waited_s=%.3f (the rest is recomputed)", request.request_id,
+                            expected, first + hit, waited_s)
+            elif waited_s > 0:
+                log.info("kvpool_load_waited req=%s blocks=%d waited_s=%.4f", request.request_id,
+                         expected, waited_s)
         st.wait_until = None
         st.present_upto = max(st.present_upto, first + hit)
         if hit == 0:
