@@ -23,12 +23,14 @@ M. The two paths, alternating: ``colocated``, each request sent whole to P (a pr
 every token itself, as a colocated engine does), and ``disaggregated``, through a gateway
 started with ``--prefill P --decode D`` (P computes the prompt and stores its KV, D loads it and
 generates). Prints each path's TTFT and time per output token (TPOT: from the first token to
-the last, over the tokens after the first) p50/p90.
+the last, over the tokens after the first) p50/p90. ``--concurrency K`` sends rounds of K
+requests at once (prefills then land between other requests' decode steps).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import http.client
 import json
 import os
@@ -99,6 +101,8 @@ def main() -> int:
     p.add_argument("--same-prompt", action="store_true",
                    help="one prompt for every request (prefix-cache hits on both paths)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="disaggregated: requests sent at once per round (default: 1)")
     p.add_argument("--probe-interval", default="1s",
                    help="the gateway's --probe-interval (its scrapes of each engine's /metrics)")
     a = p.parse_args()
@@ -191,24 +195,33 @@ def disaggregated(a: argparse.Namespace, name: str) -> int:
     gw, url, log = start_gateway(["--master", a.master, "--prefill", a.prefill, "--decode",
                                   a.decode, "--model", a.model, "--served-model-name", name,
                                   "--probe-interval", a.probe_interval])
+    rng = random.Random(a.seed)
+    urls = {"colocated": a.prefill, "disaggregated": url}
+    times: dict[str, list[tuple[float, float | None]]] = {k: [] for k in urls}
+    k = a.concurrency
+    # One kept-alive connection per client and path; a new prompt each request (no engine
+    # holds it yet). Rounds alternate the paths: each round, ``k`` clients send one request
+    # each at once, then wait for all (with k > 1, prefills land between other requests'
+    # decode steps, which is what disaggregation keeps off the decode engine).
+    clients = {w: [Target(u, name) for _ in range(k)] for w, u in urls.items()}
+
+    def one_round(which: str) -> list[tuple[float, float | None]]:
+        prompts = [[rng.randrange(3, 1000) for _ in range(a.prompt_tokens)] for _ in range(k)]
+        with concurrent.futures.ThreadPoolExecutor(k) as pool:
+            return list(pool.map(lambda c, p: c.times_s(p, a.max_tokens), clients[which],
+                                 prompts))
     try:
-        rng = random.Random(a.seed)
-        paths = {"colocated": Target(a.prefill, name), "disaggregated": Target(url, name)}
-        times: dict[str, list[tuple[float, float | None]]] = {k: [] for k in paths}
-        for path in paths.values():       # warm the connections and both engines
-            for _ in range(3):
-                path.times_s([rng.randrange(3, 1000) for _ in range(a.prompt_tokens)],
-                             a.max_tokens)
-        for i in range(a.requests):
-            order = list(paths) if i % 2 == 0 else list(paths)[::-1]
-            for which in order:           # a new prompt each: no engine holds it yet
-                prompt = [rng.randrange(3, 1000) for _ in range(a.prompt_tokens)]
-                times[which].append(paths[which].times_s(prompt, a.max_tokens))
+        for which in urls:               # warm the connections and both engines
+            one_round(which)
+        for i in range(max(1, a.requests // k)):
+            for which in (list(urls) if i % 2 == 0 else list(urls)[::-1]):
+                times[which] += one_round(which)
     finally:
         gw.terminate()
         gw.wait(timeout=30)
-    print(f"requests: {a.requests} per path, alternating, one at a time; prompt "
-          f"{a.prompt_tokens} tokens (a new prompt each), {a.max_tokens} out")
+    print(f"requests: {len(times['colocated'])} per path, in rounds of {k} at once, the paths "
+          f"alternating; prompt {a.prompt_tokens} tokens (a new prompt each), "
+          f"{a.max_tokens} out")
     for which, v in times.items():
         ttft = [t for t, _ in v]
         tpot = [t for _, t in v if t is not None]

@@ -173,14 +173,14 @@ def test_without_the_gateway_extra_the_command_says_what_to_install(tokenizer_di
 
 @pytest.mark.parametrize("engines, message", [
     ([], "no engines: give --engines URL,... (colocated), or --prefill URL,... and --decode"),
-    (["--prefill", "http://h:1"], "needs both prefill and decode engines: prefill engines "
-                                  "given, no --decode engines"),
+    (["--prefill", "http://h:1"],
+     "needs both prefill and decode engines: prefill engines given, no --decode engines"),
     (["--decode", "http://h:1"], "no --prefill engines"),
     (["--engines", "http://h:1", "--prefill", "http://h:2", "--decode", "http://h:3"],
      "--engines (colocated) cannot be combined with --prefill/--decode"),
     (["--prefill", "p=http://h:1", "--decode", "d=http://h:1"],
-     "an engine URL is listed twice: http://h:1 (an engine that both prefills and decodes is "
-     "a colocated one"),
+     ("an engine URL is listed twice: http://h:1 (an engine that both prefills and decodes "
+      "is a colocated one")),
 ])
 def test_bad_prefill_and_decode_configurations_are_refused(tokenizer_dir, engines, message):
     r = kvpool("gateway", "--master", "127.0.0.1:1", "--model", tokenizer_dir, "--port", "0",

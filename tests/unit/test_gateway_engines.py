@@ -46,8 +46,8 @@ def test_prefill_and_decode_engines_keep_their_roles():
 
 
 @pytest.mark.parametrize("specs, message", [
-    (lambda: parse_engines("h:1", "prefill"), "needs both prefill and decode engines: "
-                                              "prefill engines given, no --decode"),
+    (lambda: parse_engines("h:1", "prefill"),
+     "needs both prefill and decode engines: prefill engines given, no --decode"),
     (lambda: parse_engines("h:1", "decode"), "no --prefill engines"),
     (lambda: parse_engines("h:1") + parse_engines("h:2", "prefill")
      + parse_engines("h:3", "decode"), "cannot be mixed"),
