@@ -5,7 +5,9 @@ routing index whose KV-event bridge announced an OpenAI server (``kvpool kv-even
 An instance that appears is added to the engine pool (down until a probe finds it healthy); one
 the master no longer lists (its bridge silent past the instance TTL) is removed once no request
 of the gateway's is in flight there; one whose URL or role changed is replaced. Engines given
-on the command line are never removed. :func:`reconcile` is the pure part (tested without a
+on the command line are never removed. A gateway serves either colocated or disaggregated:
+once any engine is a prefill or decode one, requests go prefill-then-decode and colocated
+engines (role ``both``) are left unused (said once in the log). :func:`reconcile` is the pure part (tested without a
 master); :class:`EngineDiscovery` the loop around it.
 """
 
@@ -71,6 +73,7 @@ class EngineDiscovery:
         self._task: asyncio.Task | None = None
         self._failing: str | None = None
         self._refused: set[str] = set()
+        self._mixed = False
 
     async def refresh(self) -> Changes | None:
         """One poll of the master; None if it did not answer (logged once per outage)."""
@@ -92,6 +95,13 @@ class EngineDiscovery:
         for why in set(changes.refused) - self._refused:
             log.warning("engine_not_served", detail=why)
         self._refused = set(changes.refused)
+        roles = {e.spec.role for e in self.pool.engines.values()}
+        mixed = "both" in roles and len(roles) > 1
+        if mixed and not self._mixed:
+            # The gateway serves one way: disaggregated once any engine has a role.
+            log.warning("engine_roles_mixed", serving="disaggregated",
+                        unused="the colocated engines (role both)")
+        self._mixed = mixed
         return changes
 
     def start(self) -> EngineDiscovery:
