@@ -50,7 +50,7 @@ fi
 
 if [ ! -f "$venv/.complete" ]; then
     rm -rf "$venv"
-    log "building $venv (once; ~2 min, ~2.5 GB; needs PyPI)"
+    log "building $venv (once; ~3 min, ~2 GB; needs PyPI)"
     "$base_python" -m venv "$venv"
     echo "torch==2.13.0" > "$venv/constraints.txt"
     pip=("$venv/bin/python" -m pip install --disable-pip-version-check --progress-bar off -q
