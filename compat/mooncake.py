@@ -117,7 +117,11 @@ class MooncakeDistributedStore:
     """Mooncake Store's client, speaking to a kvpool cluster. See the module docstring for
     what differs from Mooncake's; each method says its own."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, transports: Sequence[str] | None = None) -> None:
+        """``transports``: kvpool's, not Mooncake's (whose constructor takes nothing): the
+        schemes the client may use (e.g. ``["tcp"]``; default: every one available, shm
+        preferred on the same host). Mooncake's ``protocol`` setup argument is not used."""
+        self._transports = list(transports) if transports is not None else None
         self._kv: KVClient | None = None
         self._meta: MasterClient | None = None   # get_size: a locate without the read
         self._hostname = ""
@@ -179,8 +183,9 @@ class MooncakeDistributedStore:
         host = hostname.rsplit(":", 1)[0] if hostname.count(":") == 1 else hostname
         host = "127.0.0.1" if host == "localhost" else host
         try:
-            kv = ContributingClient(master, host_bytes=segment, host=host) if segment \
-                else KVClient(master)
+            kv = ContributingClient(master, host_bytes=segment, host=host,
+                                    transports=self._transports) if segment \
+                else KVClient(master, transports=self._transports)
         except MasterUnavailable as e:
             log.error("mooncake_compat_setup_failed", master=master, reason=str(e))
             return int(ErrorCode.RPC_FAIL)
@@ -407,6 +412,8 @@ class MooncakeDistributedStore:
             got = kv.batch_get_into(keys, buffers)
         except KVPoolError as e:
             return [code_of(e)] * len(keys)
+        if set(map(type, got)) <= {int}:   # every key read: no Python step per key
+            return got
         return [r if type(r) is int else code_of(r) for r in got]
 
     def batch_put_from_multi_buffers(self, keys: Sequence[str],
@@ -491,9 +498,13 @@ class MooncakeDistributedStore:
             errors = kv.batch_put(keys, values, replicas=replicas)
         except KVPoolError as e:
             return [code_of(e)] * len(keys)
-        # A stored key is success in Mooncake's API (its value is kept, not replaced).
-        codes = [0 if e is None or isinstance(e, AlreadyExists) else code_of(e) for e in errors]
-        stored = [k for k, e in zip(keys, errors) if e is None]
+        if errors.count(None) == len(errors):   # the common case, without a step per key
+            codes, stored = [_OK] * len(errors), list(keys)
+        else:
+            # A stored key is success in Mooncake's API (its value is kept, not replaced).
+            codes = [0 if e is None or isinstance(e, AlreadyExists) else code_of(e)
+                     for e in errors]
+            stored = [k for k, e in zip(keys, errors) if e is None]
         if stored:
             with self._lock:
                 self._put_keys.update(stored)
@@ -511,11 +522,12 @@ def _buffers(ptrs: Sequence[int], sizes: Sequence[int], n: int):
     if len(ptrs) != n or len(sizes) != n:
         return None
     if n > 1:
-        p = np.fromiter(ptrs, np.int64, n)
-        s = np.fromiter(sizes, np.int64, n)
-        row = int(s[0])
-        if row > 0 and p[0] > 0 and (s == row).all() and (np.diff(p) == row).all():
-            return np.frombuffer(view_at(int(p[0]), n * row), np.uint8).reshape(n, row)
+        first, row = ptrs[0], sizes[0]
+        # Compared as lists (C loops): cheaper than numpy for a few thousand Python ints.
+        if type(first) is int and type(row) is int and first > 0 and row > 0 \
+                and list(sizes) == [row] * n \
+                and list(ptrs) == list(range(first, first + n * row, row)):
+            return np.frombuffer(view_at(first, n * row), np.uint8).reshape(n, row)
     out = []
     for p, s in zip(ptrs, sizes):
         if p <= 0 or s <= 0:
