@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         return 0 if result["bytes_identical"] else 1
     if args.compat:
         from kvpool.tools.bench_compat import run_compat_bench
-        return run_compat_bench(master=args.master, repeats=args.repeats or 5,
+        return run_compat_bench(master=args.master, repeats=args.repeats or 9,
                                 transports=tuple(t for t in args.transports.split(",")
                                                  if t.strip() in ("shm", "tcp")),
                                 json_path=args.json)
