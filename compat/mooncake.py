@@ -98,8 +98,8 @@ class BufferHandle(bytes):
 def parse_size(value) -> int:
     """A byte count from an int or a string such as ``"3355443200"``, ``"4GB"``, ``"512MiB"``
     (binary units, as Mooncake reads them). ValueError for anything else."""
-    if isinstance(value, bool):
-        raise ValueError(f"invalid size {value!r}")
+    if isinstance(value, bool):   # an int to Python, never a size
+        raise ValueError(f"invalid size {value!r}")  # noqa: TRY004  (setup returns INVALID_PARAMS)
     if isinstance(value, int):
         size = value
     else:

@@ -146,7 +146,8 @@ def run_compat_bench(*, master: str | None = None, repeats: int = 9,
         if mooncake:
             from kvpool.tools.bench_mooncake import MooncakePeer
             try:   # started before any gRPC channel of ours exists (it spawns processes)
-                peer = MooncakePeer((repeats + 2) * biggest).__enter__()
+                # (Mooncake's smallest segment is 16 MiB.)
+                peer = MooncakePeer(max(16 << 20, (repeats + 2) * biggest)).__enter__()
             except PeerUnavailable as e:
                 skipped["mooncake"] = str(e)
         if master is None:

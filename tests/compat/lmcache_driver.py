@@ -20,12 +20,12 @@ import warnings
 
 warnings.filterwarnings("ignore")
 
-import torch  # noqa: E402
-from lmcache.utils import CacheEngineKey  # noqa: E402
-from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
-from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
-from lmcache.v1.storage_backend.connector import CreateConnector  # noqa: E402
-from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend  # noqa: E402
+import torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.metadata import LMCacheMetadata
+from lmcache.v1.storage_backend.connector import CreateConnector
+from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
 CHUNK = 16
 KV_SHAPE = (2, 2, CHUNK, 2, 8)   # layers, k/v, tokens, heads, head size

@@ -29,8 +29,8 @@ def drive(python: str, env: dict, master: str, mode: str, segment: str) -> dict:
 
 
 def test_the_installed_lmcache_is_the_tested_one(lmcache_python):
-    r = subprocess.run([lmcache_python, "-W", "ignore", "-c", "import lmcache, torch; "
-                        "print(lmcache.__version__, torch.__version__)"],
+    r = subprocess.run([lmcache_python, "-W", "ignore", "-c",
+                        "import lmcache, torch; print(lmcache.__version__, torch.__version__)"],
                        capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split()[-2:] == [LMCACHE_VERSION, "2.13.0+cpu"]

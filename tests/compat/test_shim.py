@@ -45,7 +45,7 @@ def test_force_shadows_it_and_warns(shim):
 
 
 def test_without_the_shim_on_the_path_nothing_changes():
-    r = subprocess.run([sys.executable, "-c", "import importlib.util as u; "
-                        "s = u.find_spec('mooncake'); print(s and s.origin)"],
+    probe = "import importlib.util as u; s = u.find_spec('mooncake'); print(s and s.origin)"
+    r = subprocess.run([sys.executable, "-c", probe],
                        capture_output=True, text=True, timeout=60, check=True)
     assert "kvpool" not in r.stdout and "compat/shim" not in r.stdout
