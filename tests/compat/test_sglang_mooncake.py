@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import queue
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -34,16 +36,32 @@ class Driver:
         self.proc = subprocess.Popen([python, str(DRIVER)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log, text=True,
                                      bufsize=1, env=env)
+        self._answers: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
 
-    def ok(self, op: str, **args) -> dict:
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("DRIVER "):
+                self._answers.put(line[len("DRIVER "):])
+        self._answers.put(None)
+
+    def ok(self, op: str, timeout_s: float = 120, **args) -> dict:
+        """The driver's answer (it answers every request, an exception too: then this fails
+        with its traceback)."""
         self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
         self.proc.stdin.flush()
-        for line in self.proc.stdout:   # the driver answers every request, even with an error
-            if line.startswith("DRIVER "):
-                answer = json.loads(line[len("DRIVER "):])
-                assert "error" not in answer, answer.get("traceback", answer["error"])
-                return answer
-        raise AssertionError(f"driver exited ({self.proc.wait()}): {self.log.read_text()[-3000:]}")
+        try:
+            line = self._answers.get(timeout=timeout_s)
+        except queue.Empty:
+            raise AssertionError(f"driver silent for {timeout_s} s on {op}; log tail:\n"
+                                 + self.log.read_text()[-3000:]) from None
+        if line is None:
+            raise AssertionError(f"driver exited ({self.proc.wait()}) on {op}; log tail:\n"
+                                 + self.log.read_text()[-3000:])
+        answer = json.loads(line)
+        assert "error" not in answer, f"{op}: {answer.get('traceback', answer['error'])}\n" \
+            f"log tail:\n{self.log.read_text()[-2000:]}"
+        return answer
 
     def close(self) -> None:
         if self.proc.poll() is None:
