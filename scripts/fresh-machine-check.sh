@@ -12,8 +12,9 @@
 # fresh machine would download comes from mirrors made on the host, bind-mounted read-only:
 # - apt: a file repository with the .deb files (and their dependencies) that scripts/setup.sh
 #   may install, fetched with `apt-get --download-only` in a chroot of the same base system;
-# - pip: a wheelhouse made with `pip download` of kvpool's requirements and the vLLM and SGLang
-#   venvs' (scripts/engines/vllm-requirements.txt, sglang-requirements.txt), which the container's pip uses instead of PyPI
+# - pip: a wheelhouse made with `pip download` of kvpool's requirements and the vLLM, SGLang and
+#   LMCache venvs' (scripts/engines/vllm-requirements.txt, sglang-requirements.txt,
+#   lmcache-requirements.txt), which the container's pip uses instead of PyPI
 #   (torch: the 2.13.0+cpu wheel where the host's PIP_FIND_LINKS has it, as /opt/wheels here;
 #   PyPI's default build would pull ~3 GB of CUDA libraries).
 # The container has root's powers (the chaos tests make network namespaces and iptables rules,
@@ -131,7 +132,8 @@ fi
 # 3. The PyPI mirror: what `setup.sh --tests` and scripts/engines/vllm-env.sh install, resolved
 #    as they resolve it (one pip call per step), as wheels only: a fresh machine has no compiler.
 wheels="$cache/wheels-$(cat "$repo/pyproject.toml" "$repo/scripts/engines/vllm-requirements.txt" \
-    "$repo/scripts/engines/sglang-requirements.txt" | sha256sum | cut -c1-12)"
+    "$repo/scripts/engines/sglang-requirements.txt" "$repo/scripts/engines/lmcache-requirements.txt" \
+    | sha256sum | cut -c1-12)"
 if [ ! -f "$wheels/.complete" ]; then
     say "pip mirror: downloading wheels into $wheels (once; ~1 GB)"
     python3 - "$repo/pyproject.toml" >"$scratch/requirements.txt" <<'PY'
@@ -149,6 +151,7 @@ PY
     cp "$scratch/requirements.txt" "$chroot_root/srv/requirements.txt"
     cp "$repo/scripts/engines/vllm-requirements.txt" "$chroot_root/srv/vllm-requirements.txt"
     cp "$repo/scripts/engines/sglang-requirements.txt" "$chroot_root/srv/sglang-requirements.txt"
+    cp "$repo/scripts/engines/lmcache-requirements.txt" "$chroot_root/srv/lmcache-requirements.txt"
     # In order: the vLLM venv's pip upgrade, kvpool with its test extras, the venv's lines; then
     # the SGLang venv's lines (scripts/engines/sglang-env.sh: a line may hold several
     # requirements and options, each pip call constrained to torch 2.13.0 as there).
@@ -162,6 +165,9 @@ PY
         done
         echo "torch==2.13.0" >/srv/torch-constraint.txt
         grep -v "^\s*#" /srv/sglang-requirements.txt | while read -r req; do
+            if [ -n "$req" ]; then dl -c /srv/torch-constraint.txt $req; fi
+        done
+        grep -v "^\s*#" /srv/lmcache-requirements.txt | while read -r req; do
             if [ -n "$req" ]; then dl -c /srv/torch-constraint.txt $req; fi
         done' >>"$scratch/pip.log" 2>&1 || { tail -n 20 "$scratch/pip.log" >&2; exit 1; }
     mv "$chroot_root"/srv/wheels/* "$wheels/"

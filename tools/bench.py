@@ -76,6 +76,10 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--disk-bytes", type=size_type, default=256 << 20, metavar="SIZE",
                    help="with --disk-tier: bytes put, about half of them demoted (default: "
                         "256MiB)")
+    b.add_argument("--compat", action="store_true",
+                   help="instead: the Mooncake-API compat layer's batch_put_from / "
+                        "batch_get_into beside kvpool's native batch calls and Mooncake's own "
+                        "client, on shm and tcp (tools/bench_compat.py; target: within 10%%)")
     b.add_argument("--peers", default="", metavar="LIST",
                    help="more systems to compare, where installed: 'mooncake' = Mooncake Store "
                         "over its tcp transport (a master and a segment holder started here; "
@@ -89,6 +93,12 @@ def run(args: argparse.Namespace) -> int:
         result = run_disk_bench(args.disk_bytes, (args.block_size or [2 << 20])[0],
                                 args.repeats or 3, json_path=args.json)
         return 0 if result["bytes_identical"] else 1
+    if args.compat:
+        from kvpool.tools.bench_compat import run_compat_bench
+        return run_compat_bench(master=args.master, repeats=args.repeats or 9,
+                                transports=tuple(t for t in args.transports.split(",")
+                                                 if t.strip() in ("shm", "tcp")),
+                                json_path=args.json)
     from kvpool.tools.bench_run import BenchConfig, run_bench
     preset = QUICK if args.quick else FULL
     block = (args.block_size or [2 << 20])[0]

@@ -74,7 +74,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 "Example: kvpool replay trace.jsonl --json out.json --plot out.png\n"
                 "         kvpool replay trace.jsonl --sweep 16000,8000,5000,4000\n"
                 "         kvpool replay trace.jsonl --calibrate --plot calibration.png\n"
-                "         kvpool replay trace.jsonl --live --master 127.0.0.1:50051 --requests 50")
+                "         kvpool replay trace.jsonl --live --master 127.0.0.1:50051 --requests 50\n"
+                "         kvpool replay trace.jsonl --gateway http://127.0.0.1:8080 --requests 40 "
+                "--engine-metrics http://127.0.0.1:8000,http://127.0.0.1:8001 "
+                "--live-block-tokens 16 --max-prompt-tokens 2000")
     p.add_argument("trace", metavar="TRACE", help="Mooncake-format trace (.jsonl)")
     p.add_argument("--instances", type=count_type, default=8, help="serving instances (default: 8)")
     p.add_argument("--cache-blocks", type=lambda t: count_type(t, 0), default=6000,
@@ -134,6 +137,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            "(default: 16)")
     live.add_argument("--block-bytes", type=count_type, default=16384,
                       help="KV bytes per block live (default: 16384)")
+    gw = p.add_argument_group("live replay through kvpool gateway (real engines)")
+    gw.add_argument("--gateway", metavar="URL",
+                    help="send the first --requests requests as streamed completions through "
+                         "this gateway at the trace's arrival times; prints measured TTFT and "
+                         "cache hits beside what the simulator predicts for the same requests")
+    gw.add_argument("--engine-metrics", type=_urls, metavar="URL,...",
+                    help="the engines' own URLs, whose /metrics give the prompt tokens each "
+                         "served from its prefix cache and loaded from kvpool")
+    gw.add_argument("--vocab-size", type=count_type, default=32000,
+                    help="token ids stay below it: the model's vocabulary (default: 32000)")
+    gw.add_argument("--time-scale", type=_positive, default=1.0, metavar="F",
+                    help="arrival times are the trace's times F (default: 1.0)")
+    gw.add_argument("--max-prompt-tokens", type=count_type, metavar="N",
+                    help="cut prompts to N tokens: leave room for the output in the engines' "
+                         "context (default: no cut)")
+    gw.add_argument("--max-output-tokens", type=count_type, default=4,
+                    help="tokens generated per request (default: 4)")
+    gw.add_argument("--salt", type=lambda t: count_type(t, 0), default=0,
+                    help="runs with different salts share no prefix (default: 0)")
 
 
 class Progress:
@@ -158,7 +180,18 @@ class Progress:
         self.out.flush()
 
 
+def _urls(text: str) -> list[str]:
+    urls = [u.strip() for u in text.split(",") if u.strip()]
+    if not urls:
+        raise argparse.ArgumentTypeError(f"invalid list {text!r}: expected URL,URL,...")
+    return urls
+
+
 def run(args) -> int:
+    if args.gateway:
+        from kvpool.tools.replay_gateway import run_gateway
+        return run_gateway(args, progress=lambda n: Progress(
+            "gateway", n, enabled=not args.no_progress))
     if args.live:
         from kvpool.tools.replay_live import run_live
         return run_live(args)

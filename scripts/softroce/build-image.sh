@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, or find in the cache, the soft-RoCE VM image: Debian bookworm (minbase) with the
 # generic kernel's rdma_rxe, rdma-core 44, Debian's python3-pyverbs and kvpool's Python deps
-# in /opt/venv (with system site packages, so pyverbs is visible).
+# with torch's CPU build in /opt/venv (with system site packages, so pyverbs is visible).
 #
 #   scripts/softroce/build-image.sh          # prints the image directory on its last line
 #
@@ -24,15 +24,17 @@ ROOT_MODS="virtio_pci virtio_blk virtio_net ext4 crc32c_generic crc32_generic rd
 INITRD_MODS="crc32c_generic virtio_pci virtio_blk ext4"
 
 # kvpool's runtime dependencies and its test runners, as pyproject.toml states them (the VM
-# only runs tests: no build tools, no plotting).
+# only runs tests: no build tools, no plotting), and torch (kvpool[torch]): the rdma suite moves
+# registered torch tensors over real verbs.
 PIP_PKGS=$(python3 - "$REPO/pyproject.toml" <<'PY'
 import sys, tomllib
 project = tomllib.load(open(sys.argv[1], "rb"))["project"]
-tests = [d for d in project["optional-dependencies"]["dev"]
-         if d.startswith(("pytest", "hypothesis"))]
-print(" ".join(project["dependencies"] + tests))
+extras = project["optional-dependencies"]
+tests = [d for d in extras["dev"] if d.startswith(("pytest", "hypothesis"))]
+print(" ".join(project["dependencies"] + tests + extras["torch"]))
 PY
 )
+TORCH_PIN=$(tr ' ' '\n' <<<"$PIP_PKGS" | grep '^torch==')
 
 t_start=$(date +%s)
 log() { echo "[softroce build +$(( $(date +%s) - t_start ))s] $*" >&2; }
@@ -137,9 +139,16 @@ for ca in /etc/ssl/certs/ca-certificates.crt /etc/pki/tls/certs/ca-bundle.crt; d
     # the host's CA bundle: CI machines behind TLS-intercepting proxies add their CA there
     [ -f "$ca" ] && { cp -L "$ca" "$ROOT/tmp/host-ca.crt"; PIPCERT=PIP_CERT=/tmp/host-ca.crt; break; }
 done
+# torch's wheel as the host's pip resolves it (its configured wheel sources give the CPU build;
+# from PyPI's index alone, `torch==X` is the CUDA one, which pulls GBs of CUDA libraries).
+mkdir -p "$ROOT/tmp/wheels"
+python3 -m pip download -q --no-deps --only-binary=:all: -d "$ROOT/tmp/wheels" "$TORCH_PIN"
+TORCH_WHEEL=$(cd "$ROOT/tmp/wheels" && ls torch-*.whl)
+case $TORCH_WHEEL in *+cpu*) ;; *) log "expected torch's CPU wheel, got $TORCH_WHEEL"; exit 1;; esac
 # shellcheck disable=SC2086
-CH $PIPCERT /opt/venv/bin/pip install -q --no-cache-dir --disable-pip-version-check $PIP_PKGS
-CH /opt/venv/bin/python -c 'import pyverbs.device, numpy, grpc, google.protobuf, structlog, yaml, pytest'
+CH $PIPCERT /opt/venv/bin/pip install -q --no-cache-dir --disable-pip-version-check \
+    ${PIP_PKGS/$TORCH_PIN/"/tmp/wheels/$TORCH_WHEEL"}
+CH /opt/venv/bin/python -c 'import pyverbs.device, numpy, grpc, google.protobuf, structlog, yaml, pytest, torch'
 
 # ---- 5. guest init, kvpool import path, slimming ------------------------------------------------
 install -m755 "$HERE/guest/vm-init" "$ROOT/sbin/vm-init"

@@ -28,6 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 MODEL = "tiny"
 BLOCK = 32
 START_TIMEOUT_S = 300
+TRACE = Path(__file__).parents[1] / "data" / "mooncake_conversation_trace_head.jsonl"
 
 
 def free_port() -> int:
@@ -300,6 +301,34 @@ def test_a_client_that_goes_away_cancels_its_engine_request(setup):
         time.sleep(0.1)
     # The engine stopped generating when the client left, far short of the 450 tokens asked.
     assert engine.metric("vllm:generation_tokens_total") - generated[name] < 100
+
+
+def test_a_trace_replayed_through_the_gateway_reports_measured_beside_predicted(setup, tmp_path):
+    out = tmp_path / "replay.json"
+    engines = [e.url for e in setup.engines.values()]
+    r = subprocess.run(
+        [sys.executable, "-m", "kvpool", "replay", str(TRACE), "--gateway", setup.gateway.url,
+         "--requests", "16", "--engine-metrics", ",".join(engines),
+         "--live-block-tokens", str(BLOCK), "--max-prompt-tokens", str(12 * BLOCK),
+         "--vocab-size", "1000", "--time-scale", "0.5", "--max-output-tokens", "2",
+         "--cache-blocks", "100", "--prefill-tokens-per-s", "2000", "--salt", "3",
+         "--json", str(out), "--no-progress"],
+        capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(out.read_text())
+    assert report["requests"] == 16 and report["failed"] == []
+    assert sum(report["per_engine"].values()) == 16 and set(report["per_engine"]) <= {"a", "b"}
+    assert report["routed_by"] == {"kvpool": 16}   # the master's Route chose every engine
+    m, p = report["measured"], report["predicted"]
+    assert 0 < m["ttft_p50_s"] <= m["ttft_p90_s"] and 0 < p["ttft_p50_s"] <= p["ttft_p90_s"]
+    # every request begins with the trace's shared first block (hash id 0): the engines served
+    # it from a cache, their own or kvpool's, once its first prefill was done. The simulation
+    # fills caches when a prefill finishes and looks at arrival: the ten requests that arrive
+    # together at 0 s all miss there; the six at 1.5 s hit.
+    assert m["prompt_tokens"] >= report["prompt_tokens"]
+    assert m["local_hit_tokens"] + m["kvpool_hit_tokens"] >= 6 * BLOCK
+    assert p["local_hit_tokens"] + p["kvpool_hit_tokens"] >= 6 * BLOCK
+    assert "TTFT p90 (ms)" in r.stdout and "kvpool-loaded tokens" in r.stdout
 
 
 def test_an_engine_killed_mid_run_fails_over(setup):

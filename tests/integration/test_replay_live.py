@@ -52,3 +52,9 @@ def test_live_replay_needs_a_master(tmp_path):
     r = replay(str(write_trace(tmp_path / "t.jsonl")), "--live")
     assert r.returncode == 1 and "--live needs --master" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_replay_through_a_gateway_that_is_not_there_is_a_clear_error(tmp_path):
+    r = replay(str(TRACE), "--gateway", "http://127.0.0.1:9", "--requests", "2")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "gateway http://127.0.0.1:9 does not answer" in r.stderr

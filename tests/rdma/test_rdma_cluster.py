@@ -84,6 +84,35 @@ def test_put_and_get_through_kvclient_with_staging_and_tensors_of_any_layout(clu
         assert kv.get(keys[0]) == values[0].tobytes()
 
 
+def test_torch_kv_caches_move_over_rdma_registered_or_staged(cluster):
+    """An engine's KV cache is a torch tensor: registered, its blocks are written from and read
+    into its own memory (a region of its own); unregistered, through the staging area. bfloat16
+    and float16 blocks, byte for byte both ways, and a CUDA-less refusal stays typed."""
+    torch = pytest.importorskip("torch")   # the VM image has it (kvpool[torch])
+    blocks, block_elems = 32, 64 * 1024    # 128 KiB blocks of 2-byte elements
+    with KVClient(master=cluster.master, transports=["rdma"]) as kv:
+        for dtype in (torch.bfloat16, torch.float16):
+            name = str(dtype).split(".")[1]
+            src = torch.randn(blocks, block_elems).to(dtype)
+            dst = torch.zeros_like(src)
+            kv.register_buffer(src)
+            kv.register_buffer(dst)
+            keys = [f"torch-{name}-{i}" for i in range(blocks)]
+            assert kv.batch_put(keys[:16], [src[i] for i in range(16)]) == [None] * 16
+            assert kv.batch_get_into(keys[:16], dst[:16]) == [src[0].nbytes] * 16
+            kv.unregister_buffer(src)
+            kv.unregister_buffer(dst)
+            # the same calls through staging, into a 3-D view of unregistered memory
+            assert kv.batch_put(keys[16:], [src[i] for i in range(16, blocks)]) == [None] * 16
+            plain = torch.zeros(blocks - 16, 2, block_elems // 2, dtype=dtype)
+            assert kv.batch_get_into(keys[16:], [plain[i] for i in range(blocks - 16)]) \
+                == [src[0].nbytes] * 16
+            dst[16:] = plain.reshape(blocks - 16, block_elems)
+            assert torch.equal(src.view(torch.int16), dst.view(torch.int16)), name
+        with pytest.raises(KVPoolError, match="contiguous"):
+            kv.put("torch-strided", src.t())
+
+
 def test_node_killed_mid_read_never_hangs_nor_returns_wrong_bytes(cluster):
     """Every object has a replica on each node; node0 is SIGKILLed during a batch read."""
     size, n = 4 * MiB, 16

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("common", "net", "rpc", "protos", "master", "store_node", "client", "gateway", "tools")
+PACKAGES = ("common", "net", "rpc", "protos", "master", "store_node", "client", "gateway",
+            "embedded", "compat", "tools")
 
 
 def _lint_imports(root: Path, package_parent: Path) -> subprocess.CompletedProcess:

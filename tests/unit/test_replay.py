@@ -177,3 +177,22 @@ def test_eviction_writes_put_only_what_an_instance_evicts():
     assert res.store_hit == pytest.approx(20 / 60) and res.local_hit == 0
     with pytest.raises(InvalidArgument, match="store writes"):
         simulate(reqs, "kvpool", store_writes="sometimes")
+
+
+def test_a_trace_scaled_for_real_engines_keeps_its_prefix_structure():
+    from kvpool.tools.replay_gateway import FIRST_TOKEN, scale
+    reqs = [Request(1.0, 1200, (0, 1, 2)), Request(2.0, 1100, (0, 1, 5)), Request(3.0, 300, (7,))]
+    scaled, prompts = scale(reqs, trace_block_tokens=512, live_block_tokens=16,
+                            vocab_size=1000, time_scale=0.5)
+    assert [r.arrival_s for r in scaled] == [0.5, 1.0, 1.5]
+    assert [len(p) for p in prompts] == [16 + 16 + 176 * 16 // 512, 16 + 16 + 76 * 16 // 512,
+                                         300 * 16 // 512]
+    assert prompts[0][:32] == prompts[1][:32] and prompts[0][32:] != prompts[1][32:34]
+    assert all(FIRST_TOKEN <= t < 1000 for p in prompts for t in p)
+    assert [r.input_tokens for r in scaled] == [len(p) for p in prompts]
+    cut, cut_prompts = scale(reqs, trace_block_tokens=512, live_block_tokens=16,
+                             vocab_size=1000, time_scale=1.0, max_prompt_tokens=20)
+    assert cut_prompts[0] == prompts[0][:20] and cut[0].hash_ids == (0, 1)
+    _, other = scale(reqs, trace_block_tokens=512, live_block_tokens=16, vocab_size=1000,
+                     time_scale=1.0, salt=1)
+    assert other[0][:16] != prompts[0][:16]   # another salt: no shared prefix

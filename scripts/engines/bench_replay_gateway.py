@@ -1,0 +1,219 @@
+"""Live replay per routing policy: the first requests of a trace as real streamed requests
+through ``kvpool gateway`` in front of real vLLM CPU engines, beside what ``kvpool replay``
+predicts for the same scaled requests.
+
+    python3 scripts/engines/bench_replay_gateway.py [--trace FILE] [--requests 40]
+        [--policies round_robin,least_loaded,kvpool] [--engines 2] [--model DIR]
+
+Starts a local kvpool cluster (one node), ``--engines`` vLLM OpenAI servers (the environment of
+scripts/engines/vllm-env.sh; a random model of ``--layers``/``--hidden``/``--heads`` unless
+``--model``) with the kvpool connector and their KV events bridged to the master
+(``kvpool kv-events``). Measures the engines' own rates first: a cold prompt's prefill on one
+engine (prefill tokens/s) and the same prompt on another, which loads it from kvpool (store
+tokens/s); the prediction uses them. Then per policy: a gateway with ``--policy`` in front of
+the same engines and ``kvpool replay TRACE --gateway`` with a salt of its own (no run finds
+another's blocks). Prints per policy TTFT p50/p90 measured and predicted, and the prompt tokens
+the engines served from their own prefix cache and loaded from kvpool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+BLOCK = 32
+MAX_MODEL_LEN = 1024
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ttft_s(url: str, prompt: list[int]) -> float:
+    host, port = url.split("//")[1].rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=300)
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                       "stream": True})
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    first = r.read1(65536)
+    seconds = time.perf_counter() - t0
+    r.read()
+    conn.close()
+    if r.status != 200:
+        raise SystemExit(f"bench: {url}: HTTP {r.status}: {first[:300]!r}")
+    return seconds
+
+
+def healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 600) -> None:
+    host, port = url.split("//")[1].rsplit(":", 1)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"bench: engine exited:\n{log.read_text()[-3000:]}")
+        try:
+            conn = http.client.HTTPConnection(host, int(port), timeout=5)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise SystemExit(f"bench: {url} not healthy in {timeout_s:.0f} s")
+
+
+def kvpool(argv: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    """A kvpool command that prints its address on its first line once it serves."""
+    err = open(log, "w")   # noqa: SIM115  (the child holds it)
+    proc = subprocess.Popen([sys.executable, "-m", "kvpool", *argv], stdout=subprocess.PIPE,
+                            stderr=err, text=True, start_new_session=True)
+    line = proc.stdout.readline()
+    if not line:
+        raise SystemExit(f"bench: kvpool {argv[0]} did not start:\n{log.read_text()[-3000:]}")
+    return proc, line.split()[-1]
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGINT)
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", default=str(REPO / "tests/data/mooncake_conversation_trace_head.jsonl"))
+    p.add_argument("--requests", type=int, default=40)
+    p.add_argument("--policies", default="round_robin,least_loaded,kvpool")
+    p.add_argument("--engines", type=int, default=2)
+    p.add_argument("--model", help="a model folder (default: build one with the sizes below)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument("--max-prompt-tokens", type=int, default=MAX_MODEL_LEN - 32)
+    p.add_argument("--cache-blocks", type=int, default=512,
+                   help="each engine's KV cache, in blocks, for the prediction (default: 512)")
+    p.add_argument("--json", help="write every run's report here")
+    a = p.parse_args()
+    py = subprocess.run(["bash", str(HERE / "vllm-env.sh")], check=True, text=True,
+                        stdout=subprocess.PIPE).stdout.strip().splitlines()[-1]
+    tmp = Path(tempfile.mkdtemp(prefix="kvpool-replay-gateway-"))
+    model = a.model or str(tmp / "model")
+    if not a.model:
+        subprocess.run([py, str(HERE / "make_tiny_llama.py"), model, "--layers", str(a.layers),
+                        "--hidden", str(a.hidden), "--heads", str(a.heads)], check=True,
+                       stdout=subprocess.DEVNULL)
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    from kvpool.tools.cluster import LocalCluster
+    cluster = LocalCluster(nodes=1, segment_size="512MiB", log_dir=tmp / "cluster")
+    cluster.start()
+    procs: list[subprocess.Popen] = []
+    reports = []
+    try:
+        engines = []
+        for k in range(a.engines):
+            port, events = free_port(), free_port()
+            cfg = {"kv_connector": "KVPoolConnector",
+                   "kv_connector_module_path": "kvpool.client.connectors.vllm",
+                   "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                   "kv_connector_extra_config": {"master": cluster.master}}
+            log = tmp / f"engine-{k}.log"
+            with open(log, "w") as out:
+                procs.append(subprocess.Popen(
+                    [py, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                     "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port),
+                     "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+                     "--enforce-eager", "--block-size", str(BLOCK), "--seed", "0",
+                     "--kv-transfer-config", json.dumps(cfg),
+                     "--kv-events-config", json.dumps({"enable_kv_cache_events": True,
+                                                       "publisher": "zmq",
+                                                       "endpoint": f"tcp://*:{events}"})],
+                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                    env={**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}))
+            engines.append((f"e{k}", f"http://127.0.0.1:{port}", events, procs[-1], log))
+        for _, url, _, proc, log in engines:
+            healthy(url, proc, log)
+        for name, _, events, _, _ in engines:
+            procs.append(kvpool(["kv-events", "--master", cluster.master, "--endpoint",
+                                 f"tcp://127.0.0.1:{events}", "--instance-id", name,
+                                 "--block-size", str(BLOCK), "--model", "m"],
+                                tmp / f"kv-events-{name}.log")[0])
+        # the engines' own rates: a cold prefill on one, the same prompt loaded on another
+        rng = random.Random(0)
+        n = a.max_prompt_tokens // BLOCK * BLOCK
+        cold, loaded = [], []
+        for i in range(4):
+            prompt = [rng.randrange(100, vocab) for _ in range(n)]
+            first, second = engines[i % 2][1], engines[(i + 1) % 2][1]
+            cold.append(ttft_s(first, prompt))
+            time.sleep(1.0)   # the saves land
+            loaded.append(ttft_s(second, prompt))
+        prefill_rate = n / statistics.median(cold[1:])
+        store_rate = n / statistics.median(loaded[1:])
+        print(f"engines: {a.engines} x vLLM CPU, model {Path(model).name} "
+              f"({a.layers} layers, hidden {a.hidden}); a {n}-token prompt: cold "
+              f"{statistics.median(cold[1:]) * 1e3:.0f} ms, loaded from kvpool "
+              f"{statistics.median(loaded[1:]) * 1e3:.0f} ms", flush=True)
+        urls = ",".join(e[1] for e in engines)
+        for salt, policy in enumerate(a.policies.split(","), start=1):
+            gw, url = kvpool(["gateway", "--master", cluster.master, "--model", model,
+                              "--served-model-name", "m", "--policy", policy, "--port", "0",
+                              "--engines", ",".join(f"{e[0]}={e[1]}" for e in engines)],
+                             tmp / f"gateway-{policy}.log")
+            out = tmp / f"replay-{policy}.json"
+            time.sleep(1.0)
+            r = subprocess.run(
+                [sys.executable, "-m", "kvpool", "replay", a.trace, "--gateway", url,
+                 "--requests", str(a.requests), "--engine-metrics", urls,
+                 "--live-block-tokens", str(BLOCK), "--max-prompt-tokens",
+                 str(a.max_prompt_tokens), "--vocab-size", str(vocab), "--time-scale",
+                 str(a.time_scale), "--cache-blocks", str(a.cache_blocks),
+                 "--prefill-tokens-per-s", f"{prefill_rate:.0f}", "--store-tokens-per-s",
+                 f"{store_rate:.0f}", "--salt", str(salt), "--json", str(out),
+                 "--no-progress"], text=True, capture_output=True, check=False)
+            stop([gw])
+            print(f"--- {policy}\n{r.stdout.strip()}", flush=True)
+            if r.returncode != 0 and not out.exists():
+                raise SystemExit(f"bench: replay failed:\n{r.stderr[-3000:]}")
+            reports.append(json.loads(out.read_text()))
+    finally:
+        stop(procs)
+        cluster.stop()
+    print(f"\n{'policy':<14}{'TTFT p50 ms':>12}{'p90 ms':>9}{'pred p50':>10}{'pred p90':>10}"
+          f"{'engine-cache tok':>18}{'kvpool tok':>12}{'pred engine':>13}{'pred kvpool':>13}")
+    for r in reports:
+        m, pr = r["measured"], r["predicted"]
+        print(f"{r['policy']:<14}{m['ttft_p50_s'] * 1e3:>12.0f}{m['ttft_p90_s'] * 1e3:>9.0f}"
+              f"{pr['ttft_p50_s'] * 1e3:>10.0f}{pr['ttft_p90_s'] * 1e3:>10.0f}"
+              f"{m['local_hit_tokens']:>18,.0f}{m['kvpool_hit_tokens']:>12,.0f}"
+              f"{pr['local_hit_tokens']:>13,}{pr['kvpool_hit_tokens']:>13,}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(reports, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
