@@ -107,6 +107,11 @@ class MasterConfig:
     # Key components that name a namespace in the per-namespace lookup counts (3: the vLLM
     # connector's "kvpool/vllm1/<model namespace>"; 0: not counted). master/reads.py.
     namespace_depth: int = 3
+    # What KV events may make the routing index hold (master/routing.py RoutingLimits: blocks
+    # past a cap are dropped, an instance past the limit is refused).
+    max_routing_instances: int = 1024
+    max_routing_blocks_per_instance: int = 1_000_000
+    max_routing_blocks: int = 4_000_000
 
     def __post_init__(self) -> None:
         if self.eviction not in EVICTION_POLICIES:
@@ -123,6 +128,10 @@ class MasterConfig:
                               f"({self.lease_ttl_s})")
         if self.namespace_depth < 0:
             raise ConfigError("namespace_depth must be 0 or more")
+        for f in ("max_routing_instances", "max_routing_blocks_per_instance",
+                  "max_routing_blocks"):
+            if getattr(self, f) < 1:
+                raise ConfigError(f"{f} must be at least 1")
         if self.default_replicas < 1:
             raise ConfigError("default_replicas must be at least 1")
         for f in ("put_timeout_s", "lease_ttl_s", "node_ttl_s", "quarantine_s",

@@ -65,6 +65,10 @@ class ClientClosed(KVPoolError):
     """The client was used after ``close()``."""
 
 
+class LimitExceeded(KVPoolError):
+    """A configured limit refuses this (the message names the limit and its flag)."""
+
+
 class HashSpecMismatch(KVPoolError):
     """The client's block size or block-hash spec differs from the cluster's: its keys could
     never match anyone else's, so the master refuses it rather than let it mis-key silently."""

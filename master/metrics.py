@@ -40,6 +40,9 @@ class ServerFigures:
     lookup_port_calls: dict[str, int] = field(default_factory=dict)   # by method
     manifest_unacked: dict[str, int] = field(default_factory=dict)    # by node
     manifest_wait_timeouts: int = 0
+    routing_instances: int = 0        # the routing index's (KV events)
+    routing_blocks: int = 0
+    routing_dropped_blocks: int = 0
 
 
 class MasterCollector:
@@ -126,6 +129,14 @@ class MasterCollector:
                 ("corrupt_replicas", s.corrupt_replicas, ("Replicas dropped because their "
                  "bytes failed the checksum (a reader's or the scrubber's report)"))):
             yield CounterMetricFamily(f"kvpool_master_{name}", doc, value=value)
+        yield GaugeMetricFamily("kvpool_master_routing_instances", "Serving instances the "
+                                "routing index knows from their KV events", value=f.routing_instances)
+        yield GaugeMetricFamily("kvpool_master_routing_blocks", "Blocks the routing index "
+                                "holds for those instances (every tier)", value=f.routing_blocks)
+        yield CounterMetricFamily("kvpool_master_routing_dropped_blocks", "Blocks of KV events "
+                                  "dropped at the routing index's caps (--max-routing-blocks, "
+                                  "--max-routing-blocks-per-instance)",
+                                  value=f.routing_dropped_blocks)
         for name, doc, figure in _SEGMENT_FIGURES:
             family = GaugeMetricFamily(f"kvpool_segment_{name}", doc,
                                        labels=["node", "segment", "tier"])

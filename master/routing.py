@@ -76,7 +76,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 
-from kvpool.common.errors import InvalidArgument
+from kvpool.common.errors import InvalidArgument, LimitExceeded
 from kvpool.common.kv_events import (  # noqa: F401  (re-exported: the index's vocabulary)
     CPU,
     GPU,
@@ -87,12 +87,15 @@ from kvpool.common.kv_events import (  # noqa: F401  (re-exported: the index's v
     KVEvent,
     tier_of_medium,
 )
+from kvpool.common.logging import RateLimited, get_logger
 
 STORE = "store"
 TIERS = (GPU, CPU, STORE)
 DEFAULT_POLICY = "kvpool"
 
 BlockHash = Hashable
+# Blocks dropped at a cap: said a few times a minute per instance, then counted.
+_limited = RateLimited(get_logger(__name__))
 StoreLookup = Callable[[Sequence[BlockHash]], Sequence[bool]]
 
 
@@ -208,6 +211,9 @@ class _Instance:
     url: str = ""
     role: str = "both"
 
+    def blocks(self) -> int:
+        return len(self.tiers[GPU]) + len(self.tiers[CPU])
+
 
 @dataclass(frozen=True, slots=True)
 class InstanceView:
@@ -221,18 +227,34 @@ class InstanceView:
     seen_s_ago: float
 
 
+@dataclass(frozen=True, slots=True)
+class RoutingLimits:
+    """What KV events may make the index hold: anyone who reaches the master can publish them,
+    and each block is ~75 bytes of the master's memory. Blocks past a cap are dropped (the
+    instance's routing knows less of its cache; nothing else is affected); an instance past
+    ``max_instances`` is refused. Defaults: a fleet of 1,024 engines, an engine with a million
+    blocks (a GPU and a CPU tier of 16-token blocks), ~4M blocks in all (~300 MiB)."""
+
+    max_instances: int = 1024
+    max_blocks_per_instance: int = 1_000_000
+    max_blocks: int = 4_000_000
+
+
 class RoutingIndex:
     """Instance -> blocks per tier, fed by KV events; instances silent for ``instance_ttl_s``
     are dropped by ``tick``. One event loop owns it: no locks."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, *,
                  instance_ttl_s: float = 30.0, store_lookup: StoreLookup | None = None,
-                 cost: CostModel | None = None) -> None:
+                 cost: CostModel | None = None, limits: RoutingLimits | None = None) -> None:
         self._clock = clock
         self.instance_ttl_s = instance_ttl_s
         self._store_lookup = store_lookup
         self.cost = cost or CostModel()
+        self.limits = limits or RoutingLimits()
         self._instances: dict[str, _Instance] = {}
+        self._blocks = 0           # held by every instance, every tier
+        self.dropped_blocks = 0    # BlockStored hashes the caps refused
 
     # -- events --
     def apply(self, instance_id: str, events: Sequence[KVEvent]) -> int:
@@ -242,11 +264,17 @@ class RoutingIndex:
             raise InvalidArgument("an instance id is required")
         inst = self._instances.get(instance_id)
         if inst is None:
+            if len(self._instances) >= self.limits.max_instances:
+                self.tick()   # room held by instances that went silent
+            if len(self._instances) >= self.limits.max_instances:
+                raise LimitExceeded(f"the routing index holds {len(self._instances)} instances, "
+                                    "its limit (kvpool master --max-routing-instances)")
             inst = self._instances[instance_id] = _Instance(self._clock())
         inst.last_seen = self._clock()
         for ev in events:
+            held = inst.blocks()
             if isinstance(ev, BlockStored):
-                inst.tiers[_local_tier(ev.tier)].update(ev.hashes)
+                self._store(instance_id, inst, ev)
             elif isinstance(ev, BlockRemoved):
                 inst.tiers[_local_tier(ev.tier)].difference_update(ev.hashes)
             elif isinstance(ev, AllBlocksCleared):
@@ -254,7 +282,24 @@ class RoutingIndex:
                     blocks.clear()
             else:
                 raise InvalidArgument(f"unknown KV event {ev!r}")
+            self._blocks += inst.blocks() - held
         return len(events)
+
+    def _store(self, instance_id: str, inst: _Instance, ev: BlockStored) -> None:
+        blocks = inst.tiers[_local_tier(ev.tier)]
+        room = min(self.limits.max_blocks_per_instance - inst.blocks(),
+                   self.limits.max_blocks - self._blocks)
+        if len(ev.hashes) <= room:
+            blocks.update(ev.hashes)
+            return
+        new = [h for h in dict.fromkeys(ev.hashes) if h not in blocks]
+        blocks.update(new[:max(0, room)])
+        if (dropped := len(new) - max(0, room)) > 0:
+            self.dropped_blocks += dropped
+            _limited.warning("routing_blocks_dropped", kind=instance_id, instance=instance_id,
+                             dropped=dropped, instance_blocks=inst.blocks(),
+                             max_blocks_per_instance=self.limits.max_blocks_per_instance,
+                             max_blocks=self.limits.max_blocks)
 
     def announce(self, instance_id: str, url: str, role: str = "") -> None:
         """The instance's serving URL and role, as its bridge announces them (each batch
@@ -268,18 +313,24 @@ class RoutingIndex:
             inst.url, inst.role = url, role
 
     def forget(self, instance_id: str) -> None:
-        self._instances.pop(instance_id, None)
+        if (inst := self._instances.pop(instance_id, None)) is not None:
+            self._blocks -= inst.blocks()
 
     def tick(self) -> list[str]:
         """Drop instances silent for longer than the TTL; return their ids."""
         cutoff = self._clock() - self.instance_ttl_s
         gone = [i for i, inst in self._instances.items() if inst.last_seen < cutoff]
         for i in gone:
-            del self._instances[i]
+            self.forget(i)
         return gone
 
     def instances(self) -> list[str]:
         return sorted(self._instances)
+
+    @property
+    def total_blocks(self) -> int:
+        """Blocks held for every instance, every tier (what ``RoutingLimits.max_blocks`` caps)."""
+        return self._blocks
 
     def describe(self) -> list[InstanceView]:
         now = self._clock()

@@ -7,7 +7,7 @@ on the master's one asyncio loop, so the index and the object index need no lock
 from __future__ import annotations
 
 import grpc
-from kvpool.common.errors import InvalidArgument
+from kvpool.common.errors import InvalidArgument, LimitExceeded
 from kvpool.common.hashing import SPEC_NAME, HashSpec, block_key
 from kvpool.common.logging import get_logger
 from kvpool.master.routing import (
@@ -70,6 +70,8 @@ class RouterServicer(routing_pb2_grpc.RouterServicer):
                     self.index.announce(batch.instance_id, batch.url, batch.role)
             except InvalidArgument as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except LimitExceeded as e:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             batches += 1
         return pb.PublishKVEventsResponse(batches=batches, events=events)
 

@@ -15,7 +15,7 @@ from kvpool.common.metrics import MetricsServer, new_registry
 from kvpool.master.lookup_server import LookupServer, Stream
 from kvpool.master.metrics import MasterCollector, RpcMetrics, ServerFigures
 from kvpool.master.request_guard import RequestGuard
-from kvpool.master.routing import RoutingIndex
+from kvpool.master.routing import RoutingIndex, RoutingLimits
 from kvpool.master.routing_servicer import RouterServicer, store_lookup
 from kvpool.master.servicer import MasterServicer
 from kvpool.master.state import MasterState
@@ -63,7 +63,10 @@ class MasterServer:
         self.state = MasterState(config, clock, on_evict=_log_eviction)
         # The routing index (instances' own caches, from KV events) reads the object index
         # as its "store" tier; both live on this process's one event loop.
-        self.routing = RoutingIndex(clock, store_lookup=store_lookup(self.state))
+        self.routing = RoutingIndex(clock, store_lookup=store_lookup(self.state),
+                                    limits=RoutingLimits(config.max_routing_instances,
+                                                         config.max_routing_blocks_per_instance,
+                                                         config.max_routing_blocks))
         self._host, self._port = host, port
         self._server: grpc.aio.Server | None = None
         self._ticker: asyncio.Task | None = None
@@ -115,7 +118,8 @@ class MasterServer:
         unacked, timeouts = self._servicer.manifest_lag()
         calls = self._lookup.calls if self._lookup else {}
         return ServerFigures({lookup_port.METHOD_NAMES[m]: n for m, n in calls.items()},
-                             unacked, timeouts)
+                             unacked, timeouts, len(self.routing.instances()),
+                             self.routing.total_blocks, self.routing.dropped_blocks)
 
     async def _serve(self, interceptors: list[grpc.aio.ServerInterceptor]) -> None:
         """Serve gRPC, and lookups on their port; nothing left serving if either fails."""

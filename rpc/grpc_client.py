@@ -15,6 +15,7 @@ from kvpool.common.errors import (
     HashSpecMismatch,
     InvalidArgument,
     KVPoolError,
+    LimitExceeded,
     MasterUnavailable,
 )
 from kvpool.rpc.leader import MasterTargets
@@ -26,6 +27,7 @@ __all__ = ["GrpcClient", "map_rpc_error", "map_status", "parse_address"]
 _REFUSALS: dict[grpc.StatusCode, type[KVPoolError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.FAILED_PRECONDITION: HashSpecMismatch,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: LimitExceeded,
 }
 
 

@@ -66,6 +66,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="count lookups per key namespace, a key's first N '/'-separated parts, "
                         "in kvpool_master_namespace_lookups_total (default: 3, the vLLM "
                         "connector's 'kvpool/vllm1/<model>'; 0: off)")
+    p.add_argument("--max-routing-instances", type=count_type, metavar="N",
+                   help="serving instances the routing index keeps from KV events; another "
+                        "is refused until one goes silent (default: 1024)")
+    p.add_argument("--max-routing-blocks-per-instance", type=count_type, metavar="N",
+                   help="blocks the routing index keeps per instance (its GPU and CPU tiers); "
+                        "events past it are dropped and counted (default: 1000000)")
+    p.add_argument("--max-routing-blocks", type=count_type, metavar="N",
+                   help="blocks the routing index keeps in all, ~75 bytes each "
+                        "(default: 4000000)")
     p.add_argument("--ha", metavar="etcd://HOST:PORT[,HOST:PORT][/CLUSTER]",
                    help="run as one of several standby masters electing a leader on etcd "
                         "(CLUSTER names the election, default 'default'); standbys refuse "
@@ -91,7 +100,10 @@ def run(args: argparse.Namespace) -> int:
                   low_watermark=args.low_watermark, default_replicas=args.replicas,
                   eviction=args.eviction, promote_window_s=args.promote_window,
                   pin_quota_fraction=args.pin_quota, namespace_depth=args.namespace_depth,
-                  max_pending_fraction=args.max_pending, max_lease_s=args.max_lease)
+                  max_pending_fraction=args.max_pending, max_lease_s=args.max_lease,
+                  max_routing_instances=args.max_routing_instances,
+                  max_routing_blocks_per_instance=args.max_routing_blocks_per_instance,
+                  max_routing_blocks=args.max_routing_blocks)
     def announce(address: str, metrics: str | None) -> None:
         print(f"master: {address}", flush=True)
         if metrics:

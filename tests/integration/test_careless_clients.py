@@ -12,10 +12,14 @@ import grpc
 import numpy as np
 import pytest
 from kvpool.client import KVClient
-from kvpool.common.errors import InvalidArgument, NoSpace
+from kvpool.client.router import RouterClient
+from kvpool.common.errors import InvalidArgument, LimitExceeded, NoSpace
+from kvpool.common.kv_events import BlockRemoved, BlockStored
 from kvpool.net.data_port import RESPONSE, FrameStatus, Op, encode_request
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
 from kvpool.rpc.master_client import MasterClient
+
+from .conftest import run_cluster
 
 MiB = 1 << 20
 
@@ -153,3 +157,30 @@ def test_repeated_out_of_range_reads_are_logged_a_few_times(cluster, kv, tmp_pat
     refused = sum(p.read_text().count("request_refused")
                   for p in (tmp_path / "logs").glob("node*.log"))
     assert 1 <= refused <= 10, refused
+
+
+def test_fake_kv_events_cannot_grow_the_routing_index_without_bound(tmp_path):
+    # The issue: 2M fake hashes grew the master by 200 MiB in 1.7 s, and 20,000 ghost
+    # instances were indexed. Now blocks past the caps are dropped (and counted), and an
+    # instance past the limit is refused with a typed error naming the flag.
+    gen = run_cluster(tmp_path, nodes=1, master_args=[
+        "--max-routing-instances", "4", "--max-routing-blocks-per-instance", "5000",
+        "--max-routing-blocks", "12000"])
+    cluster = next(gen)
+
+    def hashes(lo: int, hi: int) -> tuple[bytes, ...]:
+        return tuple(h.to_bytes(8, "big") for h in range(lo, hi))
+    try:
+        with RouterClient(cluster.master) as router:
+            for i in range(4):
+                fake = hashes(i * 100_000, i * 100_000 + 20_000)
+                assert router.publish(f"ghost{i}", [BlockStored(fake)]) == 1
+            with pytest.raises(LimitExceeded, match="--max-routing-instances"):
+                router.publish("ghost4", [])
+            held = {v.instance_id: v.gpu_blocks for v in router.list_instances()}
+            assert held == {"ghost0": 5000, "ghost1": 5000, "ghost2": 2000, "ghost3": 0}
+            router.publish("ghost0", [BlockRemoved(hashes(0, 1000))])   # room comes back
+            router.publish("ghost3", [BlockStored(hashes(300_000, 300_050))])
+            assert {v.instance_id: v.gpu_blocks for v in router.list_instances()}["ghost3"] == 50
+    finally:
+        gen.close()

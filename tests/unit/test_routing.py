@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from kvpool.common.errors import InvalidArgument
+from kvpool.common.errors import InvalidArgument, LimitExceeded
 from kvpool.master.routing import (
     CPU,
     GPU,
@@ -15,6 +15,7 @@ from kvpool.master.routing import (
     CostModel,
     RouteQuery,
     RoutingIndex,
+    RoutingLimits,
     make_policy,
 )
 
@@ -162,3 +163,26 @@ def test_default_policy_and_errors(index):
 
 def test_no_candidates_means_every_live_instance(index):
     assert route(index, "prefix_affinity", q(1, 2, 3), None) == "b"
+
+
+def test_kv_events_are_held_within_the_routing_limits(clock):
+    index = RoutingIndex(clock, instance_ttl_s=30.0,
+                         limits=RoutingLimits(max_instances=2, max_blocks_per_instance=5,
+                                              max_blocks=8))
+    assert index.apply("a", [BlockStored(tuple(range(7)))]) == 1
+    assert index.blocks("a") == 5 and index.dropped_blocks == 2
+    index.apply("a", [BlockStored((0, 1, 2))])          # already held: nothing dropped
+    assert index.dropped_blocks == 2
+    index.apply("b", [BlockStored(tuple(range(10, 15)), CPU)])
+    assert index.blocks("b", CPU) == 3 and index.total_blocks == 8   # the total cap
+    with pytest.raises(LimitExceeded, match="--max-routing-instances"):
+        index.apply("c", [])
+    index.apply("a", [BlockRemoved((0, 1))])
+    index.apply("b", [BlockStored((20, 21, 22))])
+    assert index.total_blocks == 8 and index.blocks("b", GPU) == 2
+    index.apply("a", [AllBlocksCleared()])
+    assert index.total_blocks == 5
+    clock.advance(31.0)
+    index.apply("b", [])                                   # b heard from; a went silent
+    index.apply("c", [BlockStored((1,))])                  # a's place, taken back by tick
+    assert sorted(index.instances()) == ["b", "c"] and index.total_blocks == 6
