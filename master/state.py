@@ -379,11 +379,13 @@ class MasterState:
         def indexed(s: Segment) -> int | None:
             if not audit:
                 return None
-            return sum(s.allocator.aligned_size(self._objects[k].size) for k in s.keys)
+            sid = s.info.segment_id
+            return sum(s.allocator.aligned_size(o.size) for o in self._objects.values()
+                       if any(e.segment_id == sid for e in o.replicas))
 
         segs = tuple(
             SegmentStats(s.node_id, s.info, s.allocator.used_bytes - s.quarantined_bytes,
-                         s.quarantined_bytes, len(s.keys),
+                         s.quarantined_bytes, s.objects,
                          self._members.nodes[s.node_id].endpoints,
                          indexed_bytes=indexed(s))
             for s in self._segments.values())
@@ -463,7 +465,7 @@ class MasterState:
         until = now + self._config.put_timeout_s + self._config.quarantine_s
         for e in extents:
             seg = self._segments[e.segment_id]
-            seg.keys.add(key)
+            seg.objects += 1
             if seg.manifest is not None:
                 seg.manifest.append(Reservation(key, e.segment_id, e.offset, e.length, until))
         started.append(obj)
@@ -520,16 +522,16 @@ class MasterState:
         # The indexed strs, not the request's equal copies. A parent not stored yet (still
         # pending, or put later) is waited for, up to a bound (chains.py): linked when it
         # comes; meanwhile this block is a chain head to the policy (it can go first).
-        parent = self._objects.get(obj.parent) if obj.parent else None
+        named = self._index.take_parent(obj)
+        parent = self._objects.get(named) if named else None
         if parent is not None and parent.state is COMPLETE:
             link: str | None = parent.key
         else:
-            link = obj.parent if obj.parent and self._chains.may_wait() else None
+            link = named if named and self._chains.may_wait() else None
         # Put straight to disk (DRAM was full), the block waits there for its parent.
         self._chains.track(obj.key, link, obj.segment_id in self._members.disk_segments)
         # The manifest records keep the parent named (linked again after a master restart);
         # the index does not.
-        named, obj.parent = obj.parent, None
         self._log_records(obj, named)
 
     def _announce_one(self, node_id: str, r: ObjectRecord) -> None:
@@ -551,7 +553,7 @@ class MasterState:
         if r.size < 1 or not seg.allocator.allocate_at(r.offset, r.size):
             raise Conflict(f"{r.key!r}: extent {r.offset}+{r.size} in {r.segment_id!r} overlaps "
                            "another object or lies outside the segment")
-        seg.keys.add(r.key)
+        seg.objects += 1
         if obj is not None:   # another node's replica of it was announced first
             obj.replicas = [*obj.replicas, extent]
             self._pins.replicas_changed(obj)
@@ -584,7 +586,7 @@ class MasterState:
         seg = self._segments[segment_id]
         self._corrupt_replicas += 1
         obj.replicas = [e for e in obj.replicas if e.segment_id != segment_id]
-        seg.keys.discard(key)
+        seg.objects -= 1
         if seg.manifest is not None:
             seg.manifest.append(Removal(key, version))
         # Other readers may be copying it under their lease: reuse only after that.
@@ -693,7 +695,7 @@ class MasterState:
             self._space.pending.debit(obj)
         for e in obj.replicas:
             seg = self._segments[e.segment_id]
-            seg.keys.discard(obj.key)
+            seg.objects -= 1
             if seg.manifest is not None and obj.state is COMPLETE:
                 seg.manifest.append(Removal(obj.key, obj.version))
 
@@ -702,8 +704,14 @@ class MasterState:
         sid = seg.info.segment_id
         self._members.remove_segment(seg)
         self._recovery.recovering.discard(sid)
-        for key in seg.keys:
-            obj = self._objects[key]
+        if not seg.objects:
+            return
+        # A scan of the index (the segment keeps a count, not its keys: a set of them cost
+        # ~30 bytes per object); a node's loss is rare, a put or lookup is not. Objects with
+        # a replica here have it first or in ``more``.
+        for obj in [o for o in self._objects.values()
+                    if o.segment_id == sid or (o.more and any(e.segment_id == sid
+                                                              for e in o.more))]:
             obj.replicas = [e for e in obj.replicas if e.segment_id != sid]
             if not obj.replicas:
                 self._unindex(obj)
