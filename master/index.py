@@ -94,12 +94,15 @@ class ObjectIndex:
 
     def add(self, key: str, size: int, extents: Sequence[Extent], version: int | None = None,
             state: ObjectState = PENDING, checksum: int | None = None,
-            parent: str | None = None) -> ObjectEntry:
+            parent: str | None = None, fresh_version: int | None = None) -> ObjectEntry:
         """Index ``key`` at ``extents`` with a new version, or with ``version`` (announced
-        after a restart: new ones come after it)."""
+        after a restart: new ones come after it), or with ``fresh_version`` (one that
+        :meth:`new_version` handed out, shared by the objects of one PutStart)."""
         if len(self._sizes) < _MAX_SHARED_SIZES:
             size = self._sizes.setdefault(size, size)
-        if version is None:
+        if fresh_version is not None:
+            version = fresh_version
+        elif version is None:
             version = next(self._versions)
         else:
             self._versions = itertools.count(max(next(self._versions), version + 1))
