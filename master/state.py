@@ -275,7 +275,8 @@ class MasterState:
         # from the next (a key appears once per call, and a later call gets a later version),
         # and one shared int object saves 32 bytes per indexed object over one each.
         version = self._index.new_version()
-        out = [_attempt(self._put_one, key, size, n, now, seen, started, version,
+        where: dict[int, tuple] = {}   # size -> open segments and those it fits (below)
+        out = [_attempt(self._put_one, key, size, n, now, seen, started, version, where,
                         parents[i] if parents is not None else None)
                for i, (key, size) in enumerate(zip(keys, sizes))]
         if started:
@@ -422,8 +423,8 @@ class MasterState:
     # -- per-key operations -----------------------------------------------------------------
 
     def _put_one(self, key: str, size: int, n: int, now: float, seen: set[str],
-                 started: list[ObjectEntry], version: int, parent: str | None = None
-                 ) -> list[Extent]:
+                 started: list[ObjectEntry], version: int, where: dict[int, tuple],
+                 parent: str | None = None) -> list[Extent]:
         validate_key(key)
         # Before any other check, so a repeated key is refused whatever happened to the first.
         if key in seen:
@@ -439,16 +440,21 @@ class MasterState:
                 raise InvalidArgument(f"{key!r} names itself as its parent")
         if key in self._objects:
             raise AlreadyExists(f"{key!r} already exists")
-        segments = self._open_segments(n)
-        nodes = {s.node_id for s in segments}
-        if len(nodes) < n:
-            raise NoSpace(f"{key!r}: {n} replicas asked but only {len(nodes)} live nodes "
+        # The open segments and those big enough for ``size``: once per size and PutStart
+        # (nothing in one changes which segments are open, nor their capacities).
+        if (seen_size := where.get(size)) is None:
+            segments = list(self._open_segments(n))
+            fits = [s for s in segments
+                    if s.allocator.capacity_bytes >= s.allocator.aligned_size(size)]
+            seen_size = where[size] = (segments, len({s.node_id for s in segments}), fits,
+                                       len({s.node_id for s in fits}))
+        segments, nodes, fits, fit_nodes = seen_size
+        if nodes < n:
+            raise NoSpace(f"{key!r}: {n} replicas asked but only {nodes} live nodes "
                           "have segments")
-        fits = [s for s in segments
-                if s.allocator.capacity_bytes >= s.allocator.aligned_size(size)]
         if not fits:
             raise ValueTooLarge(f"{key!r}: {size} bytes is larger than every segment")
-        if len({s.node_id for s in fits}) < n:
+        if fit_nodes < n:
             # Checked up front: otherwise eviction would flush the cache for a put that can
             # never succeed.
             raise NoSpace(f"{key!r}: fewer than {n} nodes have a segment of {size} bytes")
