@@ -162,12 +162,12 @@ def validate_report(report: dict) -> list[str]:
 
 def format_table(report: dict) -> str:
     """The human summary: every figure, then the ratios against their targets."""
-    header = (f"{'system':<8} {'via':<4} {'workload':<8} {'op':<4} {'value':>9} {'x':>4} "
+    header = (f"{'system':<8} {'via':<5} {'workload':<8} {'op':<4} {'value':>9} {'x':>4} "
               f"{'GB/s':>7} {'objects/s':>10} {'p50 ms':>8} {'p99 ms':>8}")
     lines = [header]
     for r in report["results"]:
         lines.append(
-            f"{r['system']:<8} {r['transport']:<4} {r['workload']:<8} {r['op']:<4} "
+            f"{r['system']:<8} {r['transport']:<5} {r['workload']:<8} {r['op']:<4} "
             f"{_size(r['value_bytes']):>9} {r['objects_per_call']:>4} {r['gbps']:>7.2f} "
             f"{r['objects_per_s']:>10.0f} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f}")
     m = report["master"]
