@@ -19,9 +19,17 @@ class RangeAllocator:
     fits" with one bisect, and ``_by_offset`` (offset -> length) finds the neighbours to
     coalesce with on free. Live allocations are remembered so a double or bogus free is an
     error instead of silent corruption of the free lists.
+
+    ``track=False`` (the master's segments): live allocations are not remembered, because the
+    caller's own index already records each one (a master's object index holds every extent,
+    and frees exactly those); remembering them again cost ~45 bytes per indexed object. A free
+    is then checked against the free ranges only: a double free, or any free that overlaps
+    free space, still raises ValueError and changes nothing; a free of a range inside live
+    allocations that is not one of them (wrong size or offset) is not caught.
     """
 
-    def __init__(self, capacity_bytes: int, alignment_bytes: int = 64) -> None:
+    def __init__(self, capacity_bytes: int, alignment_bytes: int = 64, *,
+                 track: bool = True) -> None:
         if alignment_bytes < 1:
             raise ValueError(f"alignment_bytes must be >= 1, not {alignment_bytes}")
         if capacity_bytes < 0:
@@ -30,7 +38,8 @@ class RangeAllocator:
         self._capacity = capacity_bytes - capacity_bytes % alignment_bytes
         self._by_size: SortedList = SortedList()
         self._by_offset: SortedDict = SortedDict()
-        self._allocated: dict[int, int] = {}   # offset -> rounded length
+        # offset -> rounded length; None: not tracked (``track=False``)
+        self._allocated: dict[int, int] | None = {} if track else None
         # One int object per distinct rounded length, shared by every allocation of it: a
         # master holds millions of allocations of a few block sizes (28 bytes each saved).
         self._lengths: dict[int, int] = {}
@@ -79,10 +88,7 @@ class RangeAllocator:
         self._remove_free(offset, free_len)
         if free_len > length:
             self._add_free(offset + length, free_len - length)
-        if len(self._lengths) < _MAX_SHARED_LENGTHS:
-            length = self._lengths.setdefault(length, length)
-        self._allocated[offset] = length
-        self._used += length
+        self._remember(offset, length)
         return offset
 
     def allocate_at(self, offset: int, size: int) -> bool:
@@ -103,11 +109,15 @@ class RangeAllocator:
             self._add_free(free_off, offset - free_off)
         if free_off + free_len > offset + length:
             self._add_free(offset + length, free_off + free_len - offset - length)
-        if len(self._lengths) < _MAX_SHARED_LENGTHS:
-            length = self._lengths.setdefault(length, length)
-        self._allocated[offset] = length
-        self._used += length
+        self._remember(offset, length)
         return True
+
+    def _remember(self, offset: int, length: int) -> None:
+        if self._allocated is not None:
+            if len(self._lengths) < _MAX_SHARED_LENGTHS:
+                length = self._lengths.setdefault(length, length)
+            self._allocated[offset] = length
+        self._used += length
 
     def free(self, offset: int, size: int) -> None:
         """Free an allocation made by ``allocate(size)`` that returned ``offset``.
@@ -119,10 +129,15 @@ class RangeAllocator:
         if offset < 0 or offset + length > self._capacity:
             raise ValueError(f"range [{offset}, {offset + length}) is outside the capacity "
                              f"{self._capacity}")
-        if self._allocated.get(offset) != length:
+        if self._allocated is None:
+            if self._overlaps_free(offset, length):
+                raise ValueError(f"range [{offset}, {offset + length}) is not allocated "
+                                 "(double free: it overlaps free space)")
+        elif self._allocated.get(offset) != length:
             raise ValueError(f"range [{offset}, {offset + length}) is not allocated "
                              "(double free, or not the range allocate returned)")
-        del self._allocated[offset]
+        else:
+            del self._allocated[offset]
         self._used -= length
         # Coalesce with the free range ending exactly here and the one starting right after.
         i = self._by_offset.bisect_left(offset)
@@ -136,6 +151,16 @@ class RangeAllocator:
             self._remove_free(offset + length, next_len)
             length += next_len
         self._add_free(offset, length)
+
+    def _overlaps_free(self, offset: int, length: int) -> bool:
+        """Whether ``[offset, offset + length)`` shares a byte with a free range."""
+        i = self._by_offset.bisect_right(offset)
+        if i > 0:   # the free range starting at or before ``offset``
+            free_off, free_len = self._by_offset.peekitem(i - 1)
+            if free_off + free_len > offset:
+                return True
+        # the first free range starting after ``offset``
+        return i < len(self._by_offset) and self._by_offset.peekitem(i)[0] < offset + length
 
     def free_ranges(self) -> list[tuple[int, int]]:
         """The free ranges as (offset, length), sorted by offset."""

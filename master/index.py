@@ -31,9 +31,8 @@ class ObjectEntry:
     lease_until: float = 0.0
     pinned: bool = False
     checksum: int | None = None   # CRC-32C of the bytes, as the writer computed it
-    # The block this one extends (None: none), from PutStart until PutEnd hands it to the
-    # policy, then cleared: the request's copy of the parent's key would cost a str per object.
-    parent: str | None = None
+    # No slot for the block this one extends: it is needed from PutStart to PutEnd only, so
+    # the index keeps it aside (ObjectIndex.parents), and a slot would cost 8-16 bytes each.
 
     @property
     def replicas(self) -> list[Extent]:
@@ -89,24 +88,36 @@ class ObjectIndex:
         # One int object per distinct object size, shared by every entry of that size (KV
         # blocks mostly have one size): 28 bytes less per indexed object.
         self._sizes: dict[int, int] = {}
+        # PENDING entry -> the key of the block it extends, from PutStart until PutEnd hands
+        # it to the eviction policy (take_parent) or the entry leaves the index.
+        self.parents: dict[ObjectEntry, str] = {}
 
     def add(self, key: str, size: int, extents: Sequence[Extent], version: int | None = None,
             state: ObjectState = PENDING, checksum: int | None = None,
-            parent: str | None = None) -> ObjectEntry:
+            parent: str | None = None, fresh_version: int | None = None) -> ObjectEntry:
         """Index ``key`` at ``extents`` with a new version, or with ``version`` (announced
-        after a restart: new ones come after it)."""
+        after a restart: new ones come after it), or with ``fresh_version`` (one that
+        :meth:`new_version` handed out, shared by the objects of one PutStart)."""
         if len(self._sizes) < _MAX_SHARED_SIZES:
             size = self._sizes.setdefault(size, size)
-        if version is None:
+        if fresh_version is not None:
+            version = fresh_version
+        elif version is None:
             version = next(self._versions)
         else:
             self._versions = itertools.count(max(next(self._versions), version + 1))
         obj = self.objects[key] = ObjectEntry(key, size, version, extents[0].segment_id,
                                               extents[0].offset, tuple(extents[1:]), state,
-                                              checksum=checksum, parent=parent)
+                                              checksum=checksum)
         if state is PENDING:
             self.pending += 1
+        if parent:
+            self.parents[obj] = parent
         return obj
+
+    def take_parent(self, obj: ObjectEntry) -> str | None:
+        """The parent ``obj`` was put with (None: none), forgotten from now on."""
+        return self.parents.pop(obj, None) if self.parents else None
 
     def new_version(self) -> int:
         return next(self._versions)
@@ -122,6 +133,8 @@ class ObjectIndex:
         del self.objects[obj.key]
         if obj.state is PENDING:
             self.pending -= 1
+            if self.parents:
+                self.parents.pop(obj, None)
 
     def complete(self, key: str) -> ObjectEntry:
         """The COMPLETE entry of ``key``; ObjectNotFound (readers never see PENDING ones)."""

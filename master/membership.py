@@ -26,7 +26,9 @@ class Segment:
     node_id: str
     info: SegmentInfo
     allocator: RangeAllocator
-    keys: set[str] = field(default_factory=set)   # indexed objects with a replica here
+    # Indexed objects with a replica here: a count, not a set of their keys (~30 bytes per
+    # object at 10M); dropping a segment finds them by a scan of the index (MasterState).
+    objects: int = 0
     quarantined_bytes: int = 0
     manifest: list[ManifestEvent] | None = None   # its node's queue (manifest_log.py)
     moving_out_bytes: int = 0   # aligned bytes of in-flight moves out of here (leaving soon)
@@ -103,7 +105,9 @@ class Membership:
         seg = self.segments.get(segment.segment_id)
         new = seg is None
         if new:
-            alloc = RangeAllocator(segment.size_bytes, self._config.alignment_bytes)
+            # Untracked: the object index records every allocation (allocator.py).
+            alloc = RangeAllocator(segment.size_bytes, self._config.alignment_bytes,
+                                   track=False)
             seg = self.segments[segment.segment_id] = Segment(node.node_id, segment, alloc)
             n.segment_ids.add(segment.segment_id)
             if segment.tier == "disk":

@@ -271,7 +271,12 @@ class MasterState:
             s.allocator.capacity_bytes for s in self._segments.values())
         seen: set[str] = set()
         started: list[ObjectEntry] = []
-        out = [_attempt(self._put_one, key, size, n, now, seen, started,
+        # One version for every object of this PutStart: a version tells one object of a key
+        # from the next (a key appears once per call, and a later call gets a later version),
+        # and one shared int object saves 32 bytes per indexed object over one each.
+        version = self._index.new_version()
+        where: dict[int, tuple] = {}   # size -> open segments and those it fits (below)
+        out = [_attempt(self._put_one, key, size, n, now, seen, started, version, where,
                         parents[i] if parents is not None else None)
                for i, (key, size) in enumerate(zip(keys, sizes))]
         if started:
@@ -379,11 +384,13 @@ class MasterState:
         def indexed(s: Segment) -> int | None:
             if not audit:
                 return None
-            return sum(s.allocator.aligned_size(self._objects[k].size) for k in s.keys)
+            sid = s.info.segment_id
+            return sum(s.allocator.aligned_size(o.size) for o in self._objects.values()
+                       if any(e.segment_id == sid for e in o.replicas))
 
         segs = tuple(
             SegmentStats(s.node_id, s.info, s.allocator.used_bytes - s.quarantined_bytes,
-                         s.quarantined_bytes, len(s.keys),
+                         s.quarantined_bytes, s.objects,
                          self._members.nodes[s.node_id].endpoints,
                          indexed_bytes=indexed(s))
             for s in self._segments.values())
@@ -416,7 +423,8 @@ class MasterState:
     # -- per-key operations -----------------------------------------------------------------
 
     def _put_one(self, key: str, size: int, n: int, now: float, seen: set[str],
-                 started: list[ObjectEntry], parent: str | None = None) -> list[Extent]:
+                 started: list[ObjectEntry], version: int, where: dict[int, tuple],
+                 parent: str | None = None) -> list[Extent]:
         validate_key(key)
         # Before any other check, so a repeated key is refused whatever happened to the first.
         if key in seen:
@@ -432,16 +440,21 @@ class MasterState:
                 raise InvalidArgument(f"{key!r} names itself as its parent")
         if key in self._objects:
             raise AlreadyExists(f"{key!r} already exists")
-        segments = self._open_segments(n)
-        nodes = {s.node_id for s in segments}
-        if len(nodes) < n:
-            raise NoSpace(f"{key!r}: {n} replicas asked but only {len(nodes)} live nodes "
+        # The open segments and those big enough for ``size``: once per size and PutStart
+        # (nothing in one changes which segments are open, nor their capacities).
+        if (seen_size := where.get(size)) is None:
+            segments = list(self._open_segments(n))
+            fits = [s for s in segments
+                    if s.allocator.capacity_bytes >= s.allocator.aligned_size(size)]
+            seen_size = where[size] = (segments, len({s.node_id for s in segments}), fits,
+                                       len({s.node_id for s in fits}))
+        segments, nodes, fits, fit_nodes = seen_size
+        if nodes < n:
+            raise NoSpace(f"{key!r}: {n} replicas asked but only {nodes} live nodes "
                           "have segments")
-        fits = [s for s in segments
-                if s.allocator.capacity_bytes >= s.allocator.aligned_size(size)]
         if not fits:
             raise ValueTooLarge(f"{key!r}: {size} bytes is larger than every segment")
-        if len({s.node_id for s in fits}) < n:
+        if fit_nodes < n:
             # Checked up front: otherwise eviction would flush the cache for a put that can
             # never succeed.
             raise NoSpace(f"{key!r}: fewer than {n} nodes have a segment of {size} bytes")
@@ -456,14 +469,14 @@ class MasterState:
         if extents is None:
             raise NoSpace(f"{key!r}: no room for {size} bytes x{n}, even after eviction: "
                           + Space.summary(segments))
-        obj = self._index.add(key, size, extents, parent=parent or None)
+        obj = self._index.add(key, size, extents, fresh_version=version, parent=parent or None)
         self._space.pending.credit(obj)
         # Until its writer is surely done (its put reclaimed, then quarantined), a restarted
         # master must not hand this space out: the nodes keep a reservation of it.
         until = now + self._config.put_timeout_s + self._config.quarantine_s
         for e in extents:
             seg = self._segments[e.segment_id]
-            seg.keys.add(key)
+            seg.objects += 1
             if seg.manifest is not None:
                 seg.manifest.append(Reservation(key, e.segment_id, e.offset, e.length, until))
         started.append(obj)
@@ -520,16 +533,16 @@ class MasterState:
         # The indexed strs, not the request's equal copies. A parent not stored yet (still
         # pending, or put later) is waited for, up to a bound (chains.py): linked when it
         # comes; meanwhile this block is a chain head to the policy (it can go first).
-        parent = self._objects.get(obj.parent) if obj.parent else None
+        named = self._index.take_parent(obj)
+        parent = self._objects.get(named) if named else None
         if parent is not None and parent.state is COMPLETE:
             link: str | None = parent.key
         else:
-            link = obj.parent if obj.parent and self._chains.may_wait() else None
+            link = named if named and self._chains.may_wait() else None
         # Put straight to disk (DRAM was full), the block waits there for its parent.
         self._chains.track(obj.key, link, obj.segment_id in self._members.disk_segments)
         # The manifest records keep the parent named (linked again after a master restart);
         # the index does not.
-        named, obj.parent = obj.parent, None
         self._log_records(obj, named)
 
     def _announce_one(self, node_id: str, r: ObjectRecord) -> None:
@@ -551,7 +564,7 @@ class MasterState:
         if r.size < 1 or not seg.allocator.allocate_at(r.offset, r.size):
             raise Conflict(f"{r.key!r}: extent {r.offset}+{r.size} in {r.segment_id!r} overlaps "
                            "another object or lies outside the segment")
-        seg.keys.add(r.key)
+        seg.objects += 1
         if obj is not None:   # another node's replica of it was announced first
             obj.replicas = [*obj.replicas, extent]
             self._pins.replicas_changed(obj)
@@ -584,7 +597,7 @@ class MasterState:
         seg = self._segments[segment_id]
         self._corrupt_replicas += 1
         obj.replicas = [e for e in obj.replicas if e.segment_id != segment_id]
-        seg.keys.discard(key)
+        seg.objects -= 1
         if seg.manifest is not None:
             seg.manifest.append(Removal(key, version))
         # Other readers may be copying it under their lease: reuse only after that.
@@ -693,7 +706,7 @@ class MasterState:
             self._space.pending.debit(obj)
         for e in obj.replicas:
             seg = self._segments[e.segment_id]
-            seg.keys.discard(obj.key)
+            seg.objects -= 1
             if seg.manifest is not None and obj.state is COMPLETE:
                 seg.manifest.append(Removal(obj.key, obj.version))
 
@@ -702,8 +715,14 @@ class MasterState:
         sid = seg.info.segment_id
         self._members.remove_segment(seg)
         self._recovery.recovering.discard(sid)
-        for key in seg.keys:
-            obj = self._objects[key]
+        if not seg.objects:
+            return
+        # A scan of the index (the segment keeps a count, not its keys: a set of them cost
+        # ~30 bytes per object); a node's loss is rare, a put or lookup is not. Objects with
+        # a replica here have it first or in ``more``.
+        for obj in [o for o in self._objects.values()
+                    if o.segment_id == sid or (o.more and any(e.segment_id == sid
+                                                              for e in o.more))]:
             obj.replicas = [e for e in obj.replicas if e.segment_id != sid]
             if not obj.replicas:
                 self._unindex(obj)

@@ -88,8 +88,8 @@ class Tiers:
         # A new version: a reader whose read outlived its lease checks the version it read
         # against the index's, and the source may be reused by then.
         obj.version = self._index.new_version()
-        m.src_seg.keys.discard(obj.key)
-        m.dst_seg.keys.add(obj.key)
+        m.src_seg.objects -= 1
+        m.dst_seg.objects += 1
         if m.dst_seg.manifest is not None:   # supersedes the source's record (by key)
             parent = self._chains.parent_of(obj.key, obj.segment_id in disk)
             m.dst_seg.manifest.append(obj.record(m.dst, parent))

@@ -107,7 +107,8 @@ def redis_figures(peer, shape: Shape, repeats: int, src: np.ndarray, prefix: str
 def mooncake_figures(peer, shape: Shape, repeats: int, src: np.ndarray, prefix: str
                      ) -> list[Figure]:
     """Mooncake Store's batched put and get of the same rows (tools/bench_mooncake.py), fresh
-    keys per repeat, through registered buffers; checked byte for byte once."""
+    keys per repeat, through registered buffers; checked byte for byte once. The figures'
+    transport is the peer's: tcp, or local (its same-host path)."""
     dst = np.zeros_like(src)
     peer.register(src)
     peer.register(dst)
@@ -134,7 +135,7 @@ def mooncake_figures(peer, shape: Shape, repeats: int, src: np.ndarray, prefix: 
             peer.delete([x for ks in keys for x in ks])
     finally:
         peer.unregister_all()
-    return [summarize("mooncake", "tcp", shape.workload, op, shape.value_bytes,
+    return [summarize("mooncake", peer.transport, shape.workload, op, shape.value_bytes,
                       shape.objects_per_call, lat) for op, lat in (("put", put), ("get", get))]
 
 

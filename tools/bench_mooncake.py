@@ -13,6 +13,18 @@ The recipe, found on this kind of machine with mooncake-transfer-engine-non-cuda
 seen, the loopback counters grew by the payload, but a tcp figure must not take one),
 ``MC_LOG_LEVEL=WARNING`` (clients ignore glog's variables). Removals are forced: Mooncake leases
 each read object for 10 s.
+
+``MooncakePeer(local=True)`` is Mooncake's same-host path, the peer of kvpool's shm figures:
+no holder; the bench's own client mounts the only global segment (``global_segment_size`` > 0)
+with ``MC_STORE_MEMCPY=1``, so every value lives in the bench process. Read in Mooncake's
+sources (mooncake-store/src/transfer_task.cpp, v0.3.12.post1 and main as of 2026-08):
+``TransferSubmitter::selectStrategy`` picks ``LOCAL_MEMCPY`` when memcpy is enabled
+(MC_STORE_MEMCPY, which defaults to on for a tcp-only engine) and the replica's buffer
+descriptor names this client's own transport endpoint (``isLocalTransfer`` /
+``isSameProcessEndpoint``: the same *process*, not merely the same host, since the address is
+a virtual one); the copy is then a memcpy by its worker pool, with no transfer engine call.
+What remains per call is its master's RPCs (PutStart/PutEnd, GetReplicaList) over loopback.
+A segment in another process on the same host is not local to Mooncake: it goes over tcp.
 """
 
 from __future__ import annotations
@@ -77,13 +89,16 @@ def why_unavailable() -> str:
 
 
 class MooncakePeer:
-    """A private Mooncake Store (master + a holder of ``segment_bytes``) and a client of it.
+    """A private Mooncake Store (master + a holder of ``segment_bytes``) and a client of it;
+    ``local``: no holder, the client mounts the segment itself (the same-host path above).
 
     ``put(keys, rows)`` / ``get(keys, rows)`` move the rows of a registered 2-D array
     (:meth:`register`), one value per row; ``delete(keys)`` removes them."""
 
-    def __init__(self, segment_bytes: int) -> None:
+    def __init__(self, segment_bytes: int, local: bool = False) -> None:
         self.segment_bytes = segment_bytes
+        self.local = local
+        self.transport = "local" if local else "tcp"   # the figures' transport column
         self._master = self._holder = None
         self._store = None
         self._registered: list[int] = []
@@ -111,12 +126,25 @@ class MooncakePeer:
                 "--enable_metric_reporting=false", "--rpc_thread_num=2"],
                 log=(logs / "master.log").open("wb"))
             _wait_for_ports(self._master, [rpc, http], logs / "master.log")
-            self._holder = _spawn([sys.executable, "-m", "kvpool.tools.bench_mooncake",
-                                   "holder", metadata, master, str(self.segment_bytes)],
-                                  log=(logs / "holder.log").open("wb"))
-            _wait_for_line(self._holder, logs / "holder.log", _READY)
+            if not self.local:
+                self._holder = _spawn([sys.executable, "-m", "kvpool.tools.bench_mooncake",
+                                       "holder", metadata, master, str(self.segment_bytes)],
+                                      log=(logs / "holder.log").open("wb"))
+                _wait_for_line(self._holder, logs / "holder.log", _READY)
             self._store = MooncakeDistributedStore()
-            rc = self._store.setup(_HOST, metadata, 0, _LOCAL_BUFFER_BYTES, "tcp", "", master)
+            # MC_STORE_MEMCPY is read as the client is set up (its transfer submitter is
+            # built): on for the local client only, whatever the tcp one was given.
+            memcpy = os.environ.get("MC_STORE_MEMCPY")
+            os.environ["MC_STORE_MEMCPY"] = "1" if self.local else (memcpy or "0")
+            try:
+                rc = self._store.setup(_HOST, metadata,
+                                       self.segment_bytes if self.local else 0,
+                                       _LOCAL_BUFFER_BYTES, "tcp", "", master)
+            finally:
+                if memcpy is None:
+                    del os.environ["MC_STORE_MEMCPY"]
+                else:
+                    os.environ["MC_STORE_MEMCPY"] = memcpy
             if rc != 0:
                 raise PeerUnavailable(f"Mooncake client setup failed (code {rc})")
         except BaseException:

@@ -267,14 +267,20 @@ def _peers(config: BenchConfig, data: dict, figures: list, skipped: dict, run_id
             continue
         from kvpool.tools.bench_mooncake import MooncakePeer
         volume = max(s.value_bytes * s.objects_per_call * s.calls for s in data)
-        try:
-            peer = MooncakePeer(segment_bytes=max(1 << 30, 2 * volume)).__enter__()
-        except PeerUnavailable as e:
-            skipped[name] = str(e)
-            _say(f"peer: mooncake skipped: {e}")
-            continue
-        with peer:
-            _say("peer: Mooncake Store (tcp, zero-copy batch calls)")
-            for shape, src in data.items():
-                figures.extend(w.mooncake_figures(peer, shape, config.repeats, src,
-                                                  f"bench-{run_id}-{shape.workload}"))
+        # Its tcp transport (a holder process keeps the values), then its same-host path (the
+        # bench's client keeps them: a local memcpy), one after the other.
+        for local, label, what in ((False, name, "tcp, zero-copy batch calls"),
+                                   (True, f"{name}-local", "same-host: local segment, memcpy")):
+            try:
+                peer = MooncakePeer(segment_bytes=max(1 << 30, 2 * volume),
+                                    local=local).__enter__()
+            except PeerUnavailable as e:
+                skipped[label] = str(e)
+                _say(f"peer: {label} skipped: {e}")
+                continue
+            with peer:
+                _say(f"peer: Mooncake Store ({what})")
+                for shape, src in data.items():
+                    figures.extend(w.mooncake_figures(
+                        peer, shape, config.repeats, src,
+                        f"bench-{run_id}-{peer.transport}-{shape.workload}"))

@@ -73,7 +73,8 @@ def test_quick_smoke_run_writes_a_valid_report(tmp_path):
     assert validate_report(report) == []
     ratios = report["ratios"]
     for name, _, _ in RATIO_DEFINITIONS:
-        peer = "redis" if "redis" in name else "mooncake" if "mooncake" in name else None
+        peer = "redis" if "redis" in name else "mooncake-local" if "mooncake_local" in name \
+            else "mooncake" if "mooncake" in name else None
         if peer in report["skipped"]:
             assert ratios[name] is None
         else:
@@ -84,8 +85,10 @@ def test_quick_smoke_run_writes_a_valid_report(tmp_path):
     if NO_MOONCAKE:
         assert report["skipped"]["mooncake"] == NO_MOONCAKE
     else:
-        assert {r["workload"] for r in report["results"] if r["system"] == "mooncake"} \
-            == {"single", "prompt", "small"}
+        for transport in ("tcp", "local"):   # its tcp transport and its same-host path
+            assert {r["workload"] for r in report["results"]
+                    if r["system"] == "mooncake" and r["transport"] == transport} \
+                == {"single", "prompt", "small"}, transport
     assert {"shm_get_vs_memcpy", "master.bytes_per_object"} <= {t["name"] for t in
                                                                  report["targets"]}
     assert "target" in stdout and "shm_get_vs_memcpy" in stdout
@@ -152,6 +155,29 @@ def test_mooncake_peer_moves_bytes_between_processes_and_stops():
         peer.delete(keys)
         assert all(n < 0 for n in peer.get(keys, dst))   # gone: an error code per key
     assert np.array_equal(src, dst)
+    assert all(p.poll() is not None for p in procs), "a Mooncake process is still running"
+
+
+@needs_mooncake
+def test_mooncake_local_peer_keeps_values_in_this_process_and_stops():
+    # The same-host path: no holder; this client's own segment is the only one, so every
+    # value lives here and Mooncake copies it with memcpy (tools/bench_mooncake.py).
+    from kvpool.tools.bench_mooncake import MooncakePeer
+    src = np.arange(4 * 4096, dtype=np.uint32).view(np.uint8).reshape(16, 4096)
+    dst = np.zeros_like(src)
+    memcpy = os.environ.get("MC_STORE_MEMCPY")
+    with MooncakePeer(64 << 20, local=True) as peer:
+        assert peer._holder is None and peer.transport == "local"
+        procs = [peer._master]
+        peer.register(src)
+        peer.register(dst)
+        keys = [f"k{i}" for i in range(16)]
+        assert peer.put(keys, src) == [0] * 16
+        assert peer.get(keys, dst) == [4096] * 16
+        peer.delete(keys)
+        assert all(n < 0 for n in peer.get(keys, dst))
+    assert np.array_equal(src, dst)
+    assert os.environ.get("MC_STORE_MEMCPY") == memcpy   # set for its setup only
     assert all(p.poll() is not None for p in procs), "a Mooncake process is still running"
 
 

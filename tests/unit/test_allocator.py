@@ -121,6 +121,28 @@ def test_bad_free_raises_and_changes_nothing(offset, size):
     assert (a.free_ranges(), a.used_bytes) == before
 
 
+@pytest.mark.parametrize("offset,size", [
+    (0, 64),        # double free (freed below)
+    (0, 128),       # overlaps the freed range and a live one
+    (128, 64),      # never allocated: free space
+    (960, 128),     # past the capacity
+    (-64, 64),      # negative
+])
+def test_an_untracked_allocator_still_refuses_frees_of_free_space(offset, size):
+    # The master's segments (track=False): its index records the allocations, so only frees
+    # that overlap free space can be told from good ones, and those are refused.
+    a = RangeAllocator(1024, 64, track=False)
+    assert a.allocate(64) == 0
+    assert a.allocate(64) == 64
+    a.free(0, 64)
+    before = (a.free_ranges(), a.used_bytes)
+    with pytest.raises(ValueError):
+        a.free(offset, size)
+    assert (a.free_ranges(), a.used_bytes) == before
+    a.free(64, 64)
+    assert a.free_ranges() == [(0, 1024)] and a.used_bytes == 0
+
+
 @pytest.mark.parametrize("size", [0, -1])
 def test_nonpositive_size_is_rejected(size):
     a = RangeAllocator(1024, 64)
@@ -148,9 +170,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.live: dict[int, int] = {}   # offset -> requested size
 
     @precondition(lambda self: self.alloc is None)
-    @rule(capacity=st.integers(0, 8192), alignment=st.sampled_from([1, 8, 64, 100]))
-    def create(self, capacity, alignment):
-        self.alloc = RangeAllocator(capacity, alignment)
+    @rule(capacity=st.integers(0, 8192), alignment=st.sampled_from([1, 8, 64, 100]),
+          track=st.booleans())
+    def create(self, capacity, alignment, track):
+        self.alloc = RangeAllocator(capacity, alignment, track=track)
         self.capacity = capacity - capacity % alignment
         self.alignment = alignment
 

@@ -37,7 +37,7 @@ def all_figures(kvpool_gbps: float = 8.0) -> list[Figure]:
 
 
 MASTER = {"objects": 1000, "batch": 256, "value_bytes": 64, "put_objects_per_s": 30000,
-          "lookup_objects_per_s": 40000, "bytes_per_object": 450.0}
+          "lookup_objects_per_s": 40000, "bytes_per_object": 290.0}
 
 
 def test_summarize_takes_the_median_of_repeat_rates():
@@ -69,6 +69,19 @@ def test_ratios_divide_the_named_figures():
     assert r["tcp_get_vs_redis"] == pytest.approx(3.0)
     assert r["small_shm_get_vs_memcpy"] == pytest.approx(0.4)
     assert r["master"] == {k: MASTER[k] for k in MASTER_FIGURES}
+    assert r["shm_get_vs_mooncake_local"] is None   # no --peers mooncake in these figures
+
+
+def test_the_same_host_mooncake_ratios_divide_by_its_local_figures():
+    figures = all_figures() + [fig("mooncake", "local", "prompt", "get", 10.0),
+                               fig("mooncake", "local", "prompt", "put", 5.0),
+                               fig("mooncake", "tcp", "prompt", "get", 1.0)]
+    r = compute_ratios(figures, MASTER)
+    assert r["shm_get_vs_mooncake_local"] == pytest.approx(0.8)   # kvpool shm get 8 / 10
+    assert r["shm_put_vs_mooncake_local"] == pytest.approx(1.2)   # kvpool shm put 6 / 5
+    assert r["tcp_get_vs_mooncake"] == pytest.approx(1.5)          # not the local figure
+    met = {t["name"]: t["met"] for t in check_targets(r)}
+    assert met["shm_get_vs_mooncake_local"] is False and met["shm_put_vs_mooncake_local"] is True
 
 
 def test_a_ratio_with_a_side_missing_is_none():
@@ -85,7 +98,8 @@ def test_targets_hold_fail_or_are_unmeasured():
     assert met["shm_get_vs_memcpy"] is False          # 0.79 < 0.8
     assert met["shm_put_vs_memcpy"] is True            # 0.6 >= 0.6
     assert met["master.lookup_objects_per_s"] is False
-    assert met["master.bytes_per_object"] is True      # 450 <= 500
+    assert met["master.put_objects_per_s"] is False    # 30k < 50k
+    assert met["master.bytes_per_object"] is True      # 290 <= 300
     ratios["master"]["bytes_per_object"] = None
     assert {t["name"]: t["met"] for t in check_targets(ratios)}["master.bytes_per_object"] is None
 
@@ -120,7 +134,7 @@ def test_table_shows_figures_targets_and_skips():
     text = format_table(report)
     assert "shm_get_vs_memcpy" in text and ">= 0.8" in text
     assert "skipped redis: redis-server is not installed" in text
-    assert "450 bytes/object" in text
+    assert "290 bytes/object" in text
 
 
 def test_mooncake_ratios_are_computed_and_listed_apart_from_the_targets():

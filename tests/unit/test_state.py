@@ -581,8 +581,8 @@ def _check_books(state: MasterState) -> None:
             assert o1 + l1 <= o2, f"overlapping extents in {sid}"
         assert seg.allocator.used_bytes == sum(length for _, length in spans)
         assert seg.quarantined_bytes == sum(length for _, length in deferred)
-        assert len(seg.keys) == len({o.key for o in state._objects.values()
-                                     for e in o.replicas if e.segment_id == sid})
+        assert seg.objects == len({o.key for o in state._objects.values()
+                                   for e in o.replicas if e.segment_id == sid})
         # What eviction cannot free (admission's counts) agrees with the index: every replica
         # of a PENDING or hard-pinned object, and of a leased one (not pinned) once the
         # leases due are ended.

@@ -41,13 +41,13 @@ class Units:
         self.index.discard(obj)
         self.chains.forget(obj.key)
         for e in obj.replicas:
-            self.members.segments[e.segment_id].keys.discard(obj.key)
+            self.members.segments[e.segment_id].objects -= 1
         self.space.free_now(obj.replicas)
 
     def put(self, key: str, sid: str):
         seg = self.members.segments[sid]
         e = Extent(sid, seg.allocator.allocate(B), B)
-        seg.keys.add(key)
+        seg.objects += 1
         obj = self.index.add(key, B, [e], state=COMPLETE)
         self.chains.track(key, None, disk=sid == "d")
         return obj
