@@ -29,6 +29,7 @@ from kvpool.common.errors import (
     TransportError,
 )
 from kvpool.common.types import MAX_KEY_BYTES, ObjectView, Replica, validate_key
+from kvpool.net.data_port import PutRecord
 from kvpool.rpc.located import Located
 from kvpool.rpc.master_client import MasterClient
 from prometheus_client import CollectorRegistry
@@ -70,6 +71,9 @@ class KVClient:
         self._transports: list[Transport] = sorted(
             given + made, key=lambda t: TRANSPORT_PREFERENCE.index(t.scheme))
         self._rank = {t: TRANSPORT_PREFERENCE.index(t.scheme) for t in self._transports}
+        # Every transport hands its nodes the put itself (RESERVE, SEAL): the master then
+        # answers PutStart and PutEnd without waiting for the nodes (DESIGN.md, Put).
+        self._fenced = all(t.seals for t in self._transports)
         self._unreachable: dict[str, float] = {}   # node id -> until when it is tried last
         self._replicas = replicas
         self._closed = False
@@ -215,12 +219,19 @@ class KVClient:
             return results
         idx = list(views)
         sent = time.monotonic()
-        placed, put_timeout_s = self._master.put_start(
+        placed, put_timeout_s, grant = self._master.put_start_grant(
             [keys[i] for i in idx], [views[i].nbytes for i in idx],
             self._replicas if replicas is None else replicas,
-            [parents[i] for i in idx] if parents is not None else None)
+            [parents[i] for i in idx] if parents is not None else None, fenced=self._fenced)
+        records = None
+        if self._fenced and grant.epoch:
+            hold_s = grant.hold_s - (time.monotonic() - sent)
+            records = {i: PutRecord(keys[i], version, grant.epoch, max(hold_s, 0.0), None,
+                                    parents[i] if parents is not None else None)
+                       for i, version in zip(idx, grant.versions)}
         written, sums = self._write_placed(keys, idx, views, placed, results,
-                                           sent + put_timeout_s - _PUT_DEADLINE_MARGIN_S)
+                                           sent + put_timeout_s - _PUT_DEADLINE_MARGIN_S,
+                                           records)
         failed = [keys[i] for i in written if results[i] is not None]
         if failed:
             self._master.put_revoke(failed)
@@ -228,19 +239,22 @@ class KVClient:
         ok = sorted(i for i in written if results[i] is None)
         if ok:
             for i, err in zip(ok, self._master.put_end([keys[i] for i in ok],
-                                                        [sums[i] for i in ok])):
+                                                        [sums[i] for i in ok],
+                                                        sealed=records is not None)):
                 results[i] = TransportError(f"{keys[i]!r}: put timed out") \
                     if isinstance(err, NotPending) else err
         return results
 
     def _write_placed(self, keys: Sequence[str], idx: list[int], views: dict[int, memoryview],
-                      placed: list, results: list, deadline: float
+                      placed: list, results: list, deadline: float,
+                      records: dict[int, PutRecord] | None = None
                       ) -> tuple[set[int], dict[int, int]]:
         """Write each placed value (``placed`` parallel to ``idx``) to its replicas, unless
         ``deadline`` (monotonic) passes first; errors go to ``results``. Returns the positions
         written to (successfully or not) and the CRC-32C of each value written, taken from the
         caller's bytes as they leave (``Transport.write_summed``), so that damage anywhere
-        after is caught on read."""
+        after is caught on read. ``records``: each position's put record, when the writes
+        are fenced and sealed at the nodes (``Transport.write_sealed``)."""
         ops: list[tuple[int, Transport | None, IoOp]] = []
         for i, where in zip(idx, placed):
             if isinstance(where, KVPoolError):
@@ -253,7 +267,7 @@ class KVClient:
             for i in written:
                 results[i] = TransportError(f"{keys[i]!r}: put timed out before writing")
             return written, {}
-        done, sums = self._run(ops, write=True)
+        done, sums = self._run(ops, write=True, records=records)
         for i, err in done:
             if results[i] is None:
                 results[i] = err
@@ -512,10 +526,11 @@ class KVClient:
                 pass   # the next reader reports it again; the bytes are refused either way
         return [i for i, _ in bad]
 
-    def _run(self, ops: list[tuple[int, Transport | None, IoOp]], *, write: bool
+    def _run(self, ops: list[tuple[int, Transport | None, IoOp]], *, write: bool,
+             records: dict[int, PutRecord] | None = None
              ) -> tuple[list[tuple[int, KVPoolError | None]], dict[int, int]]:
         """Run ops grouped by transport; one (index, error or None) per op, and for a write
-        the CRC-32C of each index written."""
+        the CRC-32C of each index written (sealed at the nodes with ``records``)."""
         groups: dict[Transport | None, list[tuple[int, IoOp]]] = defaultdict(list)
         for i, t, op in ops:
             groups[t].append((i, op))
@@ -526,7 +541,11 @@ class KVClient:
                 out += [(i, NodeUnavailable(f"no transport reaches node {op.replica.node.node_id}"))
                         for i, op in group]
                 continue
-            if write:
+            if write and records is not None:
+                errs, crcs = t.write_sealed([op for _, op in group],
+                                            [records[i] for i, _ in group])
+                sums.update((i, c) for (i, _), c in zip(group, crcs) if c is not None)
+            elif write:
                 errs, crcs = t.write_summed([op for _, op in group])
                 sums.update((i, c) for (i, _), c in zip(group, crcs) if c is not None)
             else:

@@ -99,6 +99,11 @@ class ManifestLog:
             q[:0] = events
             self._gone -= len(events)
 
+    def has_removals(self) -> bool:
+        """Whether a removal is queued for some node (not taken yet). A scan: the queues hold
+        what the last few calls changed, taken within a stream round trip."""
+        return any(type(e) is Removal for q in self._queues.values() for e in q)
+
     def nodes_with_changes(self) -> list[str]:
         """The nodes whose events have not been taken yet."""
         return [nid for nid, q in self._queues.items() if q]
