@@ -37,7 +37,7 @@ MAX_BATCH = 65536
 READ_ONLY = frozenset({"GetReplicas", "Exists", "Stats", "WatchManifest", "AckManifest"})
 
 
-def mutation(handler=None, *, wait: bool = True):
+def mutation(handler=None, *, wait: bool | str = True):
     """Run an RPC that changes the index, then apply its effects (:meth:`MasterServicer.
     apply_effects`): if it recorded manifest changes, every change queued for the nodes is
     pushed, and (``wait``) the answer goes only once the nodes have applied them, so a master
@@ -46,13 +46,14 @@ def mutation(handler=None, *, wait: bool = True):
     node before the commit of a new object of the same key on another node is acknowledged, or
     a restarted master could index the old one. ``wait=False``: for RPCs of a node's own
     session (mount, announce), whose changes repeat what the nodes hold, and whose caller may
-    not have its stream open yet."""
+    not have its stream open yet. ``wait="put"``: PutStart and PutEnd, which need not wait when
+    their writer fences and seals at the nodes (:meth:`MasterServicer.put_waits`)."""
     def wrap(handler):
         @functools.wraps(handler)
         async def run(self, request, context):
             mark = self._state.manifest_mark()
             response = await handler(self, request, context)
-            await self.apply_effects(mark, wait)
+            await self.apply_effects(mark, self.put_waits(request) if wait == "put" else wait)
             return response
         run.applies_effects = True
         return run
