@@ -271,9 +271,13 @@ class MasterClient(GrpcClient):
     def locate(self, keys: Sequence[str]) -> Located:
         """Each key's size, version, checksum and replicas, leasing each object found (see
         :class:`Located`): columns, with no Python object per key until one is asked for."""
-        r = self._lookup(lookup_port.GET_REPLICAS, "GetReplicas", pb.KeysRequest(keys=keys),
-                         pb.GetReplicasResponse)
-        return _located(keys, r)
+        return located(keys, self.locate_answer(keys))
+
+    def locate_answer(self, keys: Sequence[str]) -> pb.GetReplicasResponse:
+        """:meth:`locate`'s answer as it came (``located(keys, answer)`` makes the columns):
+        a single get reads its one replica from it directly (rpc/located.py only_replica)."""
+        return self._lookup(lookup_port.GET_REPLICAS, "GetReplicas", pb.KeysRequest(keys=keys),
+                            pb.GetReplicasResponse)
 
     def _lookup_channel(self):
         """The lookup port's channel, learning the port first (an empty GetReplicas) when
@@ -321,7 +325,7 @@ class MasterClient(GrpcClient):
         return [error_for_status(s, k) for k, s in zip(keys, r.statuses)]
 
 
-def _located(keys: Sequence[str], r: pb.GetReplicasResponse) -> Located:
+def located(keys: Sequence[str], r: pb.GetReplicasResponse) -> Located:
     """A GetReplicas answer in columns."""
     sizes = np.array(r.sizes, dtype=np.uint64)
     sums = np.array(r.checksums, dtype=np.uint64)
