@@ -143,6 +143,8 @@ class Manifest:
 
     def _add(self, r: ObjectRecord) -> None:
         self._drop(r.key)
+        if self._sealed:   # a seal under a record of another key lost its space (revoked)
+            self._drop_sealed_overlapping(r.segment_id, r.offset, r.size, r.key)
         # A record at the same place is stale: the master reused the space, so that
         # object's removal was lost (e.g. with a master that died).
         stale = self._by_place.get((r.segment_id, r.offset))

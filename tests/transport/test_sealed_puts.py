@@ -19,6 +19,7 @@ from kvpool.net.data_port import (
     Op,
     PutRecord,
     encode_record_request,
+    encode_request,
     recv_refusal,
 )
 from kvpool.net.sockets import recv_exact
@@ -123,3 +124,24 @@ def test_a_seal_whose_checksum_does_not_match_the_bytes_is_refused(node, seal):
     assert seal(endpoints, seg, 0, len(value),
                 PutRecord("k", 1, EPOCH, 30.0, checksum(value))) is None
     assert [r.key for r in manifest.records()] == ["k"]
+
+
+def test_after_a_refused_reserve_the_node_takes_no_byte_of_the_write_behind_it(node):
+    """tcp pipelines RESERVE and WRITE: after refusing the RESERVE the node must not serve the
+    WRITE already on the stream (it drops the connection), even for a client that keeps
+    its end open and waits."""
+    endpoints, seg, manifest = node
+    before = os.urandom(64 << 10)
+    seg.buffer[0:len(before)] = before
+    host, _, port = endpoints.tcp_endpoint.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sid = seg.info.segment_id
+        sock.sendall(encode_record_request(Op.RESERVE, sid, 0, len(before),
+                                           PutRecord("late", 3, EPOCH + 1, 30.0))
+                     + encode_request(Op.WRITE, sid, 0, len(before)) + os.urandom(len(before)))
+        status, length = RESPONSE.unpack(recv_exact(sock, RESPONSE.size))
+        assert status == FrameStatus.STALE_EPOCH
+        recv_refusal(sock, status, length)
+        assert sock.recv(1) == b"", "the node answered the WRITE behind a refused RESERVE"
+    assert bytes(seg.buffer[0:len(before)]) == before
+    assert manifest.reservations() == []

@@ -101,7 +101,8 @@ def test_a_seal_is_announced_until_the_master_commits_it_however_long_that_takes
 
 
 def test_a_reservation_of_another_key_drops_a_seal_it_overlaps(clock):
-    """Reserved space is the master's to give: a seal still there overlapping it is stale."""
+    """Reserved or committed space is the master's to give: a seal still there overlapping it
+    is stale (its put was revoked or timed out, never committed)."""
     m = Manifest(clock)
     m.set_epoch(5)
     m.seal(5, ObjectRecord("old", "s", 64, 128, 1, 1))
@@ -110,3 +111,6 @@ def test_a_reservation_of_another_key_drops_a_seal_it_overlaps(clock):
     m.seal(5, ObjectRecord("old2", "s", 64, 128, 1, 2))
     m.apply([], [], [Reservation("new2", "s", 0, 128, clock.now + 10)])
     assert m.records() == []
+    m.seal(5, ObjectRecord("old3", "s", 64, 128, 1, 3))
+    m.apply([ObjectRecord("moved", "s", 0, 128, 1, 4)], [])   # a commit over it, elsewhere
+    assert [r.key for r in m.records()] == ["moved"]
