@@ -53,7 +53,8 @@ def mutation(handler=None, *, wait: bool | str = True):
         async def run(self, request, context):
             mark = self._state.manifest_mark()
             response = await handler(self, request, context)
-            await self.apply_effects(mark, self.put_waits(request) if wait == "put" else wait)
+            await self.apply_effects(mark, (self.put_waits(request) or None) if wait == "put"
+                                     else wait)
             return response
         run.applies_effects = True
         return run
@@ -210,10 +211,13 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                     segments=sorted(set(request.segment_ids)))
         return pb.StatusesResponse(statuses=map(_status, results))
 
-    async def apply_effects(self, mark: int, wait: bool = True) -> None:
+    async def apply_effects(self, mark: int, wait: bool | None = True) -> None:
         """Apply what a call changed since ``mark`` (``manifest_mark()`` before it): push the
-        manifest changes queued for the nodes, and (``wait``) wait until they applied them."""
-        if self._state.manifest_mark() != mark:
+        manifest changes queued for the nodes, and (``wait``) wait until they applied them.
+        ``wait=None``: leave them queued for the streams' next message (within
+        PUSH_INTERVAL_S): they only confirm what the nodes hold already (a fenced or sealed
+        put's), and a message per put would take the CPU from the next puts."""
+        if wait is not None and self._state.manifest_mark() != mark:
             nodes = self._state.nodes_with_changes()
             if wait:
                 await self._watchers.flush(nodes)
@@ -226,7 +230,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         async def run(request):
             mark = self._state.manifest_mark()
             response = call(request)
-            await self.apply_effects(mark, self.put_waits(request))
+            await self.apply_effects(mark, self.put_waits(request) or None)
             return response
         return run
 
@@ -235,7 +239,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         its writer fences (PutStart ``fenced``: it reserves each extent at the node, checked
         against this master's epoch, before writing) or sealed (PutEnd ``sealed``: the node
         holds each replica's record, checked against the bytes): the node then learns the
-        change from the writer, and the master's own message only confirms it. Unless a
+        change from the writer, and the master's own message, sent with the stream's next
+        one, only confirms it. Unless a
         removal is still on its way to a node: an object evicted (or removed) must be out of
         its manifest before a put over its space, or of its key, is acknowledged."""
         writer_told_nodes = getattr(request, "fenced", False) or getattr(request, "sealed", False)

@@ -85,8 +85,9 @@ async def test_mutations_answer_once_the_node_applied_their_changes(master):
 async def test_fenced_and_sealed_puts_answer_without_the_nodes_ack_unless_a_removal_is_out(
         master):
     """A writer that reserves and seals at the node itself (DESIGN.md, Fenced and sealed puts)
-    is answered at once, its changes still pushed to the node; but not while a removal is
-    queued or unacknowledged: the object must be out of its manifest first."""
+    is answered at once, its changes still sent to the node (with the stream's next message);
+    but not while a removal is queued or unacknowledged: the object must be out of its
+    manifest first."""
     stub = master
     stream = await watching_node(stub)
     mount = await stub.MountSegment(pb.MountSegmentRequest(
@@ -98,7 +99,7 @@ async def test_fenced_and_sealed_puts_answer_without_the_nodes_ack_unless_a_remo
     assert started.hold_s > started.put_timeout_s
     await asyncio.wait_for(stub.PutEnd(pb.PutEndRequest(keys=["k"], sealed=True)), 1)
     seqs = []
-    while True:   # pushed all the same: the reservation and the commit
+    while True:   # sent all the same: the reservation and the commit
         changes = await asyncio.wait_for(stream.read(), 5)
         seqs.append(changes.seq)
         if list(changes.committed.keys) == ["k"]:
