@@ -161,9 +161,11 @@ def recv_record(recv: Callable[[int], bytes], *, sid_len: int | None = None
         if key_len == 0 or key_len > MAX_KEY_BYTES or parent_len > MAX_KEY_BYTES \
                 or not hold_s >= 0 or flags & ~(RECORD_HAS_CRC | RECORD_HAS_PARENT):
             return "malformed put record"
-        sid = recv(sid_len).decode() if sid_len else ""
-        key = recv(key_len).decode()
-        parent = recv(parent_len).decode() if parent_len else None
+        sid_len = sid_len or 0
+        tail = recv(sid_len + key_len + parent_len)   # one read: a put waits for this reply
+        sid = tail[:sid_len].decode()
+        key = tail[sid_len:sid_len + key_len].decode()
+        parent = tail[sid_len + key_len:].decode() if parent_len else None
     except UnicodeDecodeError:
         return "put record is not utf-8"
     return sid, PutRecord(key, version, epoch, hold_s,

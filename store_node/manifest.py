@@ -31,6 +31,7 @@ or when a restarted master refuses it.
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -56,8 +57,10 @@ class Manifest:
         self._reserved: dict[tuple[str, int], Reservation] = {}
         self._clock = clock
         self._pruned = clock()
-        # Sealed records the master has not confirmed yet, by key.
+        # Sealed records the master has not confirmed yet, by key, and by segment as sorted
+        # (offset, key) (confirmations come in batches: thousands may wait at a time).
         self._sealed: dict[str, ObjectRecord] = {}
+        self._sealed_at: dict[str, list[tuple[int, str]]] = {}
         # The current master's epoch (MountSegmentResponse.epoch); 0 until a master is known.
         self._epoch = 0
 
@@ -96,13 +99,15 @@ class Manifest:
                                           record.key)
             self._add(record)
             self._sealed[record.key] = record
+            bisect.insort(self._sealed_at.setdefault(record.segment_id, []),
+                          (record.offset, record.key))
 
     def confirm(self, records: Iterable[ObjectRecord]) -> None:
         """A master indexed these records (announced): sealed ones are committed now."""
         with self._lock:
             for r in records:
                 if self._by_key.get(r.key) == r:
-                    self._sealed.pop(r.key, None)
+                    self._unseal(r.key)
 
     def sealed(self) -> list[ObjectRecord]:
         """The sealed records the master has not confirmed (yet)."""
@@ -111,11 +116,28 @@ class Manifest:
 
     def _drop_sealed_overlapping(self, segment_id: str, offset: int, size: int,
                                  key: str) -> None:
-        # Few at any time (each lives from its seal to the master's commit, a few ms): a scan.
-        for other, r in list(self._sealed.items()):
-            if other != key and r.segment_id == segment_id and r.offset < offset + size \
-                    and offset < r.offset + r.size:
-                self._drop(other)
+        places = self._sealed_at.get(segment_id)
+        if not places:
+            return
+        # Seals do not overlap each other: only the one before ``offset`` can reach into it.
+        i = max(bisect.bisect_left(places, (offset, "")) - 1, 0)
+        hit = []
+        while i < len(places) and places[i][0] < offset + size:
+            other = places[i][1]
+            r = self._sealed[other]
+            if other != key and offset < r.offset + r.size:
+                hit.append(other)
+            i += 1
+        for other in hit:
+            self._drop(other)
+
+    def _unseal(self, key: str) -> None:
+        r = self._sealed.pop(key, None)
+        if r is not None:
+            places = self._sealed_at[r.segment_id]
+            i = bisect.bisect_left(places, (r.offset, key))
+            if i < len(places) and places[i] == (r.offset, key):
+                del places[i]
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -210,7 +232,7 @@ class Manifest:
         return [records[i:i + size] for i in range(0, len(records), size)]
 
     def _drop(self, key: str) -> None:
-        self._sealed.pop(key, None)
+        self._unseal(key)
         r = self._by_key.pop(key, None)
         if r is not None:
             self._by_place.pop((r.segment_id, r.offset), None)
