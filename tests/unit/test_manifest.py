@@ -114,3 +114,16 @@ def test_a_reservation_of_another_key_drops_a_seal_it_overlaps(clock):
     m.seal(5, ObjectRecord("old3", "s", 64, 128, 1, 3))
     m.apply([ObjectRecord("moved", "s", 0, 128, 1, 4)], [])   # a commit over it, elsewhere
     assert [r.key for r in m.records()] == ["moved"]
+
+
+def test_only_the_seals_a_reservation_overlaps_go(clock):
+    m = Manifest(clock)
+    m.set_epoch(5)
+    for i in range(8):   # [128 i, 128 i + 128)
+        m.seal(5, ObjectRecord(f"k{i}", "s", 128 * i, 128, 1, i + 1))
+    m.seal(5, ObjectRecord("other-segment", "t", 128, 128, 1, 99))
+    m.reserve(5, Reservation("new", "s", 100, 200, clock.now + 10))   # [100, 300)
+    assert sorted(r.key for r in m.sealed()) == ["k3", "k4", "k5", "k6", "k7", "other-segment"]
+    m.reserve(5, Reservation("k5", "s", 640, 128, clock.now + 10))   # its own seal stays
+    m.apply([ObjectRecord("moved", "s", 900, 10, 1, 100)], [])       # inside k7's
+    assert sorted(r.key for r in m.sealed()) == ["k3", "k4", "k5", "k6", "other-segment"]
