@@ -29,8 +29,10 @@ from kvpool.common.errors import (
     TransportError,
 )
 from kvpool.common.types import MAX_KEY_BYTES, ObjectView, Replica, validate_key
-from kvpool.rpc.located import Located
+from kvpool.net.data_port import PutRecord
+from kvpool.rpc.located import Located, only_replica
 from kvpool.rpc.master_client import MasterClient
+from kvpool.rpc.master_client import located as _located_columns
 from prometheus_client import CollectorRegistry
 
 # A read that outlived its lease is checked against the master; if the object changed under
@@ -70,6 +72,9 @@ class KVClient:
         self._transports: list[Transport] = sorted(
             given + made, key=lambda t: TRANSPORT_PREFERENCE.index(t.scheme))
         self._rank = {t: TRANSPORT_PREFERENCE.index(t.scheme) for t in self._transports}
+        # Every transport hands its nodes the put itself (RESERVE, SEAL): the master then
+        # answers PutStart and PutEnd without waiting for the nodes (DESIGN.md, Put).
+        self._fenced = all(t.seals for t in self._transports)
         self._unreachable: dict[str, float] = {}   # node id -> until when it is tried last
         self._replicas = replicas
         self._closed = False
@@ -215,12 +220,19 @@ class KVClient:
             return results
         idx = list(views)
         sent = time.monotonic()
-        placed, put_timeout_s = self._master.put_start(
+        placed, put_timeout_s, grant = self._master.put_start_grant(
             [keys[i] for i in idx], [views[i].nbytes for i in idx],
             self._replicas if replicas is None else replicas,
-            [parents[i] for i in idx] if parents is not None else None)
+            [parents[i] for i in idx] if parents is not None else None, fenced=self._fenced)
+        records = None
+        if self._fenced and grant.epoch:
+            hold_s = grant.hold_s - (time.monotonic() - sent)
+            records = {i: PutRecord(keys[i], version, grant.epoch, max(hold_s, 0.0), None,
+                                    parents[i] if parents is not None else None)
+                       for i, version in zip(idx, grant.versions)}
         written, sums = self._write_placed(keys, idx, views, placed, results,
-                                           sent + put_timeout_s - _PUT_DEADLINE_MARGIN_S)
+                                           sent + put_timeout_s - _PUT_DEADLINE_MARGIN_S,
+                                           records)
         failed = [keys[i] for i in written if results[i] is not None]
         if failed:
             self._master.put_revoke(failed)
@@ -228,19 +240,22 @@ class KVClient:
         ok = sorted(i for i in written if results[i] is None)
         if ok:
             for i, err in zip(ok, self._master.put_end([keys[i] for i in ok],
-                                                        [sums[i] for i in ok])):
+                                                        [sums[i] for i in ok],
+                                                        sealed=records is not None)):
                 results[i] = TransportError(f"{keys[i]!r}: put timed out") \
                     if isinstance(err, NotPending) else err
         return results
 
     def _write_placed(self, keys: Sequence[str], idx: list[int], views: dict[int, memoryview],
-                      placed: list, results: list, deadline: float
+                      placed: list, results: list, deadline: float,
+                      records: dict[int, PutRecord] | None = None
                       ) -> tuple[set[int], dict[int, int]]:
         """Write each placed value (``placed`` parallel to ``idx``) to its replicas, unless
         ``deadline`` (monotonic) passes first; errors go to ``results``. Returns the positions
         written to (successfully or not) and the CRC-32C of each value written, taken from the
         caller's bytes as they leave (``Transport.write_summed``), so that damage anywhere
-        after is caught on read."""
+        after is caught on read. ``records``: each position's put record, when the writes
+        are fenced and sealed at the nodes (``Transport.write_sealed``)."""
         ops: list[tuple[int, Transport | None, IoOp]] = []
         for i, where in zip(idx, placed):
             if isinstance(where, KVPoolError):
@@ -253,7 +268,7 @@ class KVClient:
             for i in written:
                 results[i] = TransportError(f"{keys[i]!r}: put timed out before writing")
             return written, {}
-        done, sums = self._run(ops, write=True)
+        done, sums = self._run(ops, write=True, records=records)
         for i, err in done:
             if results[i] is None:
                 results[i] = err
@@ -323,9 +338,18 @@ class KVClient:
             if not todo:
                 return out
             sent = time.monotonic()
-            located = self._master.locate([keys[i] for i in todo])
-            fast = [] if attempt or verify else \
-                self._read_fast(todo, located, buffer_for, bufs, rows)
+            if attempt or verify or len(todo) > 1:
+                located = self._master.locate([keys[i] for i in todo])
+                fast = [] if attempt or verify else \
+                    self._read_fast(todo, located, buffer_for, bufs, rows)
+            else:   # a single get: its one replica read without the columns' arrays
+                answer = self._master.locate_answer([keys[todo[0]]])
+                size = self._read_one(todo[0], answer, buffer_for, bufs)
+                if size is not None and time.monotonic() <= sent + answer.lease_ttl_s:
+                    out[todo[0]] = size
+                    return out
+                located = _located_columns([keys[todo[0]]], answer)
+                fast = [] if size is None else [0]
             if len(fast) == len(todo) and time.monotonic() <= sent + located.lease_ttl_s:
                 # The common case: every key read in place, within its lease.
                 for i, size in zip(todo, located.sizes.tolist()):
@@ -366,6 +390,31 @@ class KVClient:
         for i in todo:
             out[i] = TransportError(f"{keys[i]!r}: the object kept changing during the read")
         return out
+
+    def _read_one(self, i: int, answer, buffer_for: Callable[[int, int], memoryview],
+                  bufs: dict[int, memoryview]) -> int | None:
+        """Key ``i``'s read when ``answer`` (GetReplicas of that key alone) found it with one
+        replica on a node a transport reaches and not just failed: its size once read, else
+        None (the generic path finds the error, or falls back)."""
+        replica = only_replica(answer)
+        if replica is None:
+            return None
+        t = self._transport_for(replica)
+        node_id = replica.node.node_id
+        if t is None or (self._unreachable and self._unreachable.get(node_id, 0.0)
+                         > time.monotonic()):
+            return None
+        size = replica.extent.length
+        try:
+            bufs[i] = buffer_for(i, size)
+        except InvalidArgument:
+            return None
+        if t.read([IoOp(replica, bufs[i])])[0] is not None:
+            self._unreachable[node_id] = time.monotonic() + _UNREACHABLE_S
+            return None
+        if self._metrics is not None:
+            self._metrics.moved("get", t.scheme, size)
+        return size
 
     def _read_fast(self, todo: list[int], located: Located,
                    buffer_for: Callable[[int, int], memoryview], bufs: dict[int, memoryview],
@@ -512,10 +561,11 @@ class KVClient:
                 pass   # the next reader reports it again; the bytes are refused either way
         return [i for i, _ in bad]
 
-    def _run(self, ops: list[tuple[int, Transport | None, IoOp]], *, write: bool
+    def _run(self, ops: list[tuple[int, Transport | None, IoOp]], *, write: bool,
+             records: dict[int, PutRecord] | None = None
              ) -> tuple[list[tuple[int, KVPoolError | None]], dict[int, int]]:
         """Run ops grouped by transport; one (index, error or None) per op, and for a write
-        the CRC-32C of each index written."""
+        the CRC-32C of each index written (sealed at the nodes with ``records``)."""
         groups: dict[Transport | None, list[tuple[int, IoOp]]] = defaultdict(list)
         for i, t, op in ops:
             groups[t].append((i, op))
@@ -526,7 +576,11 @@ class KVClient:
                 out += [(i, NodeUnavailable(f"no transport reaches node {op.replica.node.node_id}"))
                         for i, op in group]
                 continue
-            if write:
+            if write and records is not None:
+                errs, crcs = t.write_sealed([op for _, op in group],
+                                            [records[i] for i, _ in group])
+                sums.update((i, c) for (i, _), c in zip(group, crcs) if c is not None)
+            elif write:
                 errs, crcs = t.write_summed([op for _, op in group])
                 sums.update((i, c) for (i, _), c in zip(group, crcs) if c is not None)
             else:

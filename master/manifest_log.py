@@ -10,6 +10,7 @@ the order they happened.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from kvpool.common.types import ObjectRecord, Reservation
@@ -51,6 +52,9 @@ class ManifestLog:
     def __init__(self) -> None:
         self._queues: dict[str, list[ManifestEvent]] = {}
         self._gone = 0   # events that left the queues (taken, not put back; or dropped)
+        # has_removals' progress per node: (events looked at, whether one was a Removal).
+        # Queues only grow at their end between takes, so each event is looked at once.
+        self._scanned: dict[str, tuple[int, bool]] = {}
 
     @property
     def recorded(self) -> int:
@@ -69,6 +73,7 @@ class ManifestLog:
     def forget(self, node_id: str) -> None:
         """The node is gone (expired): what it did not take goes with it."""
         self._gone += len(self._queues.pop(node_id, ()))
+        self._scanned.pop(node_id, None)
 
     def take(self, node_id: str) -> ManifestDelta | None:
         """The node's events since the last take, as a delta; None for a node that keeps no
@@ -78,6 +83,7 @@ class ManifestLog:
             return None
         events = list(q)
         q.clear()   # in place: the node's segments hold it
+        self._scanned.pop(node_id, None)
         self._gone += len(events)
         delta = ManifestDelta([], [], [])
         for e in events:
@@ -97,7 +103,20 @@ class ManifestLog:
         if q is not None:
             events = delta.events()
             q[:0] = events
+            self._scanned.pop(node_id, None)
             self._gone -= len(events)
+
+    def has_removals(self) -> bool:
+        """Whether a removal is queued for some node (not taken yet); each event is looked at
+        once (a put asks on every call, while its confirmations may queue for a while)."""
+        for node_id, q in self._queues.items():
+            seen, found = self._scanned.get(node_id, (0, False))
+            if not found and len(q) > seen:
+                found = any(type(e) is Removal for e in itertools.islice(q, seen, None))
+            self._scanned[node_id] = (len(q), found)
+            if found:
+                return True
+        return False
 
     def nodes_with_changes(self) -> list[str]:
         """The nodes whose events have not been taken yet."""

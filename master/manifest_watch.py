@@ -128,6 +128,13 @@ class ManifestWatchers:
                 del self._watches[node_id]
             self._requeue(node_id, watch)
 
+    def removals_outstanding(self) -> bool:
+        """Whether a removal was queued or sent and not acknowledged yet by its node: until it
+        is, a put answered without waiting could leave a restarted master both the removed
+        object (still in a manifest) and its successor."""
+        return self._state.removals_queued() or any(
+            delta.removed for w in self._watches.values() for delta, _ in w.unacked.values())
+
     def ack(self, node_id: str, seq: int) -> None:
         """The node has applied every message of its stream up to ``seq``."""
         watch = self._watches.get(node_id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import secrets
 from collections.abc import AsyncIterator
 
 import grpc
@@ -36,7 +37,7 @@ MAX_BATCH = 65536
 READ_ONLY = frozenset({"GetReplicas", "Exists", "Stats", "WatchManifest", "AckManifest"})
 
 
-def mutation(handler=None, *, wait: bool = True):
+def mutation(handler=None, *, wait: bool | str = True):
     """Run an RPC that changes the index, then apply its effects (:meth:`MasterServicer.
     apply_effects`): if it recorded manifest changes, every change queued for the nodes is
     pushed, and (``wait``) the answer goes only once the nodes have applied them, so a master
@@ -45,13 +46,15 @@ def mutation(handler=None, *, wait: bool = True):
     node before the commit of a new object of the same key on another node is acknowledged, or
     a restarted master could index the old one. ``wait=False``: for RPCs of a node's own
     session (mount, announce), whose changes repeat what the nodes hold, and whose caller may
-    not have its stream open yet."""
+    not have its stream open yet. ``wait="put"``: PutStart and PutEnd, which need not wait when
+    their writer fences and seals at the nodes (:meth:`MasterServicer.put_waits`)."""
     def wrap(handler):
         @functools.wraps(handler)
         async def run(self, request, context):
             mark = self._state.manifest_mark()
             response = await handler(self, request, context)
-            await self.apply_effects(mark, wait)
+            await self.apply_effects(mark, (self.put_waits(request) or None) if wait == "put"
+                                     else wait)
             return response
         run.applies_effects = True
         return run
@@ -88,10 +91,13 @@ def _changes(delta: ManifestDelta, seq: int, now: float) -> pb.ManifestChanges:
 
 
 class MasterServicer(master_pb2_grpc.MasterServicer):
-    def __init__(self, state: MasterState):
+    def __init__(self, state: MasterState, epoch: int | None = None):
         self._state = state
         self._watchers = ManifestWatchers(state)
         self.lookup_port = 0   # named in GetReplicas answers once the lookup port is bound
+        # This master's epoch: nodes refuse a writer's reservation or seal of another one, so
+        # a late writer of a master that died is fenced at the node (store_node/manifest.py).
+        self.epoch = epoch if epoch is not None else secrets.randbits(63) | 1
 
     @mutation(wait=False)
     async def MountSegment(self, request, context):
@@ -108,7 +114,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             self._watchers.expect(node.node_id)
         log.info("segment_mounted", node=node.node_id, segment=segment.segment_id,
                  size_bytes=segment.size_bytes, tcp=node.tcp_endpoint)
-        return pb.MountSegmentResponse()
+        return pb.MountSegmentResponse(epoch=self.epoch)
 
     @mutation
     async def UnmountSegment(self, request, context):
@@ -205,10 +211,13 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                     segments=sorted(set(request.segment_ids)))
         return pb.StatusesResponse(statuses=map(_status, results))
 
-    async def apply_effects(self, mark: int, wait: bool = True) -> None:
+    async def apply_effects(self, mark: int, wait: bool | None = True) -> None:
         """Apply what a call changed since ``mark`` (``manifest_mark()`` before it): push the
-        manifest changes queued for the nodes, and (``wait``) wait until they applied them."""
-        if self._state.manifest_mark() != mark:
+        manifest changes queued for the nodes, and (``wait``) wait until they applied them.
+        ``wait=None``: leave them queued for the streams' next message (within
+        PUSH_INTERVAL_S): they only confirm what the nodes hold already (a fenced or sealed
+        put's), and a message per put would take the CPU from the next puts."""
+        if wait is not None and self._state.manifest_mark() != mark:
             nodes = self._state.nodes_with_changes()
             if wait:
                 await self._watchers.flush(nodes)
@@ -221,11 +230,23 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         async def run(request):
             mark = self._state.manifest_mark()
             response = call(request)
-            await self.apply_effects(mark)
+            await self.apply_effects(mark, self.put_waits(request) or None)
             return response
         return run
 
-    @mutation   # evictions' removals and the new extents' reservations reach the nodes first
+    def put_waits(self, request) -> bool:
+        """Whether a put call answers only once the nodes applied what it changed. Not when
+        its writer fences (PutStart ``fenced``: it reserves each extent at the node, checked
+        against this master's epoch, before writing) or sealed (PutEnd ``sealed``: the node
+        holds each replica's record, checked against the bytes): the node then learns the
+        change from the writer, and the master's own message, sent with the stream's next
+        one, only confirms it. Unless a
+        removal is still on its way to a node: an object evicted (or removed) must be out of
+        its manifest before a put over its space, or of its key, is acknowledged."""
+        writer_told_nodes = getattr(request, "fenced", False) or getattr(request, "sealed", False)
+        return not writer_told_nodes or self._watchers.removals_outstanding()
+
+    @mutation(wait="put")   # unfenced: evictions' removals and reservations reach nodes first
     async def PutStart(self, request, context):
         return await _answer(self.put_start, request, context)
 
@@ -253,11 +274,16 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         columns = wire.ReplicaColumnsWriter()
         columns.add_columns(counts, segment_ids, offsets, self._state.replica_in)
         summary = self._state.space_summary() if pb.STATUS_NO_SPACE in statuses else ""
-        return pb.PutStartResponse(put_timeout_s=self._state.config.put_timeout_s,
+        pending = self._state.pending_version
+        config = self._state.config
+        return pb.PutStartResponse(put_timeout_s=config.put_timeout_s,
                                    statuses=statuses, replicas=columns.to_pb(),
-                                   space_summary=summary)
+                                   space_summary=summary, epoch=self.epoch,
+                                   versions=[pending(k) if s == pb.STATUS_OK else 0
+                                             for k, s in zip(request.keys, statuses)],
+                                   hold_s=config.put_timeout_s + config.quarantine_s)
 
-    @mutation   # the nodes holding the new objects were told before the answer
+    @mutation(wait="put")   # unsealed: the nodes holding the new objects were told first
     async def PutEnd(self, request, context):
         return await _answer(self.put_end, request, context)
 

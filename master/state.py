@@ -194,6 +194,14 @@ class MasterState:
         """The nodes whose manifest changes have not been taken yet."""
         return self._manifests.nodes_with_changes()
 
+    def removals_queued(self) -> bool:
+        """Whether a removal is queued for some node's manifest (not taken by it yet)."""
+        return self._manifests.has_removals()
+
+    def pending_version(self, key: str) -> int:
+        """The version of ``key``'s PENDING put (its writer hands it to the nodes)."""
+        return self._index.pending_entry(key).version
+
     def manifest_mark(self) -> int:
         """How many manifest changes were recorded so far: a call that moved it changed what
         some node's manifest must hold (the servicer then waits for the nodes to apply it)."""

@@ -13,6 +13,18 @@ Responses come in request order, so a client may pipeline requests on one connec
 After a BAD_REQUEST (malformed frame) or a refused WRITE the server closes the connection,
 because it cannot know where the next frame starts.
 
+RESERVE and SEAL (a put's record, handed by its writer; on the data port, and on the shm
+hand-off socket after the marker ``HANDOFF_RESERVE``/``HANDOFF_SEAL`` in place of a length):
+the header's segment id, offset and length name the extent; a ``RECORD`` body
+(``!QQdIBxHH`` = master epoch, version, hold seconds, CRC-32C, flags, key length, parent
+length) and the key and parent (utf-8) follow the segment id. RESERVE (before the bytes are
+written) records the extent as the key's, refused STALE_EPOCH unless the epoch is the node's
+current master's; SEAL (after) checks the extent's bytes against the CRC (CHECKSUM_MISMATCH
+if they differ) and keeps the record as a commit pending the master's word. Each is answered
+OK with no payload, or refused with a message; the connection stays usable either way.
+On the shm socket the marker is followed by ``HANDOFF_RECORD`` (``!HQQ`` = segment id length,
+offset, length), the ``RECORD`` body, the segment id, the key and the parent.
+
 CONNECT_QP (the RDMA queue-pair handshake): segment id empty, offset 0, length =
 ``QP_INFO.size``, followed by the client's ``QP_INFO`` (``!II16sB3x``: QP number, starting PSN,
 GID as 16 raw bytes, path MTU as the verbs enum 1..5 = 256..4096 bytes). The node creates an RC
@@ -26,6 +38,8 @@ from __future__ import annotations
 
 import socket
 import struct
+from collections.abc import Callable
+from dataclasses import dataclass
 from enum import IntEnum
 
 from kvpool.common.errors import TransportError
@@ -39,12 +53,24 @@ MAX_SEGMENT_ID_BYTES = 1024
 # (OK with the segment size as its length, and the segment's fd attached) or an error.
 HANDOFF_REQUEST = struct.Struct("!H")
 MAX_ERROR_BYTES = 4096
+# A put's record (RESERVE, SEAL): epoch, version, hold_s, crc, flags, key length, parent length.
+RECORD = struct.Struct("!QQdIBxHH")
+RECORD_HAS_CRC = 1
+RECORD_HAS_PARENT = 2
+MAX_KEY_BYTES = 4096
+# On the shm hand-off socket, these values in place of a segment id length (at most
+# MAX_SEGMENT_ID_BYTES) start a RESERVE or SEAL; HANDOFF_RECORD follows.
+HANDOFF_RESERVE = 0xFFF1
+HANDOFF_SEAL = 0xFFF2
+HANDOFF_RECORD = struct.Struct("!HQQ")
 
 
 class Op(IntEnum):
     READ = 1
     WRITE = 2
     CONNECT_QP = 3
+    RESERVE = 4
+    SEAL = 5
 
 
 class FrameStatus(IntEnum):
@@ -53,6 +79,8 @@ class FrameStatus(IntEnum):
     OUT_OF_BOUNDS = 2      # offset/length outside the segment
     UNKNOWN_SEGMENT = 3    # no such segment mounted on this node
     UNSUPPORTED = 4        # a valid request this node cannot serve (CONNECT_QP without RDMA)
+    STALE_EPOCH = 5        # RESERVE/SEAL granted by a master that is not this node's current one
+    CHECKSUM_MISMATCH = 6  # SEAL: the extent's bytes do not match the record's CRC-32C
 
 
 QP_INFO = struct.Struct("!II16sB3x")
@@ -84,6 +112,67 @@ def encode_response(status: FrameStatus, payload_length: int) -> bytes:
 _STATUSES = frozenset(s.value for s in FrameStatus)
 
 
+@dataclass(frozen=True, slots=True)
+class PutRecord:
+    """What a writer tells a node of one replica of its put (RESERVE, SEAL)."""
+
+    key: str
+    version: int
+    epoch: int            # of the master that granted the put
+    hold_s: float         # how long the node keeps the reservation (RESERVE)
+    checksum: int | None = None   # CRC-32C of the bytes (SEAL)
+    parent: str | None = None
+
+
+def encode_record(record: PutRecord, sid: bytes = b"") -> bytes:
+    """The RECORD body, then ``sid`` (the shm socket's order), the key and the parent."""
+    key = record.key.encode()
+    parent = (record.parent or "").encode()
+    flags = (RECORD_HAS_CRC if record.checksum is not None else 0) | \
+        (RECORD_HAS_PARENT if record.parent else 0)
+    return RECORD.pack(record.epoch, record.version, record.hold_s, record.checksum or 0,
+                       flags, len(key), len(parent)) + sid + key + parent
+
+
+def encode_record_request(op: Op, segment_id: str, offset: int, length: int,
+                          record: PutRecord) -> bytes:
+    """A RESERVE or SEAL frame for the data port."""
+    sid = segment_id.encode()
+    body = encode_record(record)
+    return REQUEST.pack(MAGIC, op, len(sid), offset, length) + sid + body
+
+
+def encode_handoff_record(op: Op, segment_id: str, offset: int, length: int,
+                          record: PutRecord) -> bytes:
+    """A RESERVE or SEAL for the shm hand-off socket."""
+    sid = segment_id.encode()
+    marker = HANDOFF_RESERVE if op is Op.RESERVE else HANDOFF_SEAL
+    return (HANDOFF_REQUEST.pack(marker) + HANDOFF_RECORD.pack(len(sid), offset, length)
+            + encode_record(record, sid))
+
+
+def recv_record(recv: Callable[[int], bytes], *, sid_len: int | None = None
+                ) -> tuple[str, PutRecord] | str:
+    """Read a RECORD body (and first the segment id, when ``sid_len`` is given: the shm
+    socket's order) with ``recv(n)`` (exactly n bytes); (segment id or "", record), or why the
+    body is malformed (the connection cannot be trusted after it)."""
+    try:
+        epoch, version, hold_s, crc, flags, key_len, parent_len = RECORD.unpack(recv(RECORD.size))
+        if key_len == 0 or key_len > MAX_KEY_BYTES or parent_len > MAX_KEY_BYTES \
+                or not hold_s >= 0 or flags & ~(RECORD_HAS_CRC | RECORD_HAS_PARENT):
+            return "malformed put record"
+        sid_len = sid_len or 0
+        tail = recv(sid_len + key_len + parent_len)   # one read: a put waits for this reply
+        sid = tail[:sid_len].decode()
+        key = tail[sid_len:sid_len + key_len].decode()
+        parent = tail[sid_len + key_len:].decode() if parent_len else None
+    except UnicodeDecodeError:
+        return "put record is not utf-8"
+    return sid, PutRecord(key, version, epoch, hold_s,
+                          crc if flags & RECORD_HAS_CRC else None,
+                          parent if flags & RECORD_HAS_PARENT else None)
+
+
 # ---------------------------------------------------------------- the client's end
 
 def encode_handoff_request(segment_id: str) -> bytes:
@@ -109,7 +198,7 @@ def malformed_request(magic: bytes, op: int, sid_len: int, offset: int, length: 
     if op == Op.CONNECT_QP:
         ok = not sid_len and not offset and length == QP_INFO.size
         return "" if ok else "malformed CONNECT_QP"
-    if op not in (Op.READ, Op.WRITE):
+    if op not in (Op.READ, Op.WRITE, Op.RESERVE, Op.SEAL):
         return f"unknown op {op}"
     return check_segment_id_length(sid_len)
 

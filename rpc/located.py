@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 from kvpool.common import checksum
 from kvpool.common.errors import KVPoolError, error_for_status
-from kvpool.common.types import ObjectView
+from kvpool.common.types import ObjectView, Replica
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
-from kvpool.rpc.wire import ReplicaArrays
+from kvpool.rpc.wire import ReplicaArrays, replica_from_pb
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,3 +59,13 @@ class Located:
                      for j in range(first, first + int(r.counts[i])))
         return ObjectView(self.keys[i], size, int(self.versions[i]), reps,
                           checksum.decode(int(self.checksums[i])))
+
+
+def only_replica(r: pb.GetReplicasResponse) -> Replica | None:
+    """The answer's only replica (its extent the object's) when it is about one key, found,
+    with one replica: a single get's common case, read without the columns' arrays
+    (:class:`Located`). None otherwise."""
+    cols = r.replicas
+    if len(r.statuses) != 1 or r.statuses[0] != pb.STATUS_OK or len(cols.offsets) != 1:
+        return None
+    return replica_from_pb(cols.locations[cols.location[0]]).at(cols.offsets[0], r.sizes[0])

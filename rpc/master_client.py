@@ -10,6 +10,7 @@ import contextlib
 import socket
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -39,6 +40,17 @@ from kvpool.rpc.located import Located
 from kvpool.rpc.lookup import LookupLost, Lookups
 
 
+@dataclass(frozen=True, slots=True)
+class PutGrant:
+    """What a PutStart grants besides the places: the master's epoch, each key's version
+    (parallel to the keys; 0 for a key refused) and how long a node holds a writer's
+    reservation (``hold_s``). Empty (epoch 0) from a master that grants none."""
+
+    epoch: int
+    versions: list[int]
+    hold_s: float
+
+
 class MasterClient(GrpcClient):
     """A blocking, thread-safe client of one master."""
 
@@ -52,10 +64,12 @@ class MasterClient(GrpcClient):
 
     # -- membership (store nodes) --
     def mount_segment(self, node: NodeEndpoints, segment: SegmentInfo, *,
-                      keeps_manifest: bool = False, recovering: bool = False) -> None:
-        self._call("MountSegment", pb.MountSegmentRequest(
+                      keeps_manifest: bool = False, recovering: bool = False) -> int:
+        """Mount ``segment``; returns the master's epoch (a writer's grant carries it, and the
+        node refuses a reservation or seal of another epoch)."""
+        return self._call("MountSegment", pb.MountSegmentRequest(
             node=wire.node_to_pb(node), segment=wire.segment_to_pb(segment),
-            keeps_manifest=keeps_manifest, recovering=recovering))
+            keeps_manifest=keeps_manifest, recovering=recovering)).epoch
 
     def unmount_segment(self, node_id: str, segment_id: str) -> None:
         r = self._call("UnmountSegment", pb.UnmountSegmentRequest(node_id=node_id,
@@ -211,24 +225,34 @@ class MasterClient(GrpcClient):
                   parents: Sequence[str | None] | None = None
                   ) -> tuple[list[tuple[Replica, ...] | KVPoolError], float]:
         """Allocate; ``parents``: parallel to ``keys``, the block each extends (None: none)."""
+        out, put_timeout_s, _ = self.put_start_grant(keys, sizes, replicas, parents)
+        return out, put_timeout_s
+
+    def put_start_grant(self, keys: Sequence[str], sizes: Sequence[int], replicas: int = 0,
+                        parents: Sequence[str | None] | None = None, *, fenced: bool = False
+                        ) -> tuple[list[tuple[Replica, ...] | KVPoolError], float, PutGrant]:
+        """:meth:`put_start`, with the grant a writer hands its nodes (RESERVE, SEAL:
+        net/data_port.py). ``fenced``: the writer will reserve each extent at its node before
+        writing and seal it after, so the master answers without waiting for the nodes."""
         r = self._lookup(lookup_port.PUT_START, "PutStart", pb.PutStartRequest(
             keys=keys, sizes=sizes, replicas=replicas,
-            parents=[p or "" for p in parents] if parents and any(parents) else ()),
-            pb.PutStartResponse)
+            parents=[p or "" for p in parents] if parents and any(parents) else (),
+            fenced=fenced), pb.PutStartResponse)
         placed = wire.replicas_from_columns(r.replicas, sizes)
         out = [error_for_status(s, k) or p for k, s, p in zip(keys, r.statuses, placed)]
         if r.space_summary:   # say how much was asked, and how much room there is
             copies = f"x{replicas}" if replicas else "the default replicas"
             out = [NoSpace(f"{k!r}: no room for {size} bytes ({copies}); {r.space_summary}")
                    if type(o) is NoSpace else o for k, size, o in zip(keys, sizes, out)]
-        return out, r.put_timeout_s
+        return out, r.put_timeout_s, PutGrant(r.epoch, list(r.versions), r.hold_s)
 
-    def put_end(self, keys: Sequence[str], checksums: Sequence[int | None] | None = None
-                ) -> list[KVPoolError | None]:
-        """Commit; ``checksums``: each object's CRC-32C (common/checksum.py), or None."""
+    def put_end(self, keys: Sequence[str], checksums: Sequence[int | None] | None = None,
+                *, sealed: bool = False) -> list[KVPoolError | None]:
+        """Commit; ``checksums``: each object's CRC-32C (common/checksum.py), or None.
+        ``sealed``: every replica was sealed at its node (the answer waits for no node)."""
         r = self._lookup(lookup_port.PUT_END, "PutEnd", pb.PutEndRequest(
-            keys=keys, checksums=[checksum.encode(c) for c in checksums] if checksums else ()),
-            pb.StatusesResponse)
+            keys=keys, checksums=[checksum.encode(c) for c in checksums] if checksums else (),
+            sealed=sealed), pb.StatusesResponse)
         return [error_for_status(s, k) for k, s in zip(keys, r.statuses)]
 
     def put_revoke(self, keys: Sequence[str]) -> list[KVPoolError | None]:
@@ -247,9 +271,13 @@ class MasterClient(GrpcClient):
     def locate(self, keys: Sequence[str]) -> Located:
         """Each key's size, version, checksum and replicas, leasing each object found (see
         :class:`Located`): columns, with no Python object per key until one is asked for."""
-        r = self._lookup(lookup_port.GET_REPLICAS, "GetReplicas", pb.KeysRequest(keys=keys),
-                         pb.GetReplicasResponse)
-        return _located(keys, r)
+        return located(keys, self.locate_answer(keys))
+
+    def locate_answer(self, keys: Sequence[str]) -> pb.GetReplicasResponse:
+        """:meth:`locate`'s answer as it came (``located(keys, answer)`` makes the columns):
+        a single get reads its one replica from it directly (rpc/located.py only_replica)."""
+        return self._lookup(lookup_port.GET_REPLICAS, "GetReplicas", pb.KeysRequest(keys=keys),
+                            pb.GetReplicasResponse)
 
     def _lookup_channel(self):
         """The lookup port's channel, learning the port first (an empty GetReplicas) when
@@ -297,7 +325,7 @@ class MasterClient(GrpcClient):
         return [error_for_status(s, k) for k, s in zip(keys, r.statuses)]
 
 
-def _located(keys: Sequence[str], r: pb.GetReplicasResponse) -> Located:
+def located(keys: Sequence[str], r: pb.GetReplicasResponse) -> Located:
     """A GetReplicas answer in columns."""
     sizes = np.array(r.sizes, dtype=np.uint64)
     sums = np.array(r.checksums, dtype=np.uint64)

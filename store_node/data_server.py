@@ -29,22 +29,30 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Self
 
+from kvpool.common.checksum import checksum
 from kvpool.common.logging import RateLimited, get_logger
 from kvpool.common.loops import OnCrash, Supervisor
+from kvpool.common.types import ObjectRecord, Reservation
 from kvpool.net.data_port import (
+    HANDOFF_RECORD,
     HANDOFF_REQUEST,
+    HANDOFF_RESERVE,
+    HANDOFF_SEAL,
     MAX_SEGMENT_ID_BYTES,
     QP_INFO,
     REQUEST,
     FrameStatus,
     Op,
+    PutRecord,
     check_segment_id_length,
     encode_response,
     malformed_request,
+    recv_record,
     send_refusal,
     send_reply,
 )
 from kvpool.net.sockets import PeerClosed, recv_exact_into
+from kvpool.store_node.manifest import Manifest, StaleEpoch
 from kvpool.store_node.memory import Segment
 
 log = get_logger(__name__)
@@ -92,12 +100,16 @@ class DataServer:
     ``request_counts()`` tells how many requests of each op were served (the rdma path's
     one-sidedness is asserted with it), ``byte_counts()`` how many bytes READ and WRITE moved,
     ``connections()`` how many clients are connected by tcp and by the shm socket (the node's
-    metrics). ``supervisor`` runs the accepting thread (common/loops.py).
+    metrics). ``supervisor`` runs the accepting thread (common/loops.py). ``manifest``: the
+    node's, which records writers' reservations and seals (RESERVE, SEAL; refused UNSUPPORTED
+    without one).
     """
 
     def __init__(self, segments: Mapping[str, Segment], host: str = "127.0.0.1", port: int = 0,
-                 shm: bool = True, rdma=None, supervisor: Supervisor | None = None) -> None:
+                 shm: bool = True, rdma=None, supervisor: Supervisor | None = None,
+                 manifest: Manifest | None = None) -> None:
         self._segments = segments
+        self._manifest = manifest   # takes writers' RESERVE and SEAL; None: refused
         self._rdma = rdma
         self._counts: Counter[str] = Counter()
         self._bytes: Counter[str] = Counter()
@@ -300,6 +312,22 @@ class DataServer:
             except UnicodeDecodeError:
                 return self._refuse_malformed(conn, peer, "segment id is not utf-8")
             op = Op(op)
+            if op in (Op.RESERVE, Op.SEAL):
+                got = recv_record(lambda n: _recv_bytes(conn, n))
+                if isinstance(got, str):
+                    return self._refuse_malformed(conn, peer, got)
+                self._count(op.name)
+                status, message = self._take_record(op, segment_id, offset, length, got[1])
+                if status is FrameStatus.OK:
+                    conn.sendall(encode_response(FrameStatus.OK, 0))
+                else:
+                    client_errors.warning("put_record_refused", kind=status.name, peer=peer,
+                                          op=op.name, key=got[1].key, reason=message)
+                    send_refusal(conn, status, message)
+                    if op is Op.RESERVE:
+                        # Its WRITE may follow on the stream: no byte of it may land.
+                        return _linger_close(conn)
+                continue
             if self._serve_by_segment(conn, op, segment_id, offset, length):
                 self._count(op.name, length)
                 continue
@@ -356,6 +384,42 @@ class DataServer:
             return False
         return True
 
+    def _take_record(self, op: Op, segment_id: str, offset: int, length: int,
+                     record: PutRecord) -> tuple[FrameStatus, str]:
+        """A writer's RESERVE (before it writes) or SEAL (after: the bytes are checked against
+        the record's CRC-32C first) into the manifest (store_node/manifest.py); the status
+        and message to answer."""
+        if self._manifest is None:
+            return FrameStatus.UNSUPPORTED, "this node keeps no manifest"
+        segment = self._segments.get(segment_id)
+        if length <= 0:
+            return FrameStatus.OUT_OF_BOUNDS, "a put's extent cannot be empty"
+        if segment is None or offset + length > segment.info.size_bytes:
+            return self._refusal(segment_id, offset, length)
+        try:
+            if op is Op.RESERVE:
+                until = time.monotonic() + record.hold_s
+                self._manifest.reserve(record.epoch, Reservation(record.key, segment_id, offset,
+                                                                 length, until))
+                return FrameStatus.OK, ""
+            if record.checksum is None:
+                return FrameStatus.BAD_REQUEST, "a seal needs the bytes' CRC-32C"
+            try:
+                found = _checksum_of(segment, offset, length)
+            except ValueError:   # closed by an unmount since the lookup
+                return FrameStatus.UNKNOWN_SEGMENT, f"segment {segment_id!r} is not mounted here"
+            if found != record.checksum:
+                return FrameStatus.CHECKSUM_MISMATCH, (
+                    f"{record.key!r}: the bytes at [{offset}, {offset + length}) of "
+                    f"{segment_id!r} have CRC-32C {found:#010x}, the seal says "
+                    f"{record.checksum:#010x}")
+            self._manifest.seal(record.epoch, ObjectRecord(
+                record.key, segment_id, offset, length, record.checksum, record.version,
+                record.parent))
+        except StaleEpoch as e:
+            return FrameStatus.STALE_EPOCH, f"{record.key!r}: {e}"
+        return FrameStatus.OK, ""
+
     def _refusal(self, segment_id: str, offset: int, length: int) -> tuple[FrameStatus, str]:
         """Why a request that :meth:`_serve_by_segment` did not serve is refused."""
         segment = self._segments.get(segment_id)
@@ -376,6 +440,10 @@ class DataServer:
         while not self._stopping.is_set():
             _recv_exact(conn, memoryview(length_buf), frame_started=False)
             (sid_len,) = HANDOFF_REQUEST.unpack(length_buf)
+            if sid_len in (HANDOFF_RESERVE, HANDOFF_SEAL):
+                if not self._serve_shm_record(conn, peer, sid_len):
+                    return
+                continue
             if reason := check_segment_id_length(sid_len):
                 return self._refuse_handoff(conn, peer, FrameStatus.BAD_REQUEST, reason,
                                             close=True)
@@ -408,6 +476,27 @@ class DataServer:
                 conn.sendall(header[sent:])
             log.debug("segment_fd_handed_off", peer=peer, segment=segment_id)
 
+    def _serve_shm_record(self, conn: socket.socket, peer: str, marker: int) -> bool:
+        """A RESERVE or SEAL on the hand-off socket; False if it was malformed (the
+        connection ends)."""
+        head = _recv_bytes(conn, HANDOFF_RECORD.size)
+        sid_len, offset, length = HANDOFF_RECORD.unpack(head)
+        if reason := check_segment_id_length(sid_len):
+            self._refuse_handoff(conn, peer, FrameStatus.BAD_REQUEST, reason, close=True)
+            return False
+        got = recv_record(lambda n: _recv_bytes(conn, n), sid_len=sid_len)
+        if isinstance(got, str):
+            self._refuse_handoff(conn, peer, FrameStatus.BAD_REQUEST, got, close=True)
+            return False
+        op = Op.RESERVE if marker == HANDOFF_RESERVE else Op.SEAL
+        self._count(op.name)
+        status, message = self._take_record(op, got[0], offset, length, got[1])
+        if status is FrameStatus.OK:
+            conn.sendall(encode_response(FrameStatus.OK, 0))
+        else:
+            self._refuse_handoff(conn, peer, status, message)
+        return True
+
     def _refuse_handoff(self, conn: socket.socket, peer: str, status: FrameStatus, message: str,
                         close: bool = False) -> None:
         client_errors.warning("handoff_refused", kind=status.name, peer=peer,
@@ -415,6 +504,24 @@ class DataServer:
         send_refusal(conn, status, message)
         if close:
             _linger_close(conn)
+
+
+def _recv_bytes(conn: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    if n:
+        _recv_exact(conn, memoryview(buf), frame_started=True)
+    return bytes(buf)
+
+
+def _checksum_of(segment: Segment, offset: int, length: int) -> int:
+    """CRC-32C of ``[offset, offset + length)`` of ``segment`` (ValueError once closed)."""
+    segment.check_range(offset, length)
+    if segment.host_addressable:
+        with segment.buffer[offset:offset + length] as view:
+            return checksum(view)
+    staged = bytearray(length)
+    segment.read_into(offset, memoryview(staged))
+    return checksum(staged)
 
 
 def _linger_close(conn: socket.socket) -> None:

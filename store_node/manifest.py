@@ -15,10 +15,23 @@ It also keeps the master's reservations (``Reservation``): space handed to a put
 written, or freed while a reader may still copy from it. A restarted master learns them with
 the announcement and keeps that space out of reuse until each ends, so a writer or reader of
 the master that died never meets an object of the new one.
+
+A writer hands the node its put too, on the data path (net/data_port.py RESERVE and SEAL), so
+that the master need not wait for this node's acknowledgement before answering: before writing,
+the writer reserves its extent (refused unless the grant's master epoch is the node's current
+master's: a late writer of a dead master is fenced here, never in reused space); after writing,
+it seals the record, checked against the bytes' CRC-32C. A sealed record is a commit pending the
+master's word: it is announced like a committed one (a restarted master indexes it, so a put
+acknowledged without this node's acknowledgement is not lost), and becomes committed when the
+master's commit arrives or a restarted master indexes it. It never ends by time alone (a
+master may be down longer than any hold): a seal the master never committed (its put timed
+out) goes when its space is given to another object (a reservation or record overlapping it),
+or when a restarted master refuses it.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -26,6 +39,10 @@ from collections.abc import Iterable, Sequence
 from kvpool.common.types import ObjectRecord, Reservation
 
 PRUNE_EVERY_S = 1.0
+
+
+class StaleEpoch(Exception):
+    """A writer's reservation or seal granted by a master that is not this node's current one."""
 
 
 class Manifest:
@@ -40,6 +57,87 @@ class Manifest:
         self._reserved: dict[tuple[str, int], Reservation] = {}
         self._clock = clock
         self._pruned = clock()
+        # Sealed records the master has not confirmed yet, by key, and by segment as sorted
+        # (offset, key) (confirmations come in batches: thousands may wait at a time).
+        self._sealed: dict[str, ObjectRecord] = {}
+        self._sealed_at: dict[str, list[tuple[int, str]]] = {}
+        # The current master's epoch (MountSegmentResponse.epoch); 0 until a master is known.
+        self._epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """The node mounted on a master of this epoch: writers of any other are refused from
+        now on. Under the lock that :meth:`reservations` takes, so that what a recovering
+        node announces holds every reservation taken under the previous epoch."""
+        with self._lock:
+            self._epoch = epoch
+
+    def _check_epoch(self, epoch: int) -> None:
+        if epoch != self._epoch or not epoch:
+            raise StaleEpoch(f"granted by master epoch {epoch:#x}; this node's master is "
+                             f"{self._epoch:#x}")
+
+    def reserve(self, epoch: int, res: Reservation) -> None:
+        """A writer's reservation of its extent (``until`` on this manifest's clock), taken
+        before it writes; StaleEpoch if its master is not the current one. A committed record
+        at the same place is stale (its removal was lost), as is a sealed one overlapping."""
+        with self._lock:
+            self._check_epoch(epoch)
+            place = (res.segment_id, res.offset)
+            self._reserved[place] = res
+            stale = self._by_place.get(place)
+            if stale is not None and stale != res.key:
+                self._drop(stale)
+            self._drop_sealed_overlapping(res.segment_id, res.offset, res.size, res.key)
+
+    def seal(self, epoch: int, record: ObjectRecord) -> None:
+        """A writer's record of the put it finished writing (its bytes checked by the caller),
+        kept as a commit pending the master's word; StaleEpoch if its master is not the
+        current one."""
+        with self._lock:
+            self._check_epoch(epoch)
+            self._drop_sealed_overlapping(record.segment_id, record.offset, record.size,
+                                          record.key)
+            self._add(record)
+            self._sealed[record.key] = record
+            bisect.insort(self._sealed_at.setdefault(record.segment_id, []),
+                          (record.offset, record.key))
+
+    def confirm(self, records: Iterable[ObjectRecord]) -> None:
+        """A master indexed these records (announced): sealed ones are committed now."""
+        with self._lock:
+            for r in records:
+                if self._by_key.get(r.key) == r:
+                    self._unseal(r.key)
+
+    def sealed(self) -> list[ObjectRecord]:
+        """The sealed records the master has not confirmed (yet)."""
+        with self._lock:
+            return list(self._sealed.values())
+
+    def _drop_sealed_overlapping(self, segment_id: str, offset: int, size: int,
+                                 key: str) -> None:
+        places = self._sealed_at.get(segment_id)
+        if not places:
+            return
+        # Seals do not overlap each other: only the one before ``offset`` can reach into it.
+        i = max(bisect.bisect_left(places, (offset, "")) - 1, 0)
+        hit = []
+        while i < len(places) and places[i][0] < offset + size:
+            other = places[i][1]
+            r = self._sealed[other]
+            if other != key and offset < r.offset + r.size:
+                hit.append(other)
+            i += 1
+        for other in hit:
+            self._drop(other)
+
+    def _unseal(self, key: str) -> None:
+        r = self._sealed.pop(key, None)
+        if r is not None:
+            places = self._sealed_at[r.segment_id]
+            i = bisect.bisect_left(places, (r.offset, key))
+            if i < len(places) and places[i] == (r.offset, key):
+                del places[i]
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -52,24 +150,31 @@ class Manifest:
         with self._lock:
             for res in reserved:
                 self._reserved[(res.segment_id, res.offset)] = res
+                if self._sealed:
+                    self._drop_sealed_overlapping(res.segment_id, res.offset, res.size, res.key)
             self._prune_reserved()
             for r in committed:
                 res = self._reserved.get((r.segment_id, r.offset))
                 if res is not None and res.key == r.key:
                     del self._reserved[(r.segment_id, r.offset)]
-                self._drop(r.key)
-                # A record at the same place is stale: the master reused the space, so that
-                # object's removal was lost (e.g. with a master that died).
-                stale = self._by_place.get((r.segment_id, r.offset))
-                if stale is not None:
-                    self._drop(stale)
-                self._by_key[r.key] = r
-                self._by_place[(r.segment_id, r.offset)] = r.key
-                self._bytes[r.segment_id] = self._bytes.get(r.segment_id, 0) + r.size
+                self._add(r)   # the master's word: a sealed record is confirmed
             for key, version in removed:
                 r = self._by_key.get(key)
                 if r is not None and r.version == version:
                     self._drop(key)
+
+    def _add(self, r: ObjectRecord) -> None:
+        self._drop(r.key)
+        if self._sealed:   # a seal under a record of another key lost its space (revoked)
+            self._drop_sealed_overlapping(r.segment_id, r.offset, r.size, r.key)
+        # A record at the same place is stale: the master reused the space, so that
+        # object's removal was lost (e.g. with a master that died).
+        stale = self._by_place.get((r.segment_id, r.offset))
+        if stale is not None:
+            self._drop(stale)
+        self._by_key[r.key] = r
+        self._by_place[(r.segment_id, r.offset)] = r.key
+        self._bytes[r.segment_id] = self._bytes.get(r.segment_id, 0) + r.size
 
     def forget(self, keys: Iterable[str]) -> None:
         """Drop these keys (the master refused them when they were announced)."""
@@ -127,6 +232,7 @@ class Manifest:
         return [records[i:i + size] for i in range(0, len(records), size)]
 
     def _drop(self, key: str) -> None:
+        self._unseal(key)
         r = self._by_key.pop(key, None)
         if r is not None:
             self._by_place.pop((r.segment_id, r.offset), None)

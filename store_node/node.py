@@ -157,7 +157,8 @@ class StoreNode:
                     if seg.info.tier in ("dram", "hbm"):
                         self._published[sid] = self._rdma.register(seg)
             self._server = DataServer(self.segments, self._host, self._port, shm=self._shm,
-                                      rdma=self._rdma, supervisor=self._supervisor)
+                                      rdma=self._rdma, supervisor=self._supervisor,
+                                      manifest=self.manifest)
             self._server.start()
             host, _, port = self._server.tcp_endpoint.rpartition(":")
             self.endpoints = NodeEndpoints(
@@ -199,8 +200,11 @@ class StoreNode:
 
     def _mount_all(self, recovering: bool = False) -> None:
         for sid in self.segments:
-            self._master.mount_segment(self.endpoints, self._published[sid],
-                                       keeps_manifest=True, recovering=recovering)
+            epoch = self._master.mount_segment(self.endpoints, self._published[sid],
+                                               keeps_manifest=True, recovering=recovering)
+            # From now on writers are fenced by this master's epoch (store_node/manifest.py):
+            # what the previous master's writers reserved or sealed before is announced below.
+            self.manifest.set_epoch(epoch)
 
     def _heartbeat_loop(self) -> None:
         while True:
@@ -343,6 +347,8 @@ class StoreNode:
                 reserved=self.manifest.reservations() if done else ())
             refused = [r.key for r, err in zip(batch, results) if isinstance(err, Conflict)]
             self.manifest.forget(refused)
+            # Sealed records the master indexed now need no other word from it.
+            self.manifest.confirm([r for r, err in zip(batch, results) if err is None])
             if self._disk is not None and self._disk.manifest is not None:
                 self._disk.manifest.forget(refused)
             indexed += sum(err is None for err in results)

@@ -19,6 +19,7 @@ from kvpool.client.buffers import view_at
 from kvpool.common.checksum import Checksums
 from kvpool.common.errors import InvalidArgument, TransportError
 from kvpool.common.types import NodeEndpoints, Replica
+from kvpool.net.data_port import PutRecord
 
 K = TypeVar("K", bound=Hashable)
 
@@ -60,6 +61,22 @@ class Transport(ABC):
             crc = dict(zip(map(id, distinct), checksums.result()))
         return errors, [None if e is not None else crc[id(op.buffer)]
                         for op, e in zip(ops, errors)]
+
+    #: Whether :meth:`write_sealed` works: the put's writer then tells each node of its put
+    #: itself, and the master answers PutStart and PutEnd without waiting for the nodes.
+    seals: bool = False
+
+    def write_sealed(self, ops: Sequence[IoOp], records: Sequence[PutRecord]
+                     ) -> tuple[list[TransportError | None], list[int | None]]:
+        """:meth:`write_summed`, fenced and sealed at the node (net/data_port.py RESERVE and
+        SEAL): each op's extent is reserved with ``records[k]`` (key, version, the granting
+        master's epoch) before any byte of it is written, refused if that master is not the
+        node's; once written, the record is sealed with the CRC-32C, which the node checks
+        against the bytes it holds. An op is done (None) only when sealed. This default
+        refuses every op: a transport that cannot reach the node's records (``seals``
+        False) is never asked."""
+        error = TransportError(f"{self.scheme or type(self).__name__}: cannot seal puts")
+        return [error] * len(ops), [None] * len(ops)
 
     def read_at(self, segments: Sequence[Replica], which: np.ndarray, offsets: np.ndarray,
                 lengths: np.ndarray, addresses: np.ndarray) -> dict[int, TransportError]:

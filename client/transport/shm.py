@@ -41,6 +41,9 @@ from kvpool.net.data_port import (
     MAX_SEGMENT_ID_BYTES,
     RESPONSE,
     FrameStatus,
+    Op,
+    PutRecord,
+    encode_handoff_record,
     encode_handoff_request,
     recv_refusal,
 )
@@ -144,6 +147,35 @@ class _NodeLink:
                 os.close(fd)
         log.debug("shm_segment_mapped", endpoint=self.endpoint, segment=segment_id, size=length)
         return _Mapping(mm, length)
+
+    def records(self, op: Op, items: list[tuple[IoOp, PutRecord]], timeout_s: float
+                ) -> list[TransportError | None]:
+        """RESERVE or SEAL each ``(op, record)`` at the node, all sent at once and answered
+        in order; one result per item (a refusal keeps the link usable). TransportError
+        (raised) if the link failed."""
+        requests = [encode_handoff_record(op, io.replica.extent.segment_id,
+                                          io.replica.extent.offset, io.replica.extent.length,
+                                          record) for io, record in items]
+        out: list[TransportError | None] = []
+        with self.lock:
+            if self.closed:
+                raise TransportError(f"shm node {self.endpoint} link closed")
+            self.sock.settimeout(timeout_s)
+            self.sock.sendall(b"".join(requests))
+            for io, record in items:
+                status, length = RESPONSE.unpack(recv_exact(self.sock, RESPONSE.size,
+                                                            "shm node"))
+                if status == FrameStatus.OK and length == 0:
+                    out.append(None)
+                    continue
+                message = recv_refusal(self.sock, status, length, "shm node")
+                if status == FrameStatus.BAD_REQUEST:
+                    raise TransportError(f"shm {self.endpoint}: {op.name} refused as "
+                                         f"malformed: {message}")
+                out.append(TransportError(f"shm {self.endpoint}: {op.name} of "
+                                          f"{record.key!r} refused ({FrameStatus(status).name}): "
+                                          f"{message}"))
+        return out
 
     def close(self) -> None:
         with self.lock:
@@ -391,6 +423,46 @@ class SHMTransport(Transport):
             executor.shutdown(wait=True)
         for link in links.values():
             link.close()
+
+    seals = True
+
+    def write_sealed(self, ops: Sequence[IoOp], records: Sequence[PutRecord]
+                     ) -> tuple[list[TransportError | None], list[int | None]]:
+        """:meth:`Transport.write_sealed`: a RESERVE round trip on each node's hand-off link,
+        the copy (checksummed as it goes), a SEAL round trip."""
+        results: list[TransportError | None] = list(self._records(Op.RESERVE, ops, records))
+        todo = [k for k, e in enumerate(results) if e is None]
+        sums: list[int | None] = [None] * len(ops)
+        if todo:
+            errors, crcs = self.write_summed([ops[k] for k in todo])
+            for k, e, c in zip(todo, errors, crcs):
+                results[k], sums[k] = e, c
+        todo = [k for k, e in enumerate(results) if e is None]
+        if todo:
+            sealed = [PutRecord(records[k].key, records[k].version, records[k].epoch,
+                                records[k].hold_s, sums[k], records[k].parent) for k in todo]
+            for k, e in zip(todo, self._records(Op.SEAL, [ops[k] for k in todo], sealed)):
+                results[k] = e
+        return results, [None if e is not None else c for e, c in zip(results, sums)]
+
+    def _records(self, op: Op, ops: Sequence[IoOp], records: Sequence[PutRecord]
+                 ) -> list[TransportError | None]:
+        """RESERVE or SEAL each op's record at its node, one exchange per node."""
+        results: list[TransportError | None] = [None] * len(ops)
+        for endpoint, indexes in group_by(ops, lambda op: op.replica.node.shm_endpoint).items():
+            try:
+                link = self._link(endpoint)
+                try:
+                    got = link.records(op, [(ops[k], records[k]) for k in indexes],
+                                       self._timeout_s)
+                except OSError as exc:   # TransportError too: the link is no longer in step
+                    self._drop(link, str(exc))
+                    raise
+            except OSError as exc:
+                got = [TransportError(f"shm {endpoint}: {op.name} failed: {exc}")] * len(indexes)
+            for k, e in zip(indexes, got):
+                results[k] = e
+        return results
 
     # ----------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from kvpool.client.transport.base import (
     byte_views,
     group_by,
 )
+from kvpool.common.checksum import Checksums
 from kvpool.common.errors import (
     ClientClosed,
     InvalidArgument,
@@ -39,6 +40,8 @@ from kvpool.net.data_port import (
     RESPONSE,
     FrameStatus,
     Op,
+    PutRecord,
+    encode_record_request,
     encode_request,
     recv_refusal,
 )
@@ -107,6 +110,87 @@ class TCPTransport(Transport):
                 sock.close()
         if executor is not None:
             executor.shutdown(wait=False)
+
+    seals = True
+
+    def write_sealed(self, ops: Sequence[IoOp], records: Sequence[PutRecord]
+                     ) -> tuple[list[TransportError | None], list[int | None]]:
+        """:meth:`Transport.write_sealed` in one round trip per node: RESERVE, WRITE (the
+        node reads no byte of it when the RESERVE was refused: it drops the connection) and,
+        once the checksums are done (a helper thread takes them while the writes go out),
+        SEAL of each op, pipelined; the replies come in that order."""
+        if self._closed:
+            raise ClientClosed("transport is closed")
+        views = byte_views(ops, writable=False)
+        results: list = [_UNSET] * len(ops)
+        sums: list[int | None] = [None] * len(ops)
+        first = {}   # each distinct buffer's first op: checksummed once
+        for k, op in enumerate(ops):
+            first.setdefault(id(op.buffer), k)
+        with Checksums([views[k] for k in first.values()]) as checksums:
+            crc_of: dict[int, int] = {}
+
+            def crc(k: int) -> int:
+                if not crc_of:
+                    crc_of.update(zip(first, checksums.result()))
+                return crc_of[id(ops[k].buffer)]
+
+            for endpoint, indexes in group_by(ops, lambda o: o.replica.node.tcp_endpoint
+                                              ).items():
+                self._sealed_endpoint(endpoint, indexes, ops, views, records, crc, results)
+        for k, e in enumerate(results):
+            if e is None:
+                sums[k] = crc(k)
+        return results, sums
+
+    def _sealed_endpoint(self, endpoint: str, indexes: list[int], ops: Sequence[IoOp],
+                         views: list[memoryview], records: Sequence[PutRecord], crc,
+                         results: list) -> None:
+        """One node's RESERVE/WRITE/SEAL exchange, filling ``results``; never raises a
+        transport failure."""
+        pending = []
+        for k in indexes:
+            refusal = _local_refusal(ops[k])
+            if refusal is None:
+                pending.append(k)
+            else:
+                results[k] = refusal
+        if not pending:
+            return
+        sock = None
+        try:
+            sock = self._acquire(endpoint)
+            for k in pending:
+                send_all(sock, [_record_request(Op.RESERVE, ops[k], records[k]),
+                                _request(Op.WRITE, ops[k]), views[k]])
+            sock.sendall(b"".join(
+                _record_request(Op.SEAL, ops[k], _with_checksum(records[k], crc(k)))
+                for k in pending))
+            header = bytearray(RESPONSE.size)
+            for k in pending:
+                for op in (Op.RESERVE, Op.WRITE, Op.SEAL):
+                    recv_exact_into(sock, memoryview(header))
+                    status, length = RESPONSE.unpack(header)
+                    if status == FrameStatus.OK and length == 0:
+                        continue
+                    message = recv_refusal(sock, status, length)
+                    error = TransportError(f"tcp {endpoint}: {op.name} of {records[k].key!r} "
+                                           f"refused ({FrameStatus(status).name}): {message}")
+                    if op is not Op.SEAL:   # the node dropped the connection after it
+                        raise error
+                    results[k] = error
+                    break
+                else:
+                    results[k] = None
+        except OSError as exc:   # the one boundary: every socket failure becomes this
+            if sock is not None:
+                sock.close()
+            error = exc if isinstance(exc, TransportError) else self._describe(endpoint, exc)
+            for k in pending:
+                if results[k] is _UNSET:
+                    results[k] = TransportError(str(error))
+            return
+        self._release(endpoint, sock)
 
     # ---------------------------------------------------------------- batching
 
@@ -253,6 +337,16 @@ def _usable(sock: socket.socket) -> bool:
 def _request(op: Op, io: IoOp) -> bytes:
     extent = io.replica.extent
     return encode_request(op, extent.segment_id, extent.offset, extent.length)
+
+
+def _record_request(op: Op, io: IoOp, record: PutRecord) -> bytes:
+    extent = io.replica.extent
+    return encode_record_request(op, extent.segment_id, extent.offset, extent.length, record)
+
+
+def _with_checksum(record: PutRecord, crc: int) -> PutRecord:
+    return PutRecord(record.key, record.version, record.epoch, record.hold_s, crc,
+                     record.parent)
 
 
 def _local_refusal(io: IoOp) -> SegmentBoundsError | None:

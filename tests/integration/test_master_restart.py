@@ -14,6 +14,7 @@ from kvpool.client import KVClient
 from kvpool.client.transport.base import IoOp
 from kvpool.client.transport.tcp import TCPTransport
 from kvpool.common.errors import KVPoolError, MasterUnavailable, NoSpace, ObjectNotFound
+from kvpool.net.data_port import PutRecord
 from kvpool.rpc.master_client import MasterClient
 
 from .conftest import run_cluster
@@ -108,6 +109,36 @@ def test_puts_in_flight_at_the_kill_lose_nothing_committed(cluster):
         keys = list(expected)
         assert kv.batch_get(keys) == [expected[k] for k in keys]
     print(f"\nin flight at the kill: {len(committed)} puts acknowledged, none lost")
+
+
+def test_a_sealed_put_the_master_never_streamed_survives_a_master_kill(cluster):
+    """A put sealed at its nodes (DESIGN.md, Put) is announced by them like a committed one:
+    here the master is killed after the seal and before PutEnd, so no commit of it was ever
+    streamed; the restarted master indexes it from the seals, at the same extents."""
+    value = os.urandom(256 * 1024)
+    with MasterClient(cluster.master) as mc:
+        [where], _, grant = mc.put_start_grant(["sealed"], [len(value)], replicas=2,
+                                               fenced=True)
+        assert grant.epoch and grant.versions[0]
+        records = [PutRecord("sealed", grant.versions[0], grant.epoch, grant.hold_s)] * 2
+        tcp = TCPTransport()
+        try:
+            errors, _ = tcp.write_sealed([IoOp(r, memoryview(value)) for r in where], records)
+        finally:
+            tcp.close()
+        assert errors == [None, None]
+    cluster.restart_master()
+    with KVClient(cluster.master) as kv, MasterClient(cluster.master) as mc:
+        read_all_when_back(kv, {"sealed": value})
+        deadline = time.monotonic() + RECOVERY_LIMIT_S
+        while True:   # both nodes announce it, at the extents it was written to
+            [view] = mc.locate(["sealed"]).views()
+            if len(view.replicas) == 2:
+                break
+            assert time.monotonic() < deadline, "a node did not announce its seal"
+            time.sleep(0.05)
+        assert {(r.extent.segment_id, r.extent.offset) for r in view.replicas} == \
+            {(r.extent.segment_id, r.extent.offset) for r in where}
 
 
 @pytest.fixture

@@ -16,8 +16,8 @@ BLOCK = 64 << 10
 
 
 class SlowSHM(SHMTransport):
-    """A real shm transport whose batch reads start only after ``delay_s`` (a reader stalled
-    past its lease)."""
+    """A real shm transport whose reads start only after ``delay_s`` (a reader stalled past
+    its lease): batch reads (``read_at``) and a single get's (``read``)."""
 
     def __init__(self, delay_s: float, started: threading.Event):
         super().__init__()
@@ -27,6 +27,11 @@ class SlowSHM(SHMTransport):
         self.started.set()
         time.sleep(self.delay_s)
         return super().read_at(*args)
+
+    def read(self, ops):
+        self.started.set()
+        time.sleep(self.delay_s)
+        return super().read(ops)
 
 
 class BrokenBatchSHM(SHMTransport):

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
 from kvpool.common.types import ObjectRecord, Reservation
-from kvpool.store_node.manifest import Manifest
+from kvpool.store_node.manifest import Manifest, StaleEpoch
 
 
 def rec(key: str, offset: int = 0, version: int = 1, segment: str = "s") -> ObjectRecord:
@@ -65,3 +66,64 @@ def test_reservations_end_with_their_commit_or_their_time(clock):
     m.forget_segments(["t"])            # its memory is gone
     assert m.reservations() == []
 
+
+
+# -- a writer's reservations and seals (store_node/manifest.py; DESIGN.md, Put) --
+
+def test_a_writer_of_another_master_epoch_is_refused(clock):
+    m = Manifest(clock)
+    res = Reservation("k", "s", 0, 64, clock.now + 10)
+    with pytest.raises(StaleEpoch):
+        m.reserve(1, res)   # no master known yet
+    m.set_epoch(2)
+    with pytest.raises(StaleEpoch):
+        m.reserve(1, res)
+    with pytest.raises(StaleEpoch):
+        m.seal(1, rec("k"))
+    assert m.reservations() == [] and m.records() == []
+    m.reserve(2, res)
+    assert m.reservations() == [res]
+
+
+def test_a_seal_is_announced_until_the_master_commits_it_however_long_that_takes(clock):
+    """A sealed record counts as committed (a restarted master indexes it), and time alone
+    never ends it: the master may be down longer than any hold, and its PutEnd was answered."""
+    m = Manifest(clock)
+    m.set_epoch(5)
+    m.seal(5, rec("confirmed", 0))
+    m.seal(5, rec("waiting", 64))
+    m.seal(5, rec("announced", 128))
+    m.apply([rec("confirmed", 0)], [])            # the master's commit, on the stream
+    m.confirm([rec("announced", 128)])            # indexed by a restarted master
+    clock.advance(3600)
+    assert [r.key for r in m.records()] == ["confirmed", "waiting", "announced"]
+    assert m.sealed() == [rec("waiting", 64)]
+
+
+def test_a_reservation_of_another_key_drops_a_seal_it_overlaps(clock):
+    """Reserved or committed space is the master's to give: a seal still there overlapping it
+    is stale (its put was revoked or timed out, never committed)."""
+    m = Manifest(clock)
+    m.set_epoch(5)
+    m.seal(5, ObjectRecord("old", "s", 64, 128, 1, 1))
+    m.reserve(5, Reservation("new", "s", 128, 64, clock.now + 10))
+    assert m.records() == []
+    m.seal(5, ObjectRecord("old2", "s", 64, 128, 1, 2))
+    m.apply([], [], [Reservation("new2", "s", 0, 128, clock.now + 10)])
+    assert m.records() == []
+    m.seal(5, ObjectRecord("old3", "s", 64, 128, 1, 3))
+    m.apply([ObjectRecord("moved", "s", 0, 128, 1, 4)], [])   # a commit over it, elsewhere
+    assert [r.key for r in m.records()] == ["moved"]
+
+
+def test_only_the_seals_a_reservation_overlaps_go(clock):
+    m = Manifest(clock)
+    m.set_epoch(5)
+    for i in range(8):   # [128 i, 128 i + 128)
+        m.seal(5, ObjectRecord(f"k{i}", "s", 128 * i, 128, 1, i + 1))
+    m.seal(5, ObjectRecord("other-segment", "t", 128, 128, 1, 99))
+    m.reserve(5, Reservation("new", "s", 100, 200, clock.now + 10))   # [100, 300)
+    assert sorted(r.key for r in m.sealed()) == ["k3", "k4", "k5", "k6", "k7", "other-segment"]
+    m.reserve(5, Reservation("k5", "s", 640, 128, clock.now + 10))   # its own seal stays
+    m.apply([ObjectRecord("moved", "s", 900, 10, 1, 100)], [])       # inside k7's
+    assert sorted(r.key for r in m.sealed()) == ["k3", "k4", "k5", "k6", "other-segment"]

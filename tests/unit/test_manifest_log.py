@@ -37,3 +37,26 @@ def test_only_appending_moves_the_count_of_events_recorded():
     log.keep("n2").append(Removal("b", 1))
     log.forget("n2")
     assert log.recorded == mark + 1   # n2's one append; taking, putting back, dropping: none
+
+
+def test_has_removals_sees_each_queued_removal_until_it_is_taken():
+    """A fenced put asks on every call whether a removal is still queued (it must not be
+    answered before one is applied); the answer follows appends, takes and requeues."""
+    log = ManifestLog()
+    q = log.keep("n1")
+    q.append(ObjectRecord("a", "s", 0, 64, None, 1))
+    assert not log.has_removals()
+    q.append(Removal("a", 1))
+    q.append(ObjectRecord("b", "s", 64, 64, None, 2))
+    assert log.has_removals() and log.has_removals()
+    delta = log.take("n1")
+    assert not log.has_removals()
+    q.append(ObjectRecord("c", "s", 128, 64, None, 3))
+    q.append(ObjectRecord("d", "s", 192, 64, None, 4))
+    q.append(ObjectRecord("e", "s", 256, 64, None, 5))
+    assert not log.has_removals()
+    log.requeue("n1", delta)   # the stream broke: the removal is queued again, in front
+    assert log.has_removals()
+    log.take("n1")
+    log.keep("n2").append(Removal("x", 9))
+    assert log.has_removals()

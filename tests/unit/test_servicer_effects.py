@@ -80,3 +80,42 @@ async def test_mutations_answer_once_the_node_applied_their_changes(master):
                  stub.Pin(pb.PinRequest(keys=["x"], ttl_s=5))):
         await asyncio.wait_for(call, 1)
     stream.cancel()
+
+
+async def test_fenced_and_sealed_puts_answer_without_the_nodes_ack_unless_a_removal_is_out(
+        master):
+    """A writer that reserves and seals at the node itself (DESIGN.md, Fenced and sealed puts)
+    is answered at once, its changes still sent to the node (with the stream's next message);
+    but not while a removal is queued or unacknowledged: the object must be out of its
+    manifest first."""
+    stub = master
+    stream = await watching_node(stub)
+    mount = await stub.MountSegment(pb.MountSegmentRequest(
+        node=wire.node_to_pb(NodeEndpoints("n1", "boot", "n1:1")),
+        segment=wire.segment_to_pb(SegmentInfo("n1-s", 1 << 20)), keeps_manifest=True))
+    started = await asyncio.wait_for(stub.PutStart(pb.PutStartRequest(
+        keys=["k"], sizes=[100], fenced=True)), 1)   # no ack is ever sent for it
+    assert started.epoch == mount.epoch != 0 and list(started.versions) != [0]
+    assert started.hold_s > started.put_timeout_s
+    await asyncio.wait_for(stub.PutEnd(pb.PutEndRequest(keys=["k"], sealed=True)), 1)
+    seqs = []
+    while True:   # sent all the same: the reservation and the commit
+        changes = await asyncio.wait_for(stream.read(), 5)
+        seqs.append(changes.seq)
+        if list(changes.committed.keys) == ["k"]:
+            break
+    await stub.AckManifest(pb.AckManifestRequest(node_id="n1", seq=seqs[-1]))
+    # A removal on its way to the node: a fenced put waits for it like any other.
+    remove = asyncio.ensure_future(stub.Remove(pb.KeysRequest(keys=["k"])))
+    removal = await asyncio.wait_for(stream.read(), 5)
+    assert list(removal.removed_keys) == ["k"]
+    put = asyncio.ensure_future(stub.PutStart(pb.PutStartRequest(keys=["j"], sizes=[100],
+                                                                 fenced=True)))
+    await asyncio.sleep(0.2)
+    assert not put.done(), "a fenced put answered while a removal was unacknowledged"
+    await stub.AckManifest(pb.AckManifestRequest(node_id="n1", seq=removal.seq))
+    await asyncio.wait_for(remove, 5)
+    reservation = await asyncio.wait_for(stream.read(), 5)
+    await stub.AckManifest(pb.AckManifestRequest(node_id="n1", seq=reservation.seq))
+    await asyncio.wait_for(put, 5)
+    stream.cancel()

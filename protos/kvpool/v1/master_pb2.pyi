@@ -102,8 +102,10 @@ class MountSegmentRequest(_message.Message):
     def __init__(self, node: _Optional[_Union[NodeEndpoints, _Mapping]] = ..., segment: _Optional[_Union[SegmentInfo, _Mapping]] = ..., keeps_manifest: _Optional[bool] = ..., recovering: _Optional[bool] = ...) -> None: ...
 
 class MountSegmentResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("epoch",)
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
 
 class UnmountSegmentRequest(_message.Message):
     __slots__ = ("node_id", "segment_id")
@@ -258,24 +260,28 @@ class ReportCorruptRequest(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[str]] = ..., versions: _Optional[_Iterable[int]] = ..., segment_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PutEndRequest(_message.Message):
-    __slots__ = ("keys", "checksums")
+    __slots__ = ("keys", "checksums", "sealed")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    SEALED_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[str]
     checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, keys: _Optional[_Iterable[str]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    sealed: bool
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., checksums: _Optional[_Iterable[int]] = ..., sealed: _Optional[bool] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
-    __slots__ = ("keys", "sizes", "replicas", "parents")
+    __slots__ = ("keys", "sizes", "replicas", "parents", "fenced")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
+    FENCED_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[str]
     sizes: _containers.RepeatedScalarFieldContainer[int]
     replicas: int
     parents: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., replicas: _Optional[int] = ..., parents: _Optional[_Iterable[str]] = ...) -> None: ...
+    fenced: bool
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., replicas: _Optional[int] = ..., parents: _Optional[_Iterable[str]] = ..., fenced: _Optional[bool] = ...) -> None: ...
 
 class ReplicaColumns(_message.Message):
     __slots__ = ("locations", "counts", "location", "offsets")
@@ -290,16 +296,22 @@ class ReplicaColumns(_message.Message):
     def __init__(self, locations: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., counts: _Optional[_Iterable[int]] = ..., location: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PutStartResponse(_message.Message):
-    __slots__ = ("put_timeout_s", "statuses", "replicas", "space_summary")
+    __slots__ = ("put_timeout_s", "statuses", "replicas", "space_summary", "epoch", "versions", "hold_s")
     PUT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     STATUSES_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     SPACE_SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    HOLD_S_FIELD_NUMBER: _ClassVar[int]
     put_timeout_s: float
     statuses: _containers.RepeatedScalarFieldContainer[Status]
     replicas: ReplicaColumns
     space_summary: str
-    def __init__(self, put_timeout_s: _Optional[float] = ..., statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., replicas: _Optional[_Union[ReplicaColumns, _Mapping]] = ..., space_summary: _Optional[str] = ...) -> None: ...
+    epoch: int
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    hold_s: float
+    def __init__(self, put_timeout_s: _Optional[float] = ..., statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., replicas: _Optional[_Union[ReplicaColumns, _Mapping]] = ..., space_summary: _Optional[str] = ..., epoch: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., hold_s: _Optional[float] = ...) -> None: ...
 
 class KeysRequest(_message.Message):
     __slots__ = ("keys",)

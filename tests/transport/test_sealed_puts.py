@@ -1,0 +1,147 @@
+"""A writer's RESERVE and SEAL at the node (net/data_port.py), over shm and tcp: fenced by the
+granting master's epoch, checked against the bytes' CRC-32C (DESIGN.md, Put)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+from kvpool.client.transport.base import IoOp
+from kvpool.client.transport.shm import SHMTransport
+from kvpool.client.transport.tcp import TCPTransport
+from kvpool.common.checksum import checksum
+from kvpool.common.host import local_boot_id
+from kvpool.common.types import Extent, NodeEndpoints, Replica
+from kvpool.net.data_port import (
+    RESPONSE,
+    FrameStatus,
+    Op,
+    PutRecord,
+    encode_record_request,
+    encode_request,
+    recv_refusal,
+)
+from kvpool.net.sockets import recv_exact
+from kvpool.store_node.data_server import DataServer
+from kvpool.store_node.manifest import Manifest
+from kvpool.store_node.memory import create_dram_segment
+
+EPOCH = 0x5EA1
+
+
+@pytest.fixture
+def node():
+    seg = create_dram_segment("local", 0, 1 << 20)
+    manifest = Manifest()
+    manifest.set_epoch(EPOCH)
+    server = DataServer({seg.info.segment_id: seg}, manifest=manifest)
+    server.start()
+    endpoints = NodeEndpoints("local", local_boot_id(), server.tcp_endpoint,
+                              server.shm_endpoint)
+    yield endpoints, seg, manifest
+    server.stop()
+    seg.close()
+
+
+@pytest.fixture(params=["shm", "tcp"])
+def transport(request):
+    t = SHMTransport(timeout_s=5) if request.param == "shm" else TCPTransport(timeout_s=5)
+    yield t
+    t.close()
+
+
+def _op(endpoints, seg, offset: int, value: bytes) -> IoOp:
+    replica = Replica(endpoints, Extent(seg.info.segment_id, offset, len(value)))
+    return IoOp(replica, memoryview(value))
+
+
+def test_a_sealed_put_is_in_the_manifest_pending_the_masters_word(node, transport):
+    endpoints, seg, manifest = node
+    value = os.urandom(64 << 10)
+    errors, sums = transport.write_sealed([_op(endpoints, seg, 4096, value)],
+                                          [PutRecord("k", 7, EPOCH, 30.0, None, "parent")])
+    assert errors == [None] and sums == [checksum(value)]
+    assert bytes(seg.buffer[4096:4096 + len(value)]) == value
+    [record] = manifest.records()
+    assert (record.key, record.offset, record.size, record.version, record.checksum,
+            record.parent) == ("k", 4096, len(value), 7, checksum(value), "parent")
+    assert manifest.sealed() == [record]   # not confirmed by the master yet
+    manifest.apply([record], [])           # the master's commit arrives on the stream
+    assert manifest.sealed() == [] and manifest.records() == [record]
+
+
+def test_a_stale_epoch_write_is_refused_at_the_node_and_lands_nowhere(node, transport):
+    """A late writer of a master that died (its grant carries the old epoch) is refused
+    before any byte of it lands: the space may belong to another object by now."""
+    endpoints, seg, manifest = node
+    before = os.urandom(64 << 10)
+    seg.buffer[0:len(before)] = before
+    errors, _ = transport.write_sealed([_op(endpoints, seg, 0, os.urandom(64 << 10))],
+                                       [PutRecord("late", 3, EPOCH + 1, 30.0)])
+    assert "STALE_EPOCH" in str(errors[0])
+    assert bytes(seg.buffer[0:len(before)]) == before, "a stale writer's bytes landed"
+    assert manifest.records() == [] and manifest.reservations() == []
+    # The link still works for a writer of the current master.
+    value = os.urandom(1000)
+    errors, _ = transport.write_sealed([_op(endpoints, seg, 0, value)],
+                                       [PutRecord("now", 4, EPOCH, 30.0)])
+    assert errors == [None] and [r.key for r in manifest.records()] == ["now"]
+
+
+def _seal_over_tcp(endpoints, seg, offset: int, length: int, record: PutRecord) -> str | None:
+    """A raw SEAL frame on the data port: None if answered OK, else the refusal."""
+    host, _, port = endpoints.tcp_endpoint.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(encode_record_request(Op.SEAL, seg.info.segment_id, offset, length, record))
+        status, length = RESPONSE.unpack(recv_exact(sock, RESPONSE.size))
+        if status == FrameStatus.OK:
+            return None
+        return f"{FrameStatus(status).name}: {recv_refusal(sock, status, length)}"
+
+
+def _seal_over_shm(endpoints, seg, offset: int, length: int, record: PutRecord) -> str | None:
+    t = SHMTransport(timeout_s=5)
+    try:
+        value = memoryview(bytearray(length))   # only its extent is sent with a SEAL
+        [err] = t._records(Op.SEAL, [_op(endpoints, seg, offset, value)], [record])
+        return None if err is None else str(err)
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("seal", [_seal_over_tcp, _seal_over_shm], ids=["tcp", "shm"])
+def test_a_seal_whose_checksum_does_not_match_the_bytes_is_refused(node, seal):
+    """The node checks the bytes it holds against the writer's CRC-32C: a record is kept
+    only for bytes that are the object's."""
+    endpoints, seg, manifest = node
+    value = os.urandom(4096)
+    seg.buffer[0:len(value)] = value
+    refusal = seal(endpoints, seg, 0, len(value), PutRecord("k", 1, EPOCH, 30.0,
+                                                            checksum(value) ^ 1))
+    assert refusal is not None and "CHECKSUM_MISMATCH" in refusal
+    assert manifest.records() == []
+    assert seal(endpoints, seg, 0, len(value),
+                PutRecord("k", 1, EPOCH, 30.0, checksum(value))) is None
+    assert [r.key for r in manifest.records()] == ["k"]
+
+
+def test_after_a_refused_reserve_the_node_takes_no_byte_of_the_write_behind_it(node):
+    """tcp pipelines RESERVE and WRITE: after refusing the RESERVE the node must not serve the
+    WRITE already on the stream (it drops the connection), even for a client that keeps
+    its end open and waits."""
+    endpoints, seg, manifest = node
+    before = os.urandom(64 << 10)
+    seg.buffer[0:len(before)] = before
+    host, _, port = endpoints.tcp_endpoint.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sid = seg.info.segment_id
+        sock.sendall(encode_record_request(Op.RESERVE, sid, 0, len(before),
+                                           PutRecord("late", 3, EPOCH + 1, 30.0))
+                     + encode_request(Op.WRITE, sid, 0, len(before)) + os.urandom(len(before)))
+        status, length = RESPONSE.unpack(recv_exact(sock, RESPONSE.size))
+        assert status == FrameStatus.STALE_EPOCH
+        recv_refusal(sock, status, length)
+        assert sock.recv(1) == b"", "the node answered the WRITE behind a refused RESERVE"
+    assert bytes(seg.buffer[0:len(before)]) == before
+    assert manifest.reservations() == []
