@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 import numpy as np
 from kvpool.common.errors import InvalidArgument
 from kvpool.master.routing import DEFAULT_POLICY
+from kvpool.tools.replay_live import live_blocks
 from kvpool.tools.replay_sim import InstanceModel, Request, as_dict, load_trace, percentile, simulate
 
 FIRST_TOKEN = 100          # below it: the special tokens of common vocabularies
@@ -69,16 +70,9 @@ def scale(requests: list[Request], *, trace_block_tokens: int, live_block_tokens
         raise InvalidArgument("--time-scale must be > 0")
     scaled, prompts = [], []
     for r in requests:
-        tokens: list[int] = []
-        left = r.input_tokens
-        for h in r.hash_ids:
-            size = min(trace_block_tokens, left)
-            left -= size
-            n = live_block_tokens if size == trace_block_tokens else \
-                max(1, size * live_block_tokens // trace_block_tokens)
-            tokens += np.random.default_rng([salt, h]).integers(
-                FIRST_TOKEN, vocab_size, n).tolist()
-        tokens = tokens[:max_prompt_tokens]
+        tokens = [t for h, n in live_blocks(r, trace_block_tokens, live_block_tokens)
+                  for t in np.random.default_rng([salt, h]).integers(
+                      FIRST_TOKEN, vocab_size, n).tolist()][:max_prompt_tokens]
         blocks = -(-len(tokens) // live_block_tokens)
         scaled.append(Request(r.arrival_s * time_scale, len(tokens), r.hash_ids[:blocks]))
         prompts.append(tokens)

@@ -32,17 +32,24 @@ from kvpool.tools.replay_sim import LRUBlocks, Request, load_trace
 MODEL_KEY = {"model": "kvpool-replay"}
 
 
-def synthetic_tokens(req: Request, trace_block_tokens: int, live_block_tokens: int) -> list[int]:
-    """Deterministic tokens per trace block: same hash id, same tokens."""
-    tokens: list[int] = []
-    left = req.input_tokens
+def live_blocks(req: Request, trace_block_tokens: int, live_block_tokens: int
+                ) -> list[tuple[int, int]]:
+    """(hash id, live tokens) per trace block: a full trace block is a full live block, a
+    partial last one a partial one."""
+    out, left = [], req.input_tokens
     for h in req.hash_ids:
         size = min(trace_block_tokens, left)
         left -= size
-        n = live_block_tokens if size == trace_block_tokens else \
-            max(1, size * live_block_tokens // trace_block_tokens)
-        tokens += [(h * 1_000_003 + k * 7919) % 2**31 for k in range(n)]
-    return tokens
+        out.append((h, live_block_tokens if size == trace_block_tokens else
+                    max(1, size * live_block_tokens // trace_block_tokens)))
+    return out
+
+
+def synthetic_tokens(req: Request, trace_block_tokens: int, live_block_tokens: int) -> list[int]:
+    """Deterministic tokens per trace block: same hash id, same tokens."""
+    return [(h * 1_000_003 + k * 7919) % 2**31
+            for h, n in live_blocks(req, trace_block_tokens, live_block_tokens)
+            for k in range(n)]
 
 
 def block_bytes(h: bytes, nbytes: int) -> np.ndarray:
