@@ -38,7 +38,14 @@ import numpy as np
 from kvpool.common.errors import InvalidArgument
 from kvpool.master.routing import DEFAULT_POLICY
 from kvpool.tools.replay_live import live_blocks
-from kvpool.tools.replay_sim import InstanceModel, Request, as_dict, load_trace, percentile, simulate
+from kvpool.tools.replay_sim import (
+    InstanceModel,
+    Request,
+    as_dict,
+    load_trace,
+    percentile,
+    simulate,
+)
 
 FIRST_TOKEN = 100          # below it: the special tokens of common vocabularies
 ENGINE_COUNTERS = {"local_hit_tokens": "vllm:prefix_cache_hits_total",
@@ -143,7 +150,7 @@ def scrape(url: str) -> str:
 def counter(page: str, name: str) -> dict[str, float]:
     """Samples of ``name`` by their label text (``""`` for none)."""
     out: dict[str, float] = {}
-    for m in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", page, re.M):
+    for m in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", page, re.MULTILINE):
         out[m.group(1) or ""] = out.get(m.group(1) or "", 0.0) + float(m.group(2))
     return out
 
@@ -256,10 +263,10 @@ def format_report(r: dict) -> str:
              f"{'':<22}{'measured':>12}{'predicted':>12}",
              f"{'TTFT p50 (ms)':<22}{ms(m['ttft_p50_s']):>12}{ms(p['ttft_p50_s']):>12}",
              f"{'TTFT p90 (ms)':<22}{ms(m['ttft_p90_s']):>12}{ms(p['ttft_p90_s']):>12}",
-             f"{'engine cache tokens':<22}{tokens(m.get('local_hit_tokens')):>12}"
-             f"{tokens(p['local_hit_tokens']):>12}",
-             f"{'kvpool-loaded tokens':<22}{tokens(m.get('kvpool_hit_tokens')):>12}"
-             f"{tokens(p['kvpool_hit_tokens']):>12}"]
+             (f"{'engine cache tokens':<22}{tokens(m.get('local_hit_tokens')):>12}"
+              f"{tokens(p['local_hit_tokens']):>12}"),
+             (f"{'kvpool-loaded tokens':<22}{tokens(m.get('kvpool_hit_tokens')):>12}"
+              f"{tokens(p['kvpool_hit_tokens']):>12}")]
     if r["failed"]:
         lines.append(f"{len(r['failed'])} requests failed; the first: {r['failed'][0]['error']}")
     return "\n".join(lines)
