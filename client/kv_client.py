@@ -45,6 +45,13 @@ _UNREACHABLE_S = 5.0
 # Writes are not started this close to the put deadline, so a slow writer never races the
 # master's reclaim of the PENDING object.
 _PUT_DEADLINE_MARGIN_S = 0.5
+# Puts of at most this many keys are fenced and sealed at their nodes (the master answers
+# without waiting for them); larger batches take the master's waits, paid once per call, since
+# a seal costs each key a round trip to its node (shm) or the node's own check (tcp).
+# Measured (64 KiB values, one node): sealed / waiting 0.75-0.87 up to 4 keys on shm and tcp,
+# 1.1-1.3 at 8-16 keys, 1.9 at 64 on shm; a batch of 512 x 16 KiB on shm took 47 ms sealed
+# against 18 ms waiting.
+SEAL_MAX_KEYS = 4
 # Keys of at most this many characters are valid whatever they hold (4 bytes a character).
 _SHORT_KEY_CHARS = MAX_KEY_BYTES // 4
 
@@ -219,13 +226,14 @@ class KVClient:
         if not views:
             return results
         idx = list(views)
+        fenced = self._fenced and len(idx) <= SEAL_MAX_KEYS
         sent = time.monotonic()
         placed, put_timeout_s, grant = self._master.put_start_grant(
             [keys[i] for i in idx], [views[i].nbytes for i in idx],
             self._replicas if replicas is None else replicas,
-            [parents[i] for i in idx] if parents is not None else None, fenced=self._fenced)
+            [parents[i] for i in idx] if parents is not None else None, fenced=fenced)
         records = None
-        if self._fenced and grant.epoch:
+        if fenced and grant.epoch:
             hold_s = grant.hold_s - (time.monotonic() - sent)
             records = {i: PutRecord(keys[i], version, grant.epoch, max(hold_s, 0.0), None,
                                     parents[i] if parents is not None else None)
