@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +45,7 @@ from kvpool.tools.replay_sim import (
     percentile,
     simulate,
 )
+from prometheus_client.parser import text_string_to_metric_families
 
 FIRST_TOKEN = 100          # below it: the special tokens of common vocabularies
 ENGINE_COUNTERS = {"local_hit_tokens": "vllm:prefix_cache_hits_total",
@@ -147,29 +147,28 @@ def scrape(url: str) -> str:
         conn.close()
 
 
-def counter(page: str, name: str) -> dict[str, float]:
-    """Samples of ``name`` by their label text (``""`` for none)."""
+def by_label(page: str, name: str, label: str = "") -> dict[str, float]:
+    """The samples of ``name`` in a /metrics page, summed by the value of ``label`` (all under
+    ``""`` when no label is given)."""
     out: dict[str, float] = {}
-    for m in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", page, re.MULTILINE):
-        out[m.group(1) or ""] = out.get(m.group(1) or "", 0.0) + float(m.group(2))
+    for family in text_string_to_metric_families(page):
+        for s in family.samples:
+            if s.name == name:
+                key = s.labels.get(label, "") if label else ""
+                out[key] = out.get(key, 0.0) + s.value
     return out
 
 
 def engine_counts(urls: list[str]) -> dict[str, float]:
     pages = [scrape(u) for u in urls]
-    return {k: sum(sum(counter(p, name).values()) for p in pages)
+    return {k: sum(by_label(p, name).get("", 0.0) for p in pages)
             for k, name in ENGINE_COUNTERS.items()}
 
 
 def routed_by(before: str, after: str) -> dict[str, int]:
     """Requests the gateway routed during the run, per policy (its route metric)."""
-    a, b = counter(before, _ROUTED), counter(after, _ROUTED)
-    out = {}
-    for labels, n in b.items():
-        policy = re.search(r'policy="([^"]*)"', labels)
-        if (d := int(n - a.get(labels, 0.0))) and policy:
-            out[policy.group(1)] = out.get(policy.group(1), 0) + d
-    return out
+    a, b = by_label(before, _ROUTED, "policy"), by_label(after, _ROUTED, "policy")
+    return {policy: d for policy, n in b.items() if policy and (d := int(n - a.get(policy, 0.0)))}
 
 
 def send_all(gateway: Gateway, model: str, scaled: list[Request], prompts: list[list[int]],

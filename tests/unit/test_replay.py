@@ -196,3 +196,15 @@ def test_a_trace_scaled_for_real_engines_keeps_its_prefix_structure():
     _, other = scale(reqs, trace_block_tokens=512, live_block_tokens=16, vocab_size=1000,
                      time_scale=1.0, salt=1)
     assert other[0][:16] != prompts[0][:16]   # another salt: no shared prefix
+
+
+def test_the_engines_and_gateways_counters_are_read_from_their_metrics_pages():
+    from kvpool.tools.replay_gateway import by_label, routed_by
+    engine = ('# HELP vllm:prefix_cache_hits_total hits\n# TYPE vllm:prefix_cache_hits_total counter\n'
+              'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 96.0\n'
+              'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 32.0\n')
+    assert by_label(engine, "vllm:prefix_cache_hits_total") == {"": 128.0}
+    route = ('# TYPE kvpool_gateway_route_seconds histogram\n'
+             'kvpool_gateway_route_seconds_count{policy="kvpool"} %d\n'
+             'kvpool_gateway_route_seconds_count{policy="fallback_least_loaded"} %d\n')
+    assert routed_by(route % (3, 1), route % (19, 1)) == {"kvpool": 16}
