@@ -36,6 +36,7 @@ import http.client
 import json
 import os
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -113,6 +114,8 @@ def main() -> int:
                    help="disaggregated: requests sent at once per round (default: 1)")
     p.add_argument("--probe-interval", default="1s",
                    help="the gateway's --probe-interval (its scrapes of each engine's /metrics)")
+    p.add_argument("--gateway-args", default="",
+                   help="more arguments for the gateway, e.g. '--event-loop asyncio'")
     a = p.parse_args()
     if a.prefill or a.decode:
         if not (a.prefill and a.decode and a.master and a.model) or a.engine or a.stand_in:
@@ -172,7 +175,7 @@ def colocated(a: argparse.Namespace, name: str) -> int:
     gw = subprocess.Popen(
         [sys.executable, "-m", "kvpool", "gateway", "--master", a.master, "--engines", a.engine,
          "--model", a.model, "--served-model-name", name, "--port", "0",
-         "--probe-interval", a.probe_interval],
+         "--probe-interval", a.probe_interval, *shlex.split(a.gateway_args)],
         stdout=subprocess.PIPE, stderr=log, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
