@@ -69,9 +69,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="connecting to an engine (default: 2s)")
     p.add_argument("--probe-interval", type=duration_type, default=1.0, metavar="DURATION",
                    help="how often each engine's load is read from its /metrics (default: 1s)")
-    p.add_argument("--event-loop", choices=("uvloop", "asyncio"), default=None,
-                   help="the event loop (default: uvloop when installed, as with the gateway "
-                        "extra: it takes ~0.3 ms off each request's time to first token)")
     log_arg(p)
 
 
@@ -105,25 +102,7 @@ def run(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout, read_timeout_s=args.read_timeout,
         connect_timeout_s=args.connect_timeout, probe_interval_s=args.probe_interval,
         calibrate=args.calibrate, discover=args.discover)
-    loop_factory = _loop_factory(args.event_loop)
-    if isinstance(loop_factory, str):
-        print(f"kvpool gateway: error: {loop_factory}", file=sys.stderr)
-        return 2
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(_serve(config, args.host, args.port))
-
-
-def _loop_factory(choice: str | None):
-    """uvloop's loop factory (asked for, or by default when installed), None for asyncio's, or
-    an error message (uvloop asked for and absent)."""
-    if choice == "asyncio":
-        return None
-    try:
-        import uvloop
-    except ImportError:
-        return None if choice is None else \
-            "--event-loop uvloop: uvloop is not installed (pip install 'kvpool[gateway]')"
-    return uvloop.new_event_loop
+    return asyncio.run(_serve(config, args.host, args.port))
 
 
 def _engines(args: argparse.Namespace) -> list:
