@@ -97,18 +97,7 @@ class Gateway:
         self.url = f"http://{self.host}:{self.port}"
 
     def get(self, path: str) -> bytes:
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
-        try:
-            conn.request("GET", path)
-            r = conn.getresponse()
-            body = r.read()
-        except OSError as e:
-            raise InvalidArgument(f"gateway {self.url} does not answer: {e}") from None
-        finally:
-            conn.close()
-        if r.status != 200:
-            raise InvalidArgument(f"gateway {self.url}{path}: HTTP {r.status}")
-        return body
+        return http_get(self.url, path, f"gateway {self.url}")
 
     def model(self) -> str:
         return json.loads(self.get("/v1/models"))["data"][0]["id"]
@@ -135,16 +124,25 @@ class Gateway:
             conn.close()
 
 
-def scrape(url: str) -> str:
+def http_get(url: str, path: str, what: str) -> bytes:
+    """``GET url + path``'s body; InvalidArgument naming ``what`` if it does not answer 200."""
     parts = urlsplit(url if "//" in url else f"http://{url}")
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
     try:
-        conn.request("GET", "/metrics")
-        return conn.getresponse().read().decode()
+        conn.request("GET", path)
+        r = conn.getresponse()
+        body = r.read()
     except OSError as e:
-        raise InvalidArgument(f"--engine-metrics {url}: no /metrics there: {e}") from None
+        raise InvalidArgument(f"{what} does not answer {path}: {e}") from None
     finally:
         conn.close()
+    if r.status != 200:
+        raise InvalidArgument(f"{what}: GET {path}: HTTP {r.status}")
+    return body
+
+
+def scrape(url: str) -> str:
+    return http_get(url, "/metrics", f"--engine-metrics {url}").decode()
 
 
 def by_label(page: str, name: str, label: str = "") -> dict[str, float]:
