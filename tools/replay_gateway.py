@@ -29,7 +29,7 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -41,6 +41,7 @@ from kvpool.tools.replay_sim import (
     InstanceModel,
     Request,
     as_dict,
+    ideal_reuse,
     load_trace,
     percentile,
     simulate,
@@ -84,6 +85,32 @@ def scale(requests: list[Request], *, trace_block_tokens: int, live_block_tokens
         scaled.append(Request(r.arrival_s * time_scale, len(tokens), r.hash_ids[:blocks]))
         prompts.append(tokens)
     return scaled, prompts
+
+
+def window(requests: list[Request], start: int, size: int) -> list[Request]:
+    """``size`` requests from ``start``, their arrivals counted from the first of them."""
+    part = requests[start:start + size]
+    if not part:
+        raise InvalidArgument(f"--start {start}: the trace has {len(requests)} requests")
+    t0 = part[0].arrival_s
+    return [replace(r, arrival_s=r.arrival_s - t0) for r in part]
+
+
+def best_window(requests: list[Request], size: int, *, block_tokens: int,
+                max_blocks: int | None = None) -> tuple[int, float]:
+    """The start of the ``size`` consecutive requests with the most prefix reuse among
+    themselves (:func:`ideal_reuse` of the window alone, each prompt cut to ``max_blocks``
+    blocks as the live replay cuts it), and that reuse. A live replay starts with empty caches,
+    so only reuse inside the window can show; the trace's first requests share almost none."""
+    cut = [r if max_blocks is None or len(r.hash_ids) <= max_blocks else
+           Request(r.arrival_s, max_blocks * block_tokens, r.hash_ids[:max_blocks])
+           for r in requests]
+    best = (0, -1.0)
+    for start in range(max(1, len(cut) - size + 1)):
+        reuse = ideal_reuse(cut[start:start + size], block_tokens)
+        if reuse > best[1]:
+            best = (start, reuse)
+    return best
 
 
 class Gateway:
@@ -193,7 +220,13 @@ def send_all(gateway: Gateway, model: str, scaled: list[Request], prompts: list[
 
 def run_gateway(args, progress=None) -> int:
     gateway = Gateway(args.gateway)
-    requests = load_trace(args.trace, args.requests)
+    start = args.start
+    if start == "auto":
+        live_blocks_max = None if args.max_prompt_tokens is None else \
+            max(1, args.max_prompt_tokens // args.live_block_tokens)
+        start, _ = best_window(load_trace(args.trace), args.requests,
+                               block_tokens=args.block_tokens, max_blocks=live_blocks_max)
+    requests = window(load_trace(args.trace, start + args.requests), start, args.requests)
     scaled, prompts = scale(requests, trace_block_tokens=args.block_tokens,
                             live_block_tokens=args.live_block_tokens,
                             vocab_size=args.vocab_size, time_scale=args.time_scale,
@@ -217,7 +250,9 @@ def run_gateway(args, progress=None) -> int:
     predicted.sort()
     prompt_tokens = sum(len(p) for p in prompts)
     report = {
-        "trace": str(args.trace), "gateway": gateway.url, "requests": len(scaled),
+        "trace": str(args.trace), "gateway": gateway.url, "start": start,
+        "requests": len(scaled),
+        "ideal_reuse": ideal_reuse(scaled, args.live_block_tokens),
         "prompt_tokens": prompt_tokens, "policy": policy, "routed_by": routed,
         "failed": [{"request": s.index, "error": s.error} for s in sent if s.ttft_s is None],
         "per_engine": {e: sum(1 for s in sent if s.engine == e)
@@ -254,7 +289,8 @@ def format_report(r: dict) -> str:
     def tokens(v):
         return "-" if v is None else f"{v:,.0f}"
 
-    lines = [f"{r['requests']} requests ({r['prompt_tokens']:,} prompt tokens) through "
+    lines = [f"{r['requests']} requests from #{r['start']} ({r['prompt_tokens']:,} prompt "
+             f"tokens, ideal reuse {r['ideal_reuse']:.1%}) through "
              f"{r['gateway']}, policy {r['policy']}; per engine: "
              + ", ".join(f"{e or '?'} {n}" for e, n in r["per_engine"].items()),
              f"{'':<22}{'measured':>12}{'predicted':>12}",
