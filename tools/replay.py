@@ -151,6 +151,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="replay --requests requests from the N-th (arrivals counted from it); "
                          "auto: the window with the most prefix reuse among its own requests "
                          "(default: 0)")
+    gw.add_argument("--multi-turn", type=count_type, metavar="H",
+                    help="replay whole conversations of two turns or more found among the H "
+                         "requests from --start, up to --requests (real prefix reuse in a "
+                         "short run)")
     gw.add_argument("--time-scale", type=_positive, default=1.0, metavar="F",
                     help="arrival times are the trace's times F (default: 1.0)")
     gw.add_argument("--max-prompt-tokens", type=count_type, metavar="N",

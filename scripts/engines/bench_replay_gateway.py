@@ -3,7 +3,7 @@ through ``kvpool gateway`` in front of real vLLM CPU engines, beside what ``kvpo
 predicts for the same scaled requests.
 
     python3 scripts/engines/bench_replay_gateway.py [--trace FILE] [--requests 40]
-        [--start N|auto] [--policies round_robin,least_loaded,kvpool] [--engines 2] [--model DIR]
+        [--start N|auto] [--multi-turn H] [--policies round_robin,least_loaded,kvpool] [--engines 2] [--model DIR]
 
 Starts a local kvpool cluster (one node), ``--engines`` vLLM OpenAI servers (the environment of
 scripts/engines/vllm-env.sh; a random model of ``--layers``/``--hidden``/``--heads`` unless
@@ -70,6 +70,9 @@ def main() -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", default=str(REPO / "tests/data/mooncake_conversation_trace_head.jsonl"))
     p.add_argument("--requests", type=int, default=40)
+    p.add_argument("--multi-turn", type=int, metavar="H",
+                   help="whole multi-turn conversations among H requests from --start "
+                        "(kvpool replay --multi-turn)")
     p.add_argument("--start", default="0",
                    help="the first request replayed, or auto: the window of --requests with "
                         "the most prefix reuse (kvpool replay --start)")
@@ -143,6 +146,7 @@ def main() -> int:
             r = subprocess.run(
                 [sys.executable, "-m", "kvpool", "replay", a.trace, "--gateway", url,
                  "--requests", str(a.requests), "--start", a.start, "--engine-metrics", urls,
+                 *(["--multi-turn", str(a.multi_turn)] if a.multi_turn else []),
                  "--live-block-tokens", str(BLOCK), "--max-prompt-tokens",
                  str(a.max_prompt_tokens), "--vocab-size", str(vocab), "--time-scale",
                  str(a.time_scale), "--cache-blocks", str(a.cache_blocks),
@@ -158,8 +162,12 @@ def main() -> int:
         stop_groups(procs)
         cluster.stop()
     if reports:
-        print(f"\nrequests #{reports[0]['start']}-#{reports[0]['start'] + a.requests - 1} of "
-              f"{Path(a.trace).name}; ideal reuse among them {reports[0]['ideal_reuse']:.1%}")
+        first = reports[0]
+        print(f"\n{first['requests']} requests of {Path(a.trace).name} "
+              + (f"(the multi-turn conversations among #{first['start']}-"
+                 f"#{first['start'] + a.multi_turn - 1})" if a.multi_turn else
+                 f"(#{first['start']}-#{first['start'] + a.requests - 1})")
+              + f"; ideal reuse among them {first['ideal_reuse']:.1%}")
     print(f"{'policy':<14}{'TTFT p50 ms':>12}{'p90 ms':>9}{'pred p50':>10}{'pred p90':>10}"
           f"{'engine-cache tok':>18}{'kvpool tok':>12}{'pred engine':>13}{'pred kvpool':>13}")
     for r in reports:
