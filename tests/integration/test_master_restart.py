@@ -72,7 +72,8 @@ def test_committed_objects_survive_master_kill(cluster):
         assert kv.get("after-restart", verify=True) == b"x" * 1000
 
 
-def test_puts_in_flight_at_the_kill_lose_nothing_committed(cluster):
+@pytest.mark.parametrize("scheme", ["shm", "tcp"])
+def test_puts_in_flight_at_the_kill_lose_nothing_committed(cluster, scheme):
     committed: dict[str, tuple[bytes, float]] = {}   # key -> (value, when put returned)
     stop = threading.Event()
     # The writers stop well below the eviction watermark (2 x 64 MiB nodes): an object evicted
@@ -82,7 +83,7 @@ def test_puts_in_flight_at_the_kill_lose_nothing_committed(cluster):
     budget = int(0.4 * 2 * (64 << 20)) // size
 
     def writer(tag: str) -> None:
-        with KVClient(cluster.master, timeout_s=2.0) as kv:
+        with KVClient(cluster.master, timeout_s=2.0, transports=[scheme]) as kv:
             i = 0
             while not stop.is_set() and len(committed) < budget:
                 key, value = f"{tag}-{i}", os.urandom(size)
