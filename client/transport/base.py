@@ -78,6 +78,19 @@ class Transport(ABC):
         error = TransportError(f"{self.scheme or type(self).__name__}: cannot seal puts")
         return [error] * len(ops), [None] * len(ops)
 
+    def write_sealed_then(self, op: IoOp, record: PutRecord, then: Callable[[int], object]
+                          ) -> tuple[TransportError | None, int | None, bool]:
+        """:meth:`write_sealed` of one op, calling ``then(crc)`` once its bytes are written
+        (the caller commits the put there): ``(error, crc, whether then ran)``. An error
+        after ``then`` ran is the seal's: the node did not take the record. A transport
+        that can overlap ``then`` with the seal's round trip does (shm); this default seals
+        first."""
+        [error], [crc] = self.write_sealed([op], [record])
+        if error is not None or crc is None:
+            return error, None, False
+        then(crc)
+        return None, crc, True
+
     def read_at(self, segments: Sequence[Replica], which: np.ndarray, offsets: np.ndarray,
                 lengths: np.ndarray, addresses: np.ndarray) -> dict[int, TransportError]:
         """Copy extent k, ``[offsets[k], offsets[k] + lengths[k])`` of the segment of

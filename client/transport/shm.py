@@ -148,33 +148,46 @@ class _NodeLink:
         log.debug("shm_segment_mapped", endpoint=self.endpoint, segment=segment_id, size=length)
         return _Mapping(mm, length)
 
-    def records(self, op: Op, items: list[tuple[IoOp, PutRecord]], timeout_s: float
+    def records(self, op: Op, items: list[tuple[IoOp, PutRecord]], timeout_s: float,
+                meanwhile: Callable[[], object] | None = None
                 ) -> list[TransportError | None]:
         """RESERVE or SEAL each ``(op, record)`` at the node, all sent at once and answered
         in order; one result per item (a refusal keeps the link usable). TransportError
-        (raised) if the link failed."""
+        (raised) if the link failed. ``meanwhile``: called once the requests are sent, before
+        their answers are read (the node works while the caller does), under this link's
+        lock; whatever it raises is raised once the answers are read."""
         requests = [encode_handoff_record(op, io.replica.extent.segment_id,
                                           io.replica.extent.offset, io.replica.extent.length,
                                           record) for io, record in items]
-        out: list[TransportError | None] = []
         with self.lock:
             if self.closed:
                 raise TransportError(f"shm node {self.endpoint} link closed")
             self.sock.settimeout(timeout_s)
             self.sock.sendall(b"".join(requests))
-            for io, record in items:
-                status, length = RESPONSE.unpack(recv_exact(self.sock, RESPONSE.size,
-                                                            "shm node"))
-                if status == FrameStatus.OK and length == 0:
-                    out.append(None)
-                    continue
-                message = recv_refusal(self.sock, status, length, "shm node")
-                if status == FrameStatus.BAD_REQUEST:
-                    raise TransportError(f"shm {self.endpoint}: {op.name} refused as "
-                                         f"malformed: {message}")
-                out.append(TransportError(f"shm {self.endpoint}: {op.name} of "
-                                          f"{record.key!r} refused ({FrameStatus(status).name}): "
-                                          f"{message}"))
+            if meanwhile is None:
+                return self._answers(op, items)
+            try:
+                meanwhile()
+            finally:   # read the answers whatever happened, or the link is out of step
+                out = self._answers(op, items)
+            return out
+
+    def _answers(self, op: Op, items: list[tuple[IoOp, PutRecord]]
+                 ) -> list[TransportError | None]:
+        out: list[TransportError | None] = []
+        for io, record in items:
+            status, length = RESPONSE.unpack(recv_exact(self.sock, RESPONSE.size,
+                                                        "shm node"))
+            if status == FrameStatus.OK and length == 0:
+                out.append(None)
+                continue
+            message = recv_refusal(self.sock, status, length, "shm node")
+            if status == FrameStatus.BAD_REQUEST:
+                raise TransportError(f"shm {self.endpoint}: {op.name} refused as "
+                                     f"malformed: {message}")
+            out.append(TransportError(f"shm {self.endpoint}: {op.name} of "
+                                      f"{record.key!r} refused ({FrameStatus(status).name}): "
+                                      f"{message}"))
         return out
 
     def close(self) -> None:
@@ -445,16 +458,41 @@ class SHMTransport(Transport):
                 results[k] = e
         return results, [None if e is not None else c for e, c in zip(results, sums)]
 
-    def _records(self, op: Op, ops: Sequence[IoOp], records: Sequence[PutRecord]
+    def write_sealed_then(self, op: IoOp, record: PutRecord, then: Callable[[int], object]
+                          ) -> tuple[TransportError | None, int | None, bool]:
+        """:meth:`Transport.write_sealed_then`: ``then`` runs while the SEAL is on its way and
+        being checked (one round trip on the node's hand-off link, beside the caller's)."""
+        [error] = self._records(Op.RESERVE, [op], [record])
+        if error is not None:
+            return error, None, False
+        [error], [crc] = self.write_summed([op])
+        if error is not None or crc is None:
+            return error, None, False
+        sealed = PutRecord(record.key, record.version, record.epoch, record.hold_s, crc,
+                           record.parent)
+        called = False
+
+        def once() -> None:
+            nonlocal called
+            if not called:
+                called = True
+                then(crc)
+        [error] = self._records(Op.SEAL, [op], [sealed], once)
+        once()   # the link failed before the SEAL went out: ``then`` still runs, once
+        return error, crc, True
+
+    def _records(self, op: Op, ops: Sequence[IoOp], records: Sequence[PutRecord],
+                 meanwhile: Callable[[], object] | None = None
                  ) -> list[TransportError | None]:
-        """RESERVE or SEAL each op's record at its node, one exchange per node."""
+        """RESERVE or SEAL each op's record at its node, one exchange per node; with
+        ``meanwhile`` (one node only), called while that exchange is under way."""
         results: list[TransportError | None] = [None] * len(ops)
         for endpoint, indexes in group_by(ops, lambda op: op.replica.node.shm_endpoint).items():
             try:
                 link = self._link(endpoint)
                 try:
                     got = link.records(op, [(ops[k], records[k]) for k in indexes],
-                                       self._timeout_s)
+                                       self._timeout_s, meanwhile)
                 except OSError as exc:   # TransportError too: the link is no longer in step
                     self._drop(link, str(exc))
                     raise
