@@ -13,6 +13,11 @@ Responses come in request order, so a client may pipeline requests on one connec
 After a BAD_REQUEST (malformed frame) or a refused WRITE the server closes the connection,
 because it cannot know where the next frame starts.
 
+shm hand-off trust: the node answers only peers it trusts by their SO_PEERCRED uid/gid
+(DENIED otherwise, and closes). A request without ``HANDOFF_WRITABLE`` gets a read-only fd of
+the segment (its inode owner-only, so it cannot be reopened writable through /proc); with it,
+the writable fd, for trusted writers only (DENIED for a read-only peer, connection kept).
+
 RESERVE and SEAL (a put's record, handed by its writer; on the data port, and on the shm
 hand-off socket after the marker ``HANDOFF_RESERVE``/``HANDOFF_SEAL`` in place of a length):
 the header's segment id, offset and length name the extent; a ``RECORD`` body
@@ -63,6 +68,9 @@ MAX_KEY_BYTES = 4096
 HANDOFF_RESERVE = 0xFFF1
 HANDOFF_SEAL = 0xFFF2
 HANDOFF_RECORD = struct.Struct("!HQQ")
+# Or'ed into a hand-off request's segment id length: the writable fd (trusted writers only);
+# without it the node hands a read-only fd, which the client maps PROT_READ.
+HANDOFF_WRITABLE = 0x8000
 
 
 class Op(IntEnum):
@@ -81,6 +89,7 @@ class FrameStatus(IntEnum):
     UNSUPPORTED = 4        # a valid request this node cannot serve (CONNECT_QP without RDMA)
     STALE_EPOCH = 5        # RESERVE/SEAL granted by a master that is not this node's current one
     CHECKSUM_MISMATCH = 6  # SEAL: the extent's bytes do not match the record's CRC-32C
+    DENIED = 7             # the peer may not do this: an shm peer the node does not trust
 
 
 QP_INFO = struct.Struct("!II16sB3x")
@@ -175,9 +184,9 @@ def recv_record(recv: Callable[[int], bytes], *, sid_len: int | None = None
 
 # ---------------------------------------------------------------- the client's end
 
-def encode_handoff_request(segment_id: str) -> bytes:
+def encode_handoff_request(segment_id: str, writable: bool = False) -> bytes:
     sid = segment_id.encode("utf-8")
-    return HANDOFF_REQUEST.pack(len(sid)) + sid
+    return HANDOFF_REQUEST.pack(len(sid) | (HANDOFF_WRITABLE if writable else 0)) + sid
 
 
 def recv_refusal(sock: socket.socket, status: int, length: int, what: str = "node") -> str:

@@ -48,6 +48,7 @@ from kvpool.net.data_port import (
     HANDOFF_REQUEST,
     HANDOFF_RESERVE,
     HANDOFF_SEAL,
+    HANDOFF_WRITABLE,
     MAX_SEGMENT_ID_BYTES,
     QP_INFO,
     REQUEST,
@@ -110,29 +111,65 @@ class DataLimits:
     ``idle_timeout_s``: a tcp connection with no request for this long is closed (default 120
     s; clients reconnect on their next call), and a frame stalled mid-way as long ends its
     connection.
+    ``shm_writers`` / ``shm_readers``: the shm hand-off's peers by SO_PEERCRED, as ``"uid:N"``
+    or ``"gid:N"`` (the peer's primary gid). Writers get the writable fd (and may RESERVE and
+    SEAL), readers only a read-only fd; anyone else is refused. The node's own uid and root
+    are always writers (both can read and write the node's memory anyway); by default nobody
+    else is trusted.
     """
 
     max_connections: int = 4096
     idle_timeout_s: float = 120.0
+    shm_writers: tuple[str, ...] = ()
+    shm_readers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        for spec in (*self.shm_writers, *self.shm_readers):
+            parse_peer(spec)
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, not {self.max_connections}")
         if not self.idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be positive, not {self.idle_timeout_s}")
 
 
+def parse_peer(spec: str) -> tuple[str, int]:
+    """``"uid:N"`` or ``"gid:N"`` as ("uid"|"gid", N); ValueError saying what is expected."""
+    kind, _, number = spec.partition(":")
+    if kind not in ("uid", "gid") or not number.isdigit():
+        raise ValueError(f"shm peer {spec!r}: expected uid:N or gid:N")
+    return kind, int(number)
+
+
+class _ShmTrust:
+    """Who gets which hand-off: WRITE (the writable fd, records), READ (a read-only fd), or
+    NONE, from a peer's SO_PEERCRED."""
+
+    NONE, READ, WRITE = 0, 1, 2
+
+    def __init__(self, writers: tuple[str, ...], readers: tuple[str, ...]) -> None:
+        self._write = {parse_peer(s) for s in writers} | {("uid", os.getuid()), ("uid", 0)}
+        self._read = {parse_peer(s) for s in readers}
+
+    def of(self, uid: int, gid: int) -> int:
+        ids = {("uid", uid), ("gid", gid)}
+        if ids & self._write:
+            return self.WRITE
+        return self.READ if ids & self._read else self.NONE
+
+
 class _Conn:
     """One client connection and what serving it keeps between frames."""
 
     __slots__ = ("busy", "fd", "header", "keep_open", "last_active", "peer", "poller",
-                 "queue_pairs", "shm", "sid_buf", "sock")
+                 "queue_pairs", "shm", "sid_buf", "sock", "trust")
 
-    def __init__(self, sock: socket.socket, peer: str, shm: bool) -> None:
-        self.sock, self.fd, self.peer, self.shm = sock, sock.fileno(), peer, shm
+    def __init__(self, sock: socket.socket, peer: str, shm: bool, trust: int) -> None:
+        self.sock, self.fd, self.peer, self.shm, self.trust = sock, sock.fileno(), peer, shm, trust
         self.busy = False                  # a worker holds it (not in the idle poller)
         self.last_active = time.monotonic()
-        self.keep_open = shm               # exempt from the idle timeout and from eviction
+        # A trusted shm link is exempt from the idle timeout and from eviction (its EOF tells
+        # the client that the node died); an untrusted one waits to be refused, or times out.
+        self.keep_open = shm and trust != _ShmTrust.NONE
         self.header = bytearray(HANDOFF_REQUEST.size if shm else REQUEST.size)
         self.sid_buf = bytearray(MAX_SEGMENT_ID_BYTES)
         self.queue_pairs: list = []        # RDMA queue pairs set up on it: die with it
@@ -175,6 +212,7 @@ class DataServer:
         self.shm_endpoint = ""
         self._limits = limits or DataLimits()
         self._max_connections = self._limits.max_connections
+        self._trust = _ShmTrust(self._limits.shm_writers, self._limits.shm_readers)
         self._lock = threading.Lock()
         self._conns: dict[int, _Conn] = {}      # by fd
         self._epoll: select.epoll | None = None
@@ -337,7 +375,7 @@ class DataServer:
         sock.settimeout(self._limits.idle_timeout_s)   # a frame stalled mid-way ends it
         if not shm:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        c = _Conn(sock, peer, shm)
+        c = _Conn(sock, peer, shm, self._trust.of(*_peer_ids(sock)) if shm else _ShmTrust.NONE)
         with self._lock:
             if self._stopping.is_set():
                 sock.close()
@@ -580,9 +618,20 @@ class DataServer:
         """Serve one hand-off socket frame of ``c``; False if the connection must end."""
         conn, peer, length_buf = c.sock, c.peer, c.header
         _recv_exact(conn, memoryview(length_buf), frame_started=False)
+        if c.trust == _ShmTrust.NONE:
+            self._refuse_handoff(conn, peer, FrameStatus.DENIED,
+                                 "this node does not trust your uid/gid with its shared memory "
+                                 "(kvpool store-node --shm-writer/--shm-reader)", close=True)
+            return False
         (sid_len,) = HANDOFF_REQUEST.unpack(length_buf)
         if sid_len in (HANDOFF_RESERVE, HANDOFF_SEAL):
+            if c.trust != _ShmTrust.WRITE:
+                self._refuse_handoff(conn, peer, FrameStatus.DENIED, "only a trusted writer "
+                                     "may reserve or seal over shm", close=True)
+                return False
             return self._serve_shm_record(conn, peer, sid_len)
+        writable = bool(sid_len & HANDOFF_WRITABLE)
+        sid_len &= ~HANDOFF_WRITABLE
         if reason := check_segment_id_length(sid_len):
             self._refuse_handoff(conn, peer, FrameStatus.BAD_REQUEST, reason, close=True)
             return False
@@ -594,11 +643,16 @@ class DataServer:
             self._refuse_handoff(conn, peer, FrameStatus.BAD_REQUEST,
                                  "segment id is not utf-8", close=True)
             return False
+        if writable and c.trust != _ShmTrust.WRITE:
+            self._refuse_handoff(conn, peer, FrameStatus.DENIED,
+                                 "this node trusts your uid/gid to read its shared memory, "
+                                 "not to write it")
+            return True
         segment = self._segments.get(segment_id)
         fd = -1
         if segment is not None:
             try:
-                fd = segment.fd
+                fd = segment.fd if writable else segment.readonly_fd
             except ValueError:   # closed while being unmounted
                 segment = None
         if segment is None:
@@ -682,6 +736,16 @@ def _linger_close(conn: socket.socket) -> None:
                 break
     except OSError:   # timeout, reset, or stop(): the socket is closed by the caller either way
         pass
+
+
+def _peer_ids(conn: socket.socket) -> tuple[int, int]:
+    """A unix peer's (uid, gid) by SO_PEERCRED; (-1, -1), trusted by nobody, if unknown."""
+    try:
+        _pid, uid, gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                       _UCRED.size))
+    except OSError:
+        return -1, -1
+    return uid, gid
 
 
 def _peer_name(conn: socket.socket, addr: object) -> str:

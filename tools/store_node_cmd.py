@@ -50,6 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-timeout", type=duration_type, default=120.0, metavar="DURATION",
                    help="close a tcp data connection idle this long, and end one whose frame "
                         "stalls this long (default: 120s)")
+    p.add_argument("--shm-writer", action="append", default=[], metavar="uid:N|gid:N",
+                   help="also trust this uid (or primary gid) with the shm hand-off's writable "
+                        "fd; repeat for several (default: only this node's uid, and root)")
+    p.add_argument("--shm-reader", action="append", default=[], metavar="uid:N|gid:N",
+                   help="hand this uid (or primary gid) a read-only shm fd: it may read any "
+                        "byte of the segments, and write none; repeat for several")
     p.add_argument("--scrub-rate", type=size_or_off_type, default=64 << 20, metavar="SIZE",
                    help="bytes per second the scrubber reads to re-check stored objects' "
                         "checksums; a damaged replica is dropped from the index (default: "
@@ -118,6 +124,7 @@ def _data_limits(args: argparse.Namespace):
     from kvpool.store_node.data_server import DataLimits
     try:
         return DataLimits(max_connections=args.max_connections,
-                          idle_timeout_s=args.idle_timeout)
+                          idle_timeout_s=args.idle_timeout,
+                          shm_writers=tuple(args.shm_writer), shm_readers=tuple(args.shm_reader))
     except ValueError as e:
         raise ConfigError(str(e)) from None

@@ -77,3 +77,129 @@ def test_idle_connections_cost_no_thread_and_lock_no_client_out(capped, scheme):
     finally:
         for s in idle:
             s.close()
+
+
+# ---------------------------------------------------------------- shm trust
+
+# Run as uid 65534 by Debian's python (stdlib only: kvpool's interpreter may not be readable by
+# nobody): ask a node for a segment's fd over its hand-off socket, then try to write through
+# whatever came back. Prints what happened as JSON.
+_NOBODY = r'''
+import json, mmap, os, socket, struct, sys
+endpoint, sid, offset, writable = sys.argv[1], sys.argv[2].encode(), int(sys.argv[3]), sys.argv[4] == "1"
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect("\0" + endpoint)
+s.sendall(struct.pack("!H", len(sid) | (0x8000 if writable else 0)) + sid)
+data, fds, _, _ = socket.recv_fds(s, 12, 1)
+while len(data) < 12:
+    data += s.recv(12 - len(data))
+status, n = struct.unpack("!B3xQ", data)
+out = {"uid": os.getuid(), "status": status, "fds": len(fds), "message": ""}
+if fds:
+    fd = fds[0]
+    out["fd_mode"] = os.stat(f"/proc/self/fd/{fd}").st_mode & 0o777
+    try:
+        mm = mmap.mmap(fd, n, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        mm[offset:offset + 4] = b"EVIL"
+        out["wrote"] = "mapping"
+    except OSError as e:
+        out["rw_map"] = e.errno
+    for flags in (os.O_RDWR, os.O_WRONLY):
+        try:
+            w = os.open(f"/proc/self/fd/{fd}", flags)
+            os.pwrite(w, b"EVIL", offset)
+            out["wrote"] = "reopen"
+        except OSError as e:
+            out.setdefault("reopen", e.errno)
+    ro = mmap.mmap(fd, n, mmap.MAP_SHARED, mmap.PROT_READ)
+    out["read"] = ro[offset:offset + 4].hex()
+else:
+    out["message"] = s.recv(4096).decode("utf-8", "replace")
+print(json.dumps(out))
+'''
+_DEBIAN_PYTHON = "/usr/bin/python3"
+
+
+def _as_nobody(endpoint: str, segment_id: str, offset: int, writable: bool) -> dict:
+    import json
+    import subprocess
+
+    def drop() -> None:
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+
+    out = subprocess.run([_DEBIAN_PYTHON, "-c", _NOBODY, endpoint, segment_id, str(offset),
+                          "1" if writable else "0"], preexec_fn=drop, capture_output=True,
+                         text=True, timeout=30, check=True)
+    return json.loads(out.stdout)
+
+
+def _shm_replica(master: str, key: str):
+    with MasterClient(master) as mc:
+        [view] = mc.locate([key]).views()
+    return view.replicas[0]
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(_DEBIAN_PYTHON),
+                                reason="runs a child as uid 65534: needs root and "
+                                       f"{_DEBIAN_PYTHON}")
+
+
+@needs_root
+@pytest.mark.parametrize("writable", [False, True])
+def test_shm_hand_off_to_an_untrusted_uid_is_refused(cluster, writable):
+    with KVClient(cluster.master, replicas=1) as kv:
+        kv.put("owned", b"good" * 1024)
+        r = _shm_replica(cluster.master, "owned")
+        got = _as_nobody(r.node.shm_endpoint, r.extent.segment_id, r.extent.offset, writable)
+        assert got["uid"] == 65534
+        assert got["fds"] == 0 and got["status"] == 7, got   # DENIED, no fd
+        assert "does not trust" in got["message"]
+        assert kv.get("owned", verify=True) == b"good" * 1024
+
+
+@pytest.fixture
+def nobody_reads(tmp_path):
+    """A cluster whose nodes hand uid 65534 read-only fds."""
+    yield from run_cluster(tmp_path, nodes=1, node_args=["--shm-reader", "uid:65534"])
+
+
+@needs_root
+def test_a_read_only_hand_off_cannot_poison_an_object(nobody_reads):
+    with KVClient(nobody_reads.master, replicas=1) as kv:
+        kv.put("owned", b"good" * 1024)
+        r = _shm_replica(nobody_reads.master, "owned")
+        got = _as_nobody(r.node.shm_endpoint, r.extent.segment_id, r.extent.offset, False)
+        assert got["fds"] == 1 and got["status"] == 0, got
+        assert "wrote" not in got, got
+        assert got["rw_map"] == 13 and got["reopen"] == 13   # EACCES both ways
+        assert got["fd_mode"] & 0o066 == 0, oct(got["fd_mode"])   # owner-only inode
+        assert bytes.fromhex(got["read"]) == b"good"           # it does read
+        # A reader asking for the writable fd is denied.
+        denied = _as_nobody(r.node.shm_endpoint, r.extent.segment_id, r.extent.offset, True)
+        assert denied["fds"] == 0 and denied["status"] == 7, denied
+        assert kv.get("owned", verify=True) == b"good" * 1024
+
+
+def test_shm_reads_map_read_only(cluster):
+    """This process is trusted to write; its reads still go through a PROT_READ mapping of a
+    read-only fd, so a stray write through it faults instead of changing an object."""
+    from kvpool.client.transport.base import IoOp
+    from kvpool.client.transport.shm import SHMTransport
+
+    with KVClient(cluster.master, replicas=1, transports=["shm"]) as kv:
+        kv.put("owned", b"good" * 1024)
+    r = _shm_replica(cluster.master, "owned")
+    shm = SHMTransport(timeout_s=5)
+    try:
+        buf = bytearray(4096)
+        assert shm.read([IoOp(r, memoryview(buf))]) == [None]
+        assert bytes(buf) == b"good" * 1024
+        [(key, mapping)] = shm._links[r.node.shm_endpoint].mappings.items()
+        assert key == (r.extent.segment_id, False)
+        assert mapping.view.readonly
+        with pytest.raises(TypeError):
+            mapping.mmap[r.extent.offset:r.extent.offset + 4] = b"EVIL"
+    finally:
+        shm.close()
