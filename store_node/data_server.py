@@ -372,7 +372,13 @@ class DataServer:
                                   max_connections=self._max_connections)
             sock.close()
             return
-        sock.settimeout(self._limits.idle_timeout_s)   # a frame stalled mid-way ends it
+        # A frame stalled mid-way ends the connection. Kernel timeouts on a blocking socket,
+        # not settimeout: that makes it non-blocking, and a 2 MiB READ reply then takes a
+        # poll and a partial send per socket buffer instead of one sendmsg.
+        stall = struct.pack("ll", int(self._limits.idle_timeout_s),
+                            int(self._limits.idle_timeout_s % 1 * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, stall)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, stall)
         if not shm:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         c = _Conn(sock, peer, shm, self._trust.of(*_peer_ids(sock)) if shm else _ShmTrust.NONE)
