@@ -39,16 +39,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Self
 
+from kvpool.common import capabilities
 from kvpool.common.checksum import checksum
 from kvpool.common.logging import RateLimited, get_logger
 from kvpool.common.loops import OnCrash, Supervisor
 from kvpool.common.types import ObjectRecord, Reservation
 from kvpool.net.data_port import (
+    GRANT_BYTES,
     HANDOFF_RECORD,
     HANDOFF_REQUEST,
     HANDOFF_RESERVE,
     HANDOFF_SEAL,
     HANDOFF_WRITABLE,
+    MAGIC_GRANTED,
     MAX_SEGMENT_ID_BYTES,
     QP_INFO,
     REQUEST,
@@ -157,6 +160,46 @@ class _ShmTrust:
         return self.READ if ids & self._read else self.NONE
 
 
+class _GrantChecker:
+    """Checks a request's grant (common/capabilities.py) against the master's key, and
+    remembers spent write grants until they expire: one WRITE per grant."""
+
+    def __init__(self) -> None:
+        self._key: bytes | None = None
+        self._lock = threading.Lock()
+        self._spent: dict[bytes, int] = {}   # a spent grant's MAC -> its expiry (unix ms)
+
+    def set_key(self, key: bytes) -> None:
+        with self._lock:
+            if key != self._key:
+                self._spent.clear()
+            self._key = key or None
+
+    def denied(self, op: Op, grant: bytes, segment_id: bytes, offset: int, length: int) -> str:
+        """Why ``op`` on the extent is refused ("" if it is allowed); a WRITE spends it."""
+        key = self._key
+        if key is None:
+            return ""
+        if not grant:
+            return "this node serves only extents the master granted: the request has no grant"
+        _version, why = capabilities.check(key, grant, capabilities.READ if op is Op.READ
+                                           else capabilities.WRITE, segment_id, offset, length)
+        if why or op is not Op.WRITE:
+            return why
+        _version, expiry, tag = capabilities.GRANT.unpack(grant)
+        with self._lock:
+            if tag in self._spent:
+                return "this write grant was spent: an extent is written once per put"
+            self._spent[tag] = expiry
+        return ""
+
+    def forget_expired(self) -> None:
+        now_ms = time.time() * 1000
+        with self._lock:
+            for tag in [t for t, expiry in self._spent.items() if expiry < now_ms]:
+                del self._spent[tag]
+
+
 class _Conn:
     """One client connection and what serving it keeps between frames."""
 
@@ -213,6 +256,7 @@ class DataServer:
         self._limits = limits or DataLimits()
         self._max_connections = self._limits.max_connections
         self._trust = _ShmTrust(self._limits.shm_writers, self._limits.shm_readers)
+        self._grants = _GrantChecker()
         self._lock = threading.Lock()
         self._conns: dict[int, _Conn] = {}      # by fd
         self._epoll: select.epoll | None = None
@@ -305,6 +349,12 @@ class DataServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def set_grant_key(self, key: bytes) -> None:
+        """The key the master signs this node's grants with (MountSegment): from now on a
+        tcp READ, WRITE, RESERVE or SEAL is served only with a grant under it. Empty: none
+        (every request served, as before grants)."""
+        self._grants.set_key(key)
+
     def request_counts(self) -> dict[str, int]:
         """Requests served since start, by op name (READ, WRITE, CONNECT_QP, HANDOFF)."""
         with self._lock:
@@ -355,6 +405,7 @@ class DataServer:
                     self._dispatch(fd)
             if time.monotonic() >= next_sweep:
                 self._close_idle()
+                self._grants.forget_expired()
                 next_sweep = time.monotonic() + sweep_every
 
     def _accept(self, listener: socket.socket) -> None:
@@ -478,6 +529,7 @@ class DataServer:
         if reason := malformed_request(magic, op, sid_len, offset, length):
             self._refuse_malformed(conn, peer, reason)
             return False
+        granted = magic == MAGIC_GRANTED
         if op == Op.CONNECT_QP:
             self._count(Op.CONNECT_QP.name)
             if not self._connect_qp(conn, peer, c.queue_pairs):
@@ -487,11 +539,13 @@ class DataServer:
             return True
         sid_view = memoryview(c.sid_buf)[:sid_len]
         _recv_exact(conn, sid_view, frame_started=True)
+        sid_bytes = sid_view.tobytes()
         try:
-            segment_id = sid_view.tobytes().decode("utf-8")
+            segment_id = sid_bytes.decode("utf-8")
         except UnicodeDecodeError:
             self._refuse_malformed(conn, peer, "segment id is not utf-8")
             return False
+        grant = _recv_bytes(conn, GRANT_BYTES) if granted else b""
         op = Op(op)
         if op in (Op.RESERVE, Op.SEAL):
             got = recv_record(lambda n: _recv_bytes(conn, n))
@@ -499,7 +553,11 @@ class DataServer:
                 self._refuse_malformed(conn, peer, got)
                 return False
             self._count(op.name)
-            status, message = self._take_record(op, segment_id, offset, length, got[1])
+            why = self._grants.denied(op, grant, sid_bytes, offset, length)
+            if why:
+                status, message = FrameStatus.DENIED, why
+            else:
+                status, message = self._take_record(op, segment_id, offset, length, got[1])
             if status is FrameStatus.OK:
                 conn.sendall(encode_response(FrameStatus.OK, 0))
                 return True
@@ -511,11 +569,17 @@ class DataServer:
                 _linger_close(conn)
                 return False
             return True
-        if self._serve_by_segment(conn, op, segment_id, offset, length):
+        # Grants are checked for a request the node could serve: one outside any segment is
+        # refused as before (a segment's size is no secret: the master hands it out).
+        segment = self._segments.get(segment_id)
+        servable = segment is not None and offset + length <= segment.info.size_bytes
+        why = self._grants.denied(op, grant, sid_bytes, offset, length) if servable else ""
+        if not why and self._serve_by_segment(conn, op, segment_id, offset, length):
             self._count(op.name, length)
             return True
         self._count(op.name)
-        status, message = self._refusal(segment_id, offset, length)
+        status, message = (FrameStatus.DENIED, why) if why else \
+            self._refusal(segment_id, offset, length)
         client_errors.warning("request_refused", kind=status.name, peer=peer, op=op.name,
                               segment=segment_id, offset=offset, length=length,
                               status=status.name)

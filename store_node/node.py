@@ -204,11 +204,14 @@ class StoreNode:
 
     def _mount_all(self, recovering: bool = False) -> None:
         for sid in self.segments:
-            epoch = self._master.mount_segment(self.endpoints, self._published[sid],
-                                               keeps_manifest=True, recovering=recovering)
+            epoch, key = self._master.mount_segment_keyed(
+                self.endpoints, self._published[sid], keeps_manifest=True,
+                recovering=recovering)
             # From now on writers are fenced by this master's epoch (store_node/manifest.py):
             # what the previous master's writers reserved or sealed before is announced below.
             self.manifest.set_epoch(epoch)
+            # ... and tcp clients reach only the extents this master grants them.
+            self._server.set_grant_key(key)
 
     def _heartbeat_loop(self) -> None:
         while True:

@@ -356,9 +356,11 @@ class SHMTransport(Transport):
         return self._run(ops, byte_views(ops, writable=False), write=True, sums=sums), sums
 
     def read_at(self, segments: Sequence[Replica], which: np.ndarray, offsets: np.ndarray,
-                lengths: np.ndarray, addresses: np.ndarray) -> dict[int, TransportError]:
+                lengths: np.ndarray, addresses: np.ndarray, grants: Sequence[bytes] = ()
+                ) -> dict[int, TransportError]:
         """Each segment's extents copied in place from its mapping, the runs found with numpy
-        (see :meth:`Transport.read_at`); a segment whose copy fails fails all its extents."""
+        (see :meth:`Transport.read_at`); a segment whose copy fails fails all its extents.
+        ``grants`` are not needed: a peer the node trusts maps the whole segment."""
         if self._closed:
             raise ClientClosed("transport is closed")
         failed: dict[int, TransportError] = {}

@@ -203,3 +203,116 @@ def test_shm_reads_map_read_only(cluster):
             mapping.mmap[r.extent.offset:r.extent.offset + 4] = b"EVIL"
     finally:
         shm.close()
+
+
+# ---------------------------------------------------------------- grants on the tcp data port
+
+def _send(replica, frame: bytes, payload: bytes = b"") -> tuple[int, bytes]:
+    """One request on a fresh connection to ``replica``'s node: (status, reply payload)."""
+    from kvpool.net.data_port import RESPONSE
+    from kvpool.net.sockets import recv_exact
+
+    host, _, port = replica.node.tcp_endpoint.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(frame + payload)
+        if payload:
+            s.shutdown(socket.SHUT_WR)
+        status, n = RESPONSE.unpack(recv_exact(s, RESPONSE.size))
+        return status, recv_exact(s, n) if n else b""
+
+
+def _write(replica, data: bytes, grant: bytes = b"") -> int:
+    from kvpool.net.data_port import Op, encode_request
+
+    e = replica.extent
+    return _send(replica, encode_request(Op.WRITE, e.segment_id, e.offset, len(data),
+                                         *((grant,) if grant else ())), data)[0]
+
+
+def _located(master: str, key: str):
+    with MasterClient(master) as mc:
+        [view] = mc.locate([key]).views()
+    return view
+
+
+def test_a_committed_object_cannot_be_overwritten_through_the_data_port(cluster):
+    """The attack: WRITE at the extent GetReplicas returns. Without a grant, with the read
+    grant GetReplicas gave, and with the writer's own (spent) write grant: each DENIED; the
+    owner's get(verify=True) returns the owner's bytes."""
+    from kvpool.client.transport.base import IoOp
+    from kvpool.client.transport.tcp import TCPTransport
+    from kvpool.net.data_port import FrameStatus
+
+    value = b"good" * 1024
+    with KVClient(cluster.master, replicas=2) as kv:
+        kv.put("owned", value)
+        view = _located(cluster.master, "owned")
+        for r in view.replicas:
+            status = _write(r, b"EVIL" * 1024)                             # no grant
+            assert status != FrameStatus.OK, "the attacker overwrote a committed object"
+            assert status == FrameStatus.DENIED
+            assert _write(r, b"EVIL" * 1024, r.grant) == FrameStatus.DENIED   # a read grant
+        assert kv.get("owned", verify=True) == value
+        # A writer's grant writes its extent once, until the put commits; never after.
+        with MasterClient(cluster.master) as mc:
+            [placed], _timeout = mc.put_start(["mine"], [4096], replicas=1)
+            [replica] = placed
+            tcp = TCPTransport(timeout_s=5)
+            assert tcp.write([IoOp(replica, memoryview(b"mine" * 1024))]) == [None]
+            assert mc.put_end(["mine"]) == [None]
+            again = tcp.write([IoOp(replica, memoryview(b"EVIL" * 1024))])
+            tcp.close()
+        assert again[0] is not None and "spent" in str(again[0])
+        assert kv.get("mine", verify=True) == b"mine" * 1024
+
+
+def test_a_whole_segment_cannot_be_read_through_the_data_port(cluster):
+    from kvpool.net.data_port import FrameStatus, Op, encode_request
+
+    with KVClient(cluster.master, replicas=1) as kv:
+        kv.put("small", b"s" * 4096)
+    [r] = _located(cluster.master, "small").replicas
+    sid = r.extent.segment_id
+    status, message = _send(r, encode_request(Op.READ, sid, 0, 64 * MiB))
+    assert status != FrameStatus.OK, "the attacker read the whole segment"
+    assert status == FrameStatus.DENIED, (status, message[:80])
+    # A grant for 4 KiB does not stretch to the segment, nor to a neighbour.
+    for offset, length in ((0, 64 * MiB), (r.extent.offset, 8192),
+                           (r.extent.offset + 4096, 4096)):
+        status, _ = _send(r, encode_request(Op.READ, sid, offset, length, r.grant))
+        assert status == FrameStatus.DENIED, (offset, length)
+    status, data = _send(r, encode_request(Op.READ, sid, r.extent.offset, 4096, r.grant))
+    assert status == FrameStatus.OK and data == b"s" * 4096
+
+
+def test_a_reserve_over_another_objects_extent_needs_a_grant(cluster):
+    """A RESERVE without a grant for the extent would drop the victim's record from the
+    node's manifest (it takes the place as stale): after a master restart the object would
+    be gone. DENIED, and the victim survives a restart."""
+    from kvpool.net.data_port import FrameStatus, Op, PutRecord, encode_record_request
+
+    with KVClient(cluster.master, replicas=1) as kv:
+        kv.put("victim", b"v" * 4096)
+        with MasterClient(cluster.master) as mc:   # the attacker learns the epoch honestly
+            _placed, _t, grant = mc.put_start_grant(["attacker"], [16], replicas=1)
+            mc.put_revoke(["attacker"])
+        [r] = _located(cluster.master, "victim").replicas
+        e = r.extent
+        record = PutRecord("attacker-key", 1, grant.epoch, 60.0)
+        for which in ("none", "the victim's read grant"):
+            g = b"" if which == "none" else r.grant
+            frame = encode_record_request(Op.RESERVE, e.segment_id, e.offset, e.length, record,
+                                          *((g,) if g else ()))
+            status, _ = _send(r, frame)
+            assert status != FrameStatus.OK, "the attacker reserved the victim's extent"
+            assert status == FrameStatus.DENIED
+        cluster.restart_master()
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                assert kv.get("victim", verify=True) == b"v" * 4096
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.3)
