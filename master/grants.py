@@ -15,14 +15,17 @@ class GrantMinter:
 
     def __init__(self, replica_in: Callable[[str], Replica]) -> None:
         self._replica_in = replica_in
-        self._keys: dict[str, bytes] = {}
+        self._signers: dict[str, capabilities.Signer] = {}
+
+    def _signer(self, node_id: str) -> capabilities.Signer:
+        signer = self._signers.get(node_id)
+        if signer is None:
+            signer = self._signers[node_id] = capabilities.Signer(capabilities.new_key())
+        return signer
 
     def key_for(self, node_id: str) -> bytes:
         """The node's key, made on its first mount."""
-        key = self._keys.get(node_id)
-        if key is None:
-            key = self._keys[node_id] = capabilities.new_key()
-        return key
+        return self._signer(node_id).key
 
     def mint(self, op: int, counts: Sequence[int], segment_ids: Sequence[str],
              offsets: Sequence[int], sizes: Sequence[int], versions: Sequence[int],
@@ -30,15 +33,23 @@ class GrantMinter:
         """One grant per replica: object ``i`` has ``counts[i]`` replicas, each at
         ``(segment_ids[j], offsets[j])``, of ``sizes[i]`` bytes and version ``versions[i]``."""
         expiry = capabilities.expiry_ms(ttl_s)
-        key_of: dict[str, bytes] = {}
-        grants: list[bytes] = []
+        # Grouped by segment (a batch's replicas share a few), minted per segment, then put
+        # back in replica order.
+        by_segment: dict[str, list[int]] = {}
+        extents: dict[str, list[tuple[int, int, int]]] = {}
         j = 0
         for count, size, version in zip(counts, sizes, versions):
             for k in range(j, j + count):
                 sid = segment_ids[k]
-                key = key_of.get(sid)
-                if key is None:
-                    key = key_of[sid] = self.key_for(self._replica_in(sid).node.node_id)
-                grants.append(capabilities.mint(key, op, sid, offsets[k], size, version, expiry))
+                if sid not in by_segment:
+                    by_segment[sid], extents[sid] = [], []
+                by_segment[sid].append(k)
+                extents[sid].append((offsets[k], size, version))
             j += count
+        grants: list[bytes] = [b""] * j
+        for sid, where in by_segment.items():
+            signer = self._signer(self._replica_in(sid).node.node_id)
+            for k, grant in zip(where, signer.mint_many(op, sid.encode(), extents[sid],
+                                                        expiry)):
+                grants[k] = grant
         return grants

@@ -165,25 +165,25 @@ class _GrantChecker:
     remembers spent write grants until they expire: one WRITE per grant."""
 
     def __init__(self) -> None:
-        self._key: bytes | None = None
+        self._signer: capabilities.Signer | None = None
         self._lock = threading.Lock()
         self._spent: dict[bytes, int] = {}   # a spent grant's MAC -> its expiry (unix ms)
 
     def set_key(self, key: bytes) -> None:
         with self._lock:
-            if key != self._key:
+            if self._signer is None or key != self._signer.key:
                 self._spent.clear()
-            self._key = key or None
+                self._signer = capabilities.Signer(key) if key else None
 
     def denied(self, op: Op, grant: bytes, segment_id: bytes, offset: int, length: int) -> str:
         """Why ``op`` on the extent is refused ("" if it is allowed); a WRITE spends it."""
-        key = self._key
-        if key is None:
+        signer = self._signer
+        if signer is None:
             return ""
         if not grant:
             return "this node serves only extents the master granted: the request has no grant"
-        _version, why = capabilities.check(key, grant, capabilities.READ if op is Op.READ
-                                           else capabilities.WRITE, segment_id, offset, length)
+        _version, why = signer.check(grant, capabilities.READ if op is Op.READ
+                                     else capabilities.WRITE, segment_id, offset, length)
         if why or op is not Op.WRITE:
             return why
         _version, expiry, tag = capabilities.GRANT.unpack(grant)
