@@ -11,10 +11,18 @@ connections cannot lock a client out); a tcp connection idle for ``idle_timeout_
 (not one that holds an RDMA queue pair, nor an shm link: their EOF tells the client the node died);
 a frame that stalls mid-way for ``idle_timeout_s`` ends its connection.
 
-shm hand-off: a listening unix stream socket in the Linux abstract namespace. A same-host client
-sends a segment id (``!H`` length + utf-8, :data:`kvpool.net.data_port.HANDOFF_REQUEST`);
-the reply is a ``frames.RESPONSE`` header: status OK with the segment size as its length field and
-the segment's memfd attached (SCM_RIGHTS), or an error status followed by a utf-8 message. The
+tcp grants (common/capabilities.py): once the master has handed this node its key
+(:meth:`DataServer.set_grant_key`, at MountSegment), a READ, WRITE, RESERVE or SEAL of an
+extent inside a segment is served only under the master's grant for exactly that operation
+and extent, unexpired; a WRITE spends its grant. Refused DENIED before a byte is touched.
+
+shm hand-off: a listening unix stream socket in the Linux abstract namespace, answered only for
+peers trusted by SO_PEERCRED (:class:`DataLimits` ``shm_writers``/``shm_readers``; DENIED for
+anyone else). A same-host client sends a segment id (``!H`` length + utf-8, or'ed with
+``HANDOFF_WRITABLE`` for the writable fd, writers only; :data:`kvpool.net.data_port.
+HANDOFF_REQUEST`); the reply is a ``frames.RESPONSE`` header: status OK with the segment size
+as its length field and the segment's memfd attached (SCM_RIGHTS; a read-only one unless the
+writable fd was asked for), or an error status followed by a utf-8 message. The
 client keeps the connection open: it may ask for more segments on it, and its EOF tells the
 client that this node died. The server never sends anything unsolicited.
 
