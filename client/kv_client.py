@@ -505,8 +505,10 @@ class KVClient:
                 positions = np.array(ready, dtype=np.int64)
                 addresses = np.fromiter(map(address_of, views), np.uint64, len(views))
             first = located.replicas.first[positions]
+            grants = located.replicas.grants
             failed = t.read_at(segments, where[positions], located.replicas.offsets[first],
-                               located.sizes[positions], addresses)
+                               located.sizes[positions], addresses,
+                               [grants[j] for j in first.tolist()] if grants else ())
             for loc in {int(where[positions[k]]) for k in failed}:
                 self._unreachable[segments[loc].node.node_id] = time.monotonic() + _UNREACHABLE_S
             read = np.delete(positions, list(failed)) if failed else positions

@@ -358,12 +358,14 @@ def _usable(sock: socket.socket) -> bool:
 
 def _request(op: Op, io: IoOp) -> bytes:
     extent = io.replica.extent
-    return encode_request(op, extent.segment_id, extent.offset, extent.length)
+    return encode_request(op, extent.segment_id, extent.offset, extent.length,
+                          io.replica.grant)
 
 
 def _record_request(op: Op, io: IoOp, record: PutRecord) -> bytes:
     extent = io.replica.extent
-    return encode_record_request(op, extent.segment_id, extent.offset, extent.length, record)
+    return encode_record_request(op, extent.segment_id, extent.offset, extent.length, record,
+                                 io.replica.grant)
 
 
 def _with_checksum(record: PutRecord, crc: int) -> PutRecord:

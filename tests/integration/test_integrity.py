@@ -11,15 +11,16 @@ import pytest
 from kvpool.client import KVClient
 from kvpool.client.transport.base import IoOp
 from kvpool.client.transport.shm import SHMTransport
-from kvpool.client.transport.tcp import TCPTransport
 from kvpool.common.checksum import checksum
 from kvpool.common.errors import CorruptObject, ObjectNotFound, TransportError
 from kvpool.rpc.master_client import MasterClient
 
 
 def damage(replica) -> None:
-    """Overwrite a replica's bytes in its node's segment (a bit flip in RAM, a stray write)."""
-    t = TCPTransport()
+    """Overwrite a replica's bytes in its node's segment (a bit flip in RAM, a stray write):
+    through shm, as this process is the node's uid (the tcp data port writes only extents
+    granted to a pending put)."""
+    t = SHMTransport()
     try:
         garbage = memoryview(bytearray(os.urandom(replica.extent.length)))
         [err] = t.write([IoOp(replica, garbage)])

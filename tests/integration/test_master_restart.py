@@ -183,10 +183,12 @@ def test_a_late_writer_from_before_the_kill_overwrites_nothing_stored_after(slow
             for r in obj.replicas:
                 assert (r.node.node_id, r.extent.offset) not in held, "reserved space reused"
         assert sum(s.quarantined_bytes for s in mc.stats().segments) >= 2 * size
-        # The late writer writes now: nothing stored since is touched.
+        # The late writer writes now: nothing stored since is touched (its nodes refuse its
+        # grant, minted by the old master, or let it land where no object lives).
         junk = memoryview(os.urandom(size))
         try:
-            assert tcp.write([IoOp(r, junk) for r in late]) == [None, None]
+            errors = tcp.write([IoOp(r, junk) for r in late])
+            assert all(e is None or "grant" in str(e) for e in errors), errors
         finally:
             tcp.close()
         assert kv.batch_get(list(values), verify=True) == list(values.values())
