@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+# The first test builds the engine's venv (minutes on a loaded host; pytest's default is 180 s).
+pytestmark = pytest.mark.timeout(1500)
+
 HERE = Path(__file__).resolve().parent
 LMCACHE_VERSION = "0.5.6"
 CHUNKS = 6   # the driver puts five of them (four batched, one alone); the sixth is never put

@@ -24,6 +24,9 @@ from pathlib import Path
 import pytest
 from kvpool.client import KVClient
 
+# The first test builds the engine's venv (minutes on a loaded host; pytest's default is 180 s).
+pytestmark = pytest.mark.timeout(1500)
+
 DRIVER = Path(__file__).resolve().parents[1] / "engines" / "sglang_driver.py"
 
 

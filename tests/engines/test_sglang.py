@@ -27,6 +27,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 ENV_BUILD_TIMEOUT_S = 1500
 SGLANG_VERSION = "0.5.23"
+# The first test builds the engine's venv (minutes on a loaded host; pytest's default is 180 s).
+pytestmark = pytest.mark.timeout(ENV_BUILD_TIMEOUT_S)
 BACKEND = {"backend_name": "kvpool", "module_path": "kvpool.client.connectors.sglang",
            "class_name": "KVPoolHiCacheStorage"}
 
@@ -160,6 +162,7 @@ from sglang.srt.mem_cache.pool_host import HostKVCache
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from kvpool.client.connectors.sglang import KVPoolHiCacheStorage
+
 assert issubclass(KVPoolHiCacheStorage, HiCacheStorage)
 assert issubclass(MHATokenToKVPoolHost, HostKVCache)
 print(sglang.__version__, torch.__version__)"""], capture_output=True, text=True, timeout=120,
