@@ -74,6 +74,16 @@ class HashSpecMismatch(KVPoolError):
     never match anyone else's, so the master refuses it rather than let it mis-key silently."""
 
 
+class Unauthenticated(KVPoolError):
+    """The master does not know who this is: no credentials, or ones its CA did not sign
+    (gRPC UNAUTHENTICATED). SECURITY.md says where a process finds its credentials."""
+
+
+class PermissionDenied(KVPoolError):
+    """The caller's role may not make this call, or a store node named another node than
+    itself (gRPC PERMISSION_DENIED); the message names the caller and what it may do."""
+
+
 class TransportError(KVPoolError, OSError):
     """Moving bytes to or from a store node failed (connection lost, refused, malformed reply)."""
 

@@ -54,13 +54,14 @@ class PutGrant:
 class MasterClient(GrpcClient):
     """A blocking, thread-safe client of one master."""
 
-    def __init__(self, address: str, timeout_s: float = 10.0, retries: int = 3):
+    def __init__(self, address: str, timeout_s: float = 10.0, retries: int = 3, **security):
+        """``security``: ``credentials``, ``role``, ``identity`` (rpc/grpc_client.py)."""
         super().__init__(address, master_pb2_grpc.MasterStub, timeout_s=timeout_s,
-                         retries=retries, name="master client")
+                         retries=retries, name="master client", **security)
         self._watches: set = set()   # the WatchManifest calls open now (end_watches)
         self._port_watches: dict[str, socket.socket] = {}   # node id -> its stream's socket
         self._watch_generation = 0   # end_watches calls so far
-        self._lookups = Lookups(timeout_s, map_status)
+        self._lookups = Lookups(timeout_s, map_status, tls=self.tls)
 
     # -- membership (store nodes) --
     def mount_segment(self, node: NodeEndpoints, segment: SegmentInfo, *,

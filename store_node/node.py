@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvpool.common import security
 from kvpool.common.config import format_size
 from kvpool.common.errors import Conflict, KVPoolError, MasterUnavailable, NoSpace, UnknownNode
 from kvpool.common.host import local_boot_id
@@ -68,7 +69,8 @@ class StoreNode:
                  scrub_bytes_per_s: int = DEFAULT_SCRUB_BYTES_PER_S,
                  scrub_interval_s: float = 60.0, disk_path: str | None = None,
                  disk_size: int = 0, hbm_size: int = 0, gpu: int = 0,
-                 hugepages: bool = False, supervisor: Supervisor | None = None):
+                 hugepages: bool = False, supervisor: Supervisor | None = None,
+                 credentials: str | None = None):
         """``host``/``port``: where the tcp data server listens (port 0 = any free port);
         ``advertise_host``: the address clients should dial, if not ``host`` (e.g. 0.0.0.0).
         ``rdma_device``: register the segments with this RDMA device (an error if missing);
@@ -82,12 +84,27 @@ class StoreNode:
         ``hugepages``: the DRAM segments in reserved 2 MiB huge pages (fewer TLB misses on
         every copy; see memory.check_hugepages).
         ``master``: the master's address, or a client of it (a test's, that fails on purpose).
-        ``supervisor``: runs the node's loops (common/loops.py; a test's does not exit)."""
+        ``supervisor``: runs the node's loops (common/loops.py; a test's does not exit).
+        ``credentials``: this node's credentials file (common/security.py; by default found
+        as ``resolve`` says); a node certificate names the node id, which ``node_id`` (if
+        given) must equal."""
         if not segment_sizes:
             raise ValueError("a store node needs at least one segment")
         # Opened first: a bad directory is an error before any memory is allocated.
         self._disk = DiskTier(disk_path, disk_size, node_id) if disk_path else None
         node_id = node_id or (self._disk.node_id if self._disk else None)
+        # Credentials given or named in the environment decide the node id (a node can act
+        # only as the node its certificate names); a local cluster's are issued for it.
+        creds = security.resolve(master if isinstance(master, str) else "", credentials,
+                                 role="node", name=node_id) if not isinstance(
+            master, MasterClient) and (credentials or node_id is None) else None
+        if creds is not None and creds.identity.role != "node":
+            raise ValueError(f"a store node needs node credentials; {creds.path} is "
+                             f"{creds.identity}")
+        if creds is not None and node_id not in (None, creds.identity.name):
+            raise ValueError(f"node id {node_id!r} is not the one {creds.path} names "
+                             f"({creds.identity.name!r})")
+        node_id = node_id or (creds.identity.name if creds else None)
         self.node_id = node_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
         self._sizes = list(segment_sizes)
         self._hugepages = hugepages
@@ -99,7 +116,8 @@ class StoreNode:
         self._published: dict[str, SegmentInfo] = {}   # as mounted: with the RDMA region
         self._interval_s = heartbeat_interval_s
         self._master = master if isinstance(master, MasterClient) else \
-            MasterClient(master, timeout_s=max(1.0, 2 * heartbeat_interval_s))
+            MasterClient(master, timeout_s=max(1.0, 2 * heartbeat_interval_s),
+                         credentials=creds, role="node", identity=self.node_id)
         self._supervisor = supervisor or Supervisor()
         self.segments: dict[str, Segment] = {}
         self._server: DataServer | None = None
