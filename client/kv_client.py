@@ -142,8 +142,9 @@ class KVClient:
 
     def get(self, key: str, *, verify: bool = False) -> bytes:
         """The value stored under ``key``; ObjectNotFound if there is none. ``verify``: check
-        the bytes against the checksum taken at put; a replica that fails is dropped from the
-        cluster and the next one read; CorruptObject when none is intact."""
+        the bytes against the checksum taken at put; a replica that fails is reported (its
+        node re-checks it and drops it if damaged) and the next one read; CorruptObject when
+        none is intact."""
         return _raise(self.batch_get([key], verify=verify)[0])
 
     def get_into(self, key: str, buffer, *, verify: bool = False) -> int:

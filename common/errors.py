@@ -38,7 +38,8 @@ class ValueTooLarge(NoSpace, InvalidArgument):
 
 class CorruptObject(KVPoolError):
     """Every replica read failed its checksum: the object's bytes are damaged. The damaged
-    replicas were dropped from the index; no data was returned."""
+    replicas were reported: each node re-checks its own and drops it if it is damaged there;
+    no data was returned."""
 
 
 class Conflict(KVPoolError):

@@ -4,6 +4,8 @@ interceptor and on the lookup port by master/lookup_server.py, with one table.
 - node RPCs (MountSegment, UnmountSegment, Heartbeat, AnnounceObjects, WatchManifest,
   AckManifest): store nodes only, each only as itself (the request's node id is the one its
   certificate names);
+- a ReportCorrupt naming a node (its own re-check, which drops the replicas): that node only
+  (master/rechecks.py); a reader's (no node) only asks the node to re-check;
 - admin RPCs: ``Stats`` with ``audit`` (it walks every indexed object) for admins only;
 - everything else (puts, gets, removes, pins, ReportCorrupt, Stats, the Router service):
   clients and admins; a GetReplicas of no keys (how a peer learns the lookup port) anyone. A store node is not a client: its certificate lets it serve its own
@@ -51,7 +53,7 @@ def check(method: str, identity: Identity | None, request=None) -> None:
     if identity is None:
         raise Refused(grpc.StatusCode.UNAUTHENTICATED,
                       f"{method}: no verified client certificate (see SECURITY.md)")
-    if method in NODE_METHODS:
+    if method in NODE_METHODS or (method == "ReportCorrupt" and getattr(request, "node_id", "")):
         if identity.role != "node":
             raise Refused(grpc.StatusCode.PERMISSION_DENIED,
                           f"{method} is for store nodes; the caller is {identity}")

@@ -57,9 +57,6 @@ def run(args: argparse.Namespace) -> int:
         return 1
     try:
         print(f"master: {cluster.master}", flush=True)
-        if cluster.client_credentials is not None:
-            # This user's processes find them by the master's address; others need this.
-            print(f"{security.ENV}={cluster.client_credentials}", flush=True)
         for name, address in cluster.metrics_addresses.items():
             print(f"metrics of {name}: http://{address}/metrics", flush=True)
         disk = (f" + a {format_size(args.disk_size)} disk tier in "
@@ -67,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.nodes} store nodes, {format_size(args.segment_size)} DRAM each{disk}. "
               f"Try: kvpool stat --master {cluster.master}   (Ctrl-C stops the cluster)",
               flush=True)
+        if cluster.client_credentials is not None:
+            # This user's processes find them by the master's address; others need this.
+            print(f"{security.ENV}={cluster.client_credentials}", flush=True)
         wait_for_signal()
         print("stopping...", flush=True)
     finally:

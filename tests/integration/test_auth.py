@@ -235,3 +235,32 @@ def test_a_master_reachable_from_other_hosts_needs_credentials_or_insecure():
     finally:
         insecure.terminate()
         insecure.wait(30)
+
+
+def test_report_corrupt_of_good_bytes_drops_nothing_and_a_node_confirms_only_its_own(cluster):
+    """A reader's ReportCorrupt on a good, hard-pinned, 2-replica object only asks each node to
+    re-check: the bytes are good, so nothing is dropped. A node may confirm only replicas in
+    its own segments."""
+    with KVClient(cluster.master, replicas=2) as kv:
+        kv.put("pinned/good", VALUE)
+        kv.pin("pinned/good")
+        located = kv._master.locate(["pinned/good"])
+        view = located.views()[0]
+        segments = [r.extent.segment_id for r in view.replicas]
+        assert len(segments) == 2
+        with _as(cluster, "client", "mallory") as client:
+            for _ in range(3):
+                client.report_corrupt(["pinned/good"] * 2, [view.version] * 2, segments)
+        time.sleep(1.0)   # several heartbeats: each node re-checked and found the bytes good
+        assert len(kv._master.locate(["pinned/good"]).views()[0].replicas) == 2
+        assert kv.get("pinned/good", verify=True) == VALUE
+        # A node "confirming" damage in another node's segment is refused.
+        owner = {s.segment.segment_id: s.node_id for s in kv.stats().segments}
+        other = next(s for s in segments if owner[s] != "node1")
+        with _as(cluster, "node", "node1") as node1:
+            assert isinstance(node1.report_corrupt(["pinned/good"], [view.version], [other],
+                                                   node_id="node1")[0], KVPoolError)
+            with pytest.raises(PermissionDenied):
+                node1.report_corrupt(["pinned/good"], [view.version], [other],
+                                     node_id=owner[other])
+        assert len(kv._master.locate(["pinned/good"]).views()[0].replicas) == 2
