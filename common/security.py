@@ -84,6 +84,17 @@ class Credentials:
             root_certificates=self.ca_pem, private_key=Path(self.key_file).read_bytes(),
             certificate_chain=Path(self.cert_file).read_bytes())
 
+    def secure_channel(self, address: str, options=()):
+        """A gRPC channel to the master at ``address`` with these credentials (raw callers:
+        tools, tests; kvpool's own clients go through rpc/grpc_client.py)."""
+        import grpc
+        return grpc.secure_channel(address, self.grpc_channel(),
+                                   options=[*options, *GRPC_CHANNEL_OPTIONS])
+
+    def wrap(self, sock):
+        """``sock`` (connected to a master's lookup port) after the TLS handshake."""
+        return self.ssl_client.wrap_socket(sock, server_hostname=MASTER_NAME)
+
     @functools.cached_property
     def ssl_server(self) -> ssl.SSLContext:
         """The lookup port's server context: client certificates required."""
@@ -215,7 +226,8 @@ def resolve(master: str, explicit: str | os.PathLike | None = None, *, role: str
         creds = load(env)
         if role == "client" or creds.identity.role == role:
             return creds
-    directory = registered(master)
+    # A list of standby masters: any one of them registered names the cluster.
+    directory = next(filter(None, map(registered, (master, *master.split(",")))), None)
     if directory is None:
         return None
     if role == "client":

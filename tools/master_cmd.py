@@ -130,6 +130,9 @@ def run(args: argparse.Namespace) -> int:
         if metrics:
             print(f"metrics: {metrics}", flush=True)
 
+    if args.ha:   # a wildcard --host needs --advertise: said before anything else
+        from kvpool.master.ha import advertised
+        advertised(args.host, args.port or 1, args.advertise)
     credentials = _credentials(args)
     lookup_port = None if args.no_lookup_port else args.lookup_port
     _gc_for_a_large_index()
