@@ -12,6 +12,7 @@ written 0600 in a 0700 directory.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import ipaddress
 import os
 import re
@@ -141,3 +142,25 @@ def make_local(directory: str | os.PathLike, host: str) -> Path:
     link.unlink(missing_ok=True)
     link.symlink_to(client.name)
     return master
+
+
+def make_token(directory: str | os.PathLike, role: str, name: str) -> Path:
+    """A new bearer token for ``role``/``name``: its SHA-256 appended to ``tokens.yaml`` (the
+    master's ``--tokens`` file) and the token itself, with the CA, in a credentials file
+    (returned) for the client that cannot hold a certificate."""
+    import secrets
+
+    import yaml
+    if role not in ROLES or not _NAME.match(name):
+        raise ValueError(f"invalid role {role!r} or name {name!r}")
+    directory = Path(directory)
+    token = secrets.token_urlsafe(32)
+    tokens = directory / "tokens.yaml"
+    entries = (yaml.safe_load(tokens.read_text()) or []) if tokens.exists() else []
+    entries.append({"role": role, "name": name,
+                    "sha256": hashlib.sha256(token.encode()).hexdigest()})
+    _write(tokens, yaml.safe_dump(entries).encode())
+    creds = directory / f"token-{role}-{name.replace(':', '_')}.yaml"
+    _write(creds, yaml.safe_dump({"ca": "ca.pem", "token": token, "role": role,
+                                  "name": name}).encode())
+    return creds

@@ -22,6 +22,8 @@ none (plain text: a master without credentials serves only loopback unless ``--i
 from __future__ import annotations
 
 import functools
+import hashlib
+import hmac
 import ipaddress
 import os
 import ssl
@@ -55,12 +57,15 @@ class Identity:
 
 @dataclass(frozen=True)
 class Credentials:
-    """One process's credential files, loaded: the CA, its certificate and key."""
+    """One process's credential files, loaded: the CA, and its certificate and key or, where
+    certificates are impractical, a bearer token (for the master's token port)."""
 
     path: str          # the credentials file they came from (for messages)
     ca_file: str
-    cert_file: str
-    key_file: str
+    cert_file: str = ""
+    key_file: str = ""
+    token: str = ""
+    token_identity: Identity | None = None   # what the token's file says it is (informative)
 
     @functools.cached_property
     def ca_pem(self) -> bytes:
@@ -68,6 +73,8 @@ class Credentials:
 
     @functools.cached_property
     def identity(self) -> Identity:
+        if self.token:
+            return self.token_identity or Identity("client", "?")
         return identity_from_pem(Path(self.cert_file).read_bytes())
 
     def grpc_server(self):
@@ -77,9 +84,21 @@ class Credentials:
             [(Path(self.key_file).read_bytes(), Path(self.cert_file).read_bytes())],
             root_certificates=self.ca_pem, require_client_auth=True)
 
-    def grpc_channel(self):
-        """gRPC channel credentials (with :data:`GRPC_CHANNEL_OPTIONS`)."""
+    def grpc_server_tls_only(self):
+        """gRPC server credentials of the token port: TLS, no client certificate asked (the
+        caller is named by its bearer token)."""
         import grpc
+        return grpc.ssl_server_credentials(
+            [(Path(self.key_file).read_bytes(), Path(self.cert_file).read_bytes())])
+
+    def grpc_channel(self):
+        """gRPC channel credentials (with :data:`GRPC_CHANNEL_OPTIONS`): mutual TLS, or TLS
+        with the token as ``authorization: Bearer`` metadata on every call."""
+        import grpc
+        if self.token:
+            return grpc.composite_channel_credentials(
+                grpc.ssl_channel_credentials(root_certificates=self.ca_pem),
+                grpc.access_token_call_credentials(self.token))
         return grpc.ssl_channel_credentials(
             root_certificates=self.ca_pem, private_key=Path(self.key_file).read_bytes(),
             certificate_chain=Path(self.cert_file).read_bytes())
@@ -123,12 +142,19 @@ def load(path: str | os.PathLike) -> Credentials:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as e:
         raise Unauthenticated(f"cannot read credentials file {path}: {e}") from None
-    if not isinstance(data, dict) or not {"ca", "cert", "key"} <= set(data):
-        raise Unauthenticated(f"credentials file {path} must name ca, cert and key files")
-    files = {k: str((path.parent / str(data[k])).resolve()) for k in ("ca", "cert", "key")}
+    token = isinstance(data, dict) and "token" in data
+    needed = {"ca", "token"} if token else {"ca", "cert", "key"}
+    if not isinstance(data, dict) or not needed <= set(data):
+        raise Unauthenticated(f"credentials file {path} must name ca, cert and key files "
+                              "(or ca and a token)")
+    files = {k: str((path.parent / str(data[k])).resolve()) for k in needed - {"token"}}
     for what, name in files.items():
         if not os.access(name, os.R_OK):
             raise Unauthenticated(f"credentials file {path}: cannot read its {what} {name}")
+    if token:
+        said = Identity(str(data.get("role", "client")), str(data.get("name", "?")))
+        return Credentials(str(path), files["ca"], token=str(data["token"]),
+                           token_identity=said)
     creds = Credentials(str(path), files["ca"], files["cert"], files["key"])
     try:
         creds.identity   # noqa: B018 - a certificate without a role fails here, not at a call
@@ -160,6 +186,42 @@ def _identity(cert) -> Identity:
         raise ValueError(f"certificate {cert.subject.rfc4514_string()} names no kvpool role "
                          f"(OU one of {', '.join(ROLES)}) and name (CN)")
     return Identity(role, str(cns[0].value))
+
+
+class Tokens:
+    """The bearer tokens a master accepts on its token port, each bound to a role and name.
+    The file holds only their SHA-256 (a copy of it grants nothing)::
+
+        - {role: client, name: tenant-a, sha256: 9f86d0...}
+    """
+
+    def __init__(self, entries: list[tuple[Identity, bytes]]):
+        self._entries = entries
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Tokens:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or []
+            entries = [(Identity(str(e["role"]), str(e["name"])), bytes.fromhex(e["sha256"]))
+                       for e in data]
+        except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError) as e:
+            raise Unauthenticated(f"cannot read tokens file {path}: expected a list of "
+                                  f"{{role, name, sha256}}: {e}") from None
+        bad = [str(i) for i, _ in entries if i.role not in ROLES]
+        if bad:
+            raise Unauthenticated(f"tokens file {path}: unknown roles in {', '.join(bad)}")
+        return cls(entries)
+
+    def identify(self, authorization: str | None) -> Identity | None:
+        """The identity an ``authorization: Bearer TOKEN`` header's token is bound to."""
+        if not authorization or not authorization.startswith("Bearer "):
+            return None
+        digest = hashlib.sha256(authorization[7:].encode()).digest()
+        found = None
+        for identity, expected in self._entries:   # every entry compared: constant time
+            if hmac.compare_digest(digest, expected):
+                found = identity
+        return found
 
 
 # -- local clusters: where this user's clients find a cluster's credentials --

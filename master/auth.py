@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import grpc
 from kvpool.common.logging import RateLimited, get_logger
-from kvpool.common.security import Identity, identity_from_pem
+from kvpool.common.security import Identity, Tokens, identity_from_pem
 
 log = get_logger(__name__)
 
@@ -73,11 +73,15 @@ def check(method: str, identity: Identity | None, request=None) -> None:
                       f"Stats with audit is for admins; the caller is {identity}")
 
 
-def grpc_identity(context) -> Identity | None:
-    """The identity a gRPC call's verified peer certificate names, if any."""
+def grpc_identity(context, tokens: Tokens | None = None) -> Identity | None:
+    """The identity a gRPC call's verified peer certificate names, else (on the token port,
+    which requests no certificate) the one its bearer token is bound to, if any."""
     certs = context.auth_context().get("x509_pem_cert")
     if not certs:
-        return None
+        if tokens is None:
+            return None
+        metadata = context.invocation_metadata() or ()
+        return tokens.identify(next((v for k, v in metadata if k == "authorization"), None))
     try:
         return identity_from_pem(certs[0])
     except ValueError:
@@ -85,10 +89,12 @@ def grpc_identity(context) -> Identity | None:
 
 
 class Authorizer(grpc.aio.ServerInterceptor):
-    """Refuses every call :func:`check` refuses, before its handler runs."""
+    """Refuses every call :func:`check` refuses, before its handler runs. ``tokens``: the
+    bearer tokens accepted from peers without a certificate (the token port)."""
 
-    def __init__(self, limit: RateLimited | None = None) -> None:
+    def __init__(self, limit: RateLimited | None = None, tokens: Tokens | None = None) -> None:
         self.limit = limit or RateLimited(log)
+        self.tokens = tokens
 
     def _refuse(self, method: str, context, error: Refused) -> str:
         self.limit.warning("call_refused", kind=(method, str(error.code)), method=method,
@@ -100,11 +106,11 @@ class Authorizer(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         method = details.method.rpartition("/")[2]
-        refuse = self._refuse
+        refuse, tokens = self._refuse, self.tokens
 
         async def checked(request, context) -> None:
             try:
-                check(method, grpc_identity(context), request)
+                check(method, grpc_identity(context, tokens), request)
             except Refused as e:
                 await context.abort(e.code, refuse(method, context, e))
 

@@ -101,8 +101,11 @@ class GrpcClient:
 
     @property
     def tls(self):
-        """The lookup port's client TLS context (None: plain tcp, as gRPC is then)."""
-        return self.credentials.ssl_client if self.credentials is not None else None
+        """The lookup port's client TLS context (None: plain tcp, as gRPC is then; False:
+        no lookup port, for a token: the port takes certificates only)."""
+        if self.credentials is None:
+            return None
+        return False if self.credentials.token else self.credentials.ssl_client
 
     @property
     def address(self) -> str:

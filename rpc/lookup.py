@@ -167,14 +167,17 @@ class Lookups:
 
     def __init__(self, timeout_s: float,
                  refused: Callable[[grpc.StatusCode, str, str], KVPoolError],
-                 clock: Callable[[], float] = time.monotonic, tls: ssl.SSLContext | None = None):
+                 clock: Callable[[], float] = time.monotonic,
+                 tls: ssl.SSLContext | None | bool = None):
+        """``tls``: the client context of a secure master's lookup port; None: plain tcp;
+        False: never use the port (gRPC only)."""
         self._timeout_s, self._refused, self._clock = timeout_s, refused, clock
-        self._tls = tls
+        self._tls = tls or None
         self._lock = threading.Lock()
         self._channel: LookupChannel | None = None
         self._learned: tuple[str, int] | None = None      # the last (master, port) named
         self._failed: dict[tuple[str, int], float] = {}   # target -> when to try it again
-        self._closed = False
+        self._closed = tls is False
 
     @property
     def channel(self) -> LookupChannel | None:

@@ -103,6 +103,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "and the lookup port then take only peers with certificates of that "
                         "CA, each call checked against its role (default: none: plain text, "
                         "allowed on a loopback --host only)")
+    p.add_argument("--tokens", metavar="FILE",
+                   help="with --credentials: also serve gRPC on --token-port to clients "
+                        "that hold a bearer token instead of a certificate; FILE lists each "
+                        "token's SHA-256 with its role and name (SECURITY.md). Prints "
+                        "`tokens: HOST:PORT`")
+    p.add_argument("--token-port", type=port_type, default=0, metavar="PORT",
+                   help="with --tokens: the token port (default: 0 = any free port)")
     p.add_argument("--insecure", action="store_true",
                    help="serve plain text, trusting every caller, on a non-loopback --host "
                         "without credentials (refused otherwise); logs a warning")
@@ -147,9 +154,15 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.advertise:
         raise ConfigError("--advertise is for standby masters: give --ha etcd://HOST:PORT too")
+    tokens = None
+    if args.tokens:
+        from kvpool.common.security import Tokens
+        if credentials is None:
+            raise ConfigError("--tokens needs --credentials (tokens travel over TLS only)")
+        tokens = Tokens.load(args.tokens)
     asyncio.run(serve(config, args.host, args.port, on_started=announce,
                       lookup_port=lookup_port, metrics_port=args.metrics_port,
-                      credentials=credentials))
+                      credentials=credentials, tokens=tokens, token_port=args.token_port))
     return 0
 
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import grpc
 import pytest
 from kvpool.client import KVClient
 from kvpool.client.router import RouterClient
@@ -264,3 +265,36 @@ def test_report_corrupt_of_good_bytes_drops_nothing_and_a_node_confirms_only_its
                 node1.report_corrupt(["pinned/good"], [view.version], [other],
                                      node_id=owner[other])
         assert len(kv._master.locate(["pinned/good"]).views()[0].replicas) == 2
+
+
+def test_bearer_tokens_on_the_token_port(tmp_path):
+    """A client that cannot hold a certificate: a bearer token bound to its role and name, on
+    the master's token port (TLS without client certificates). A wrong token or none is
+    UNAUTHENTICATED; a token of a client is still only a client."""
+    creds = tmp_path / "creds"
+    pki.make_ca(creds)
+    token = pki.make_token(creds, "client", "tenant-t")
+    cluster = run_cluster(tmp_path, nodes=1, credentials_dir=creds,
+                          master_args=["--tokens", str(creds / "tokens.yaml")])
+    c = next(cluster)
+    try:
+        address = c.master_proc.wait_ready("tokens")
+        with KVClient(address, timeout_s=5.0, credentials=str(token)) as kv:
+            kv.put("by-token", VALUE)
+            assert kv.get("by-token", verify=True) == VALUE
+            with pytest.raises(PermissionDenied):
+                kv._master.stats(audit=True)
+        forged = tmp_path / "forged.yaml"
+        forged.write_text(f"ca: {creds / 'ca.pem'}\ntoken: not-the-token\n")
+        with pytest.raises(Unauthenticated), \
+                MasterClient(address, retries=0, credentials=str(forged)) as mc:
+            mc.locate(["by-token"])
+        with grpc.secure_channel(address, grpc.ssl_channel_credentials(
+                (creds / "ca.pem").read_bytes()), options=security.GRPC_CHANNEL_OPTIONS) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                ch.unary_unary("/kvpool.v1.Master/Remove")(
+                    pb.KeysRequest(keys=["by-token"]).SerializeToString(), timeout=5)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        with pytest.raises(StopIteration):   # stops it; fails on a traceback in a log
+            next(cluster)
