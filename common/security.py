@@ -279,9 +279,10 @@ def registered(address: str) -> Path | None:
 
 def resolve(master: str, explicit: str | os.PathLike | None = None, *, role: str = "client",
             name: str | None = None) -> Credentials | None:
-    """The credentials a process dialling ``master`` uses (see the module): ``role`` "node"
-    with ``name`` its node id gets a node certificate, issued from a registered local
-    cluster's CA on first use (any process of this uid could read that CA's key anyway)."""
+    """The credentials a process dialling ``master`` uses (see the module): from a registered
+    local cluster, ``role`` "client" gets its default client's, "admin" its admin's, and
+    "node" with ``name`` its node id a node certificate, issued from the cluster's CA on first
+    use (any process of this uid could read that CA's key anyway)."""
     if explicit:
         return load(explicit)
     if env := os.environ.get(ENV):
@@ -294,6 +295,8 @@ def resolve(master: str, explicit: str | os.PathLike | None = None, *, role: str
         return None
     if role == "client":
         return load(directory / "client.yaml")
+    if role == "admin":
+        return load(directory / "admin-admin.yaml")
     from kvpool.common import pki
     return load(pki.ensure(directory, role, name or ""))
 

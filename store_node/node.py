@@ -4,6 +4,7 @@ again and re-announcing the manifest) -> unmount -> release."""
 
 from __future__ import annotations
 
+import os
 import queue
 import socket
 import threading
@@ -14,7 +15,14 @@ from dataclasses import dataclass, field
 
 from kvpool.common import security
 from kvpool.common.config import format_size
-from kvpool.common.errors import Conflict, KVPoolError, MasterUnavailable, NoSpace, UnknownNode
+from kvpool.common.errors import (
+    Conflict,
+    InvalidArgument,
+    KVPoolError,
+    MasterUnavailable,
+    NoSpace,
+    UnknownNode,
+)
 from kvpool.common.host import local_boot_id
 from kvpool.common.logging import get_logger
 from kvpool.common.loops import RESTART, OnCrash, Supervisor
@@ -95,14 +103,17 @@ class StoreNode:
         node_id = node_id or (self._disk.node_id if self._disk else None)
         # Credentials given or named in the environment decide the node id (a node can act
         # only as the node its certificate names); a local cluster's are issued for it.
-        creds = security.resolve(master if isinstance(master, str) else "", credentials,
-                                 role="node", name=node_id) if not isinstance(
-            master, MasterClient) and (credentials or node_id is None) else None
+        creds = None
+        if not isinstance(master, MasterClient) and (path := credentials
+                                                      or os.environ.get(security.ENV)):
+            creds = security.load(path)
+            if not credentials and creds.identity.role != "node":
+                creds = None   # a client's, in the environment: not this node's
         if creds is not None and creds.identity.role != "node":
-            raise ValueError(f"a store node needs node credentials; {creds.path} is "
+            raise InvalidArgument(f"a store node needs node credentials; {creds.path} is "
                              f"{creds.identity}")
         if creds is not None and node_id not in (None, creds.identity.name):
-            raise ValueError(f"node id {node_id!r} is not the one {creds.path} names "
+            raise InvalidArgument(f"node id {node_id!r} is not the one {creds.path} names "
                              f"({creds.identity.name!r})")
         node_id = node_id or (creds.identity.name if creds else None)
         self.node_id = node_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"

@@ -137,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
         if metrics:
             print(f"metrics: {metrics}", flush=True)
 
+    if args.ha and args.tokens:
+        raise ConfigError("--tokens is not served by standby masters (--ha) yet")
     if args.ha:   # a wildcard --host needs --advertise: said before anything else
         from kvpool.master.ha import advertised
         advertised(args.host, args.port or 1, args.advertise)
