@@ -89,7 +89,12 @@ class LookupServer:
         self._server.close()
         tasks = list(self._connections.values())
         for writer in list(self._connections):   # idle clients would hold wait_closed open
-            writer.close()
+            if self._tls is not None:
+                # A TLS close waits for the peer's close_notify, which an idle client never
+                # sends: its task would be cancelled below, and asyncio logs that as an error.
+                writer.transport.abort()
+            else:
+                writer.close()
         # A stream's task ends once its messages do (the master ended its streams first), the
         # others at their closed connection; none is left to be destroyed with the loop.
         _, late = await asyncio.wait(tasks, timeout=1.0) if tasks else ((), ())
