@@ -68,11 +68,15 @@ class Replica:
     rdma_rkey: int = 0
     rdma_length: int = 0
     tier: str = "dram"   # the segment's tier: clients reach "disk" replicas over tcp only
+    # The master's grant for this extent (common/capabilities.py), opaque here: sent with each
+    # tcp READ or WRITE of it. Empty where none was minted.
+    grant: bytes = b""
 
-    def at(self, offset: int, length: int) -> Replica:
-        """This replica's segment at another extent (a columnar answer keeps one per segment)."""
+    def at(self, offset: int, length: int, grant: bytes = b"") -> Replica:
+        """This replica's segment at another extent (a columnar answer keeps one per segment),
+        with that extent's ``grant``."""
         return Replica(self.node, Extent(self.extent.segment_id, offset, length), self.rdma_addr,
-                       self.rdma_rkey, self.rdma_length, self.tier)
+                       self.rdma_rkey, self.rdma_length, self.tier, grant)
 
 
 def validate_key(key: str) -> str:

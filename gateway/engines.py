@@ -17,7 +17,8 @@ Load, per engine, as Route's ``Candidate`` takes it:
 - ``prefill_tokens_per_s``, ``store_tokens_per_s``: with a ``calibrator``
   (:class:`~kvpool.master.calibration.CostCalibrator`), the engine's rates as measured from
   its first tokens against what Route expected each request to recompute and load; 0 (the
-  master's cost model) until there are enough samples.
+  master's cost model) until the first one came back (the fleet's estimate, then the
+  engine's own).
 
 Disaggregated serving: each engine has a ``role``: ``both`` (colocated: prefill and decode),
 ``prefill`` (a ``kv_producer``: computes prompts, stores their KV in kvpool) or ``decode`` (a

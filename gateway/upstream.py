@@ -122,9 +122,13 @@ async def _copy_stream(up: aiohttp.ClientResponse, request: web.Request,
         async for chunk in up.content.iter_any():
             if response is None:
                 first_chunk_s = time.perf_counter()
-                on_first_chunk()
                 response = web.StreamResponse(status=200, headers=headers)
                 await _client_io(response.prepare(request), response)
+                await _client_io(response.write(chunk), response)
+                # After the write: the gateway's bookkeeping (calibration) is not the
+                # client's wait.
+                on_first_chunk()
+                continue
             await _client_io(response.write(chunk), response)
     except (aiohttp.ClientError, TimeoutError) as e:
         if response is None:

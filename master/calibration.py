@@ -28,8 +28,19 @@ An engine with fewer than ``min_samples`` samples of its own is judged by the fl
 estimate, and its own estimate starts from the fleet's: from a prior 4x off, engines judged
 by the prior next to engines already measured would look 4x faster or slower than they are,
 and the router would crowd onto the ones that look fast. (Scaling every rate alike changes few
-decisions; scaling some engines' is what routes badly.) Until the fleet has ``min_samples``
-samples, everything is the prior (``measured`` says None: the router's own model decides).
+decisions; scaling some engines' is what routes badly.) The fleet's estimate moves from its
+first sample (``fleet_min_samples``), smoothed and clamped like every fit: the prior is a
+guess, often far off (the master's default model is a GPU node's 8,000 tokens/s; a CPU engine
+prefills a few hundred), and the router's affinity slack is in seconds, so the sooner the
+rates are measured the sooner the slack means what it says. Before the first sample everything
+is the prior (``measured`` says None: the router's own model decides).
+
+**Refits are amortised.** A fit reads the whole window; refitting the fleet's 256 samples on
+every request was the gateway's largest cost per request. An engine's window (``window``)
+refits on every sample; the fleet's, four times longer, after every ``len // window`` new
+samples, so each costs about the same per sample. (Refitting an engine's window less often
+left its estimate a few percent off at 10% noise: each fit moves a fraction of the way, and
+fewer fits average less.)
 
 **Bounds and smoothing.** Each fit moves an estimate a fraction ``smoothing`` of the way (in
 log space, so 4x too high and 4x too low converge alike), clamped to ``prefill_bounds`` /
@@ -88,6 +99,7 @@ class _Engine:
     last_first_token_s: float = -math.inf
     accepted: int = 0         # samples taken (not skipped as uninformative)
     fits: int = 0             # estimates moved
+    unfitted: int = 0         # samples taken since the last refit
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +124,7 @@ class CostCalibrator:
     store_bounds: tuple[float, float] = (1e3, 1e8)
     window: int = 64
     min_samples: int = 8
+    fleet_min_samples: int = 1
     smoothing: float = 0.3
     outlier_mads: float = 4.0
     max_age_s: float = 600.0
@@ -124,8 +137,10 @@ class CostCalibrator:
                 raise InvalidArgument(f"{name} bounds must satisfy 0 < low <= high")
         if not 0 < self.smoothing <= 1:
             raise InvalidArgument("smoothing must be in (0, 1]")
-        if self.window < 2 or not 1 <= self.min_samples <= self.window:
-            raise InvalidArgument("need window >= 2 and 1 <= min_samples <= window")
+        if self.window < 2 or not 1 <= self.min_samples <= self.window \
+                or not 1 <= self.fleet_min_samples <= 4 * self.window:
+            raise InvalidArgument("need window >= 2, 1 <= min_samples <= window and "
+                                  "1 <= fleet_min_samples <= 4 * window")
         self.prior = self._clamp(self.prior)
         # Every engine's samples together: what an engine is judged by until it has its own
         # (a longer window: it sees every engine's requests, and few of them load much).
@@ -156,14 +171,14 @@ class CostCalibrator:
         if service_s <= 0 or recomputed_tokens + store_tokens < 1:
             return
         sample = _Sample(self.clock(), recomputed_tokens, store_tokens, service_s)
-        self._learn(self._fleet, sample, fallback=None)
-        self._learn(e, sample, fallback=self._fleet.rates)
+        self._learn(self._fleet, sample, self.fleet_min_samples, fallback=None)
+        self._learn(e, sample, self.min_samples, fallback=self._fleet.rates)
 
     # -- what the router uses --
     def rates(self, engine: str) -> Rates:
         """The engine's current estimate: the fleet's (every engine's samples together, the
-        prior until there are ``min_samples``) until the engine has ``min_samples`` of its
-        own."""
+        prior until there are ``fleet_min_samples``) until the engine has ``min_samples`` of
+        its own."""
         e = self._engines.get(engine)
         return e.rates if e is not None and e.fits > 0 else self._fleet.rates
 
@@ -200,15 +215,20 @@ class CostCalibrator:
             e = self._engines[engine] = _Engine(self.prior, deque(maxlen=self.window))
         return e
 
-    def _learn(self, e: _Engine, sample: _Sample, fallback: Rates | None) -> None:
-        """Add ``sample`` to ``e``'s window and refit; ``fallback``: the store rate to use
-        when ``e``'s own samples cannot tell it (None: hold its own)."""
+    def _learn(self, e: _Engine, sample: _Sample, min_samples: int,
+               fallback: Rates | None) -> None:
+        """Add ``sample`` to ``e``'s window and refit (see "Refits are amortised");
+        ``fallback``: the store rate to use when ``e``'s own samples cannot tell it (None:
+        hold its own)."""
         e.samples.append(sample)
         e.accepted += 1
+        e.unfitted += 1
         while e.samples and e.samples[0].at_s < sample.at_s - self.max_age_s:
             e.samples.popleft()
-        if len(e.samples) < self.min_samples:
+        if len(e.samples) < min_samples or \
+                (e.fits and e.unfitted < max(1, len(e.samples) // self.window)):
             return
+        e.unfitted = 0
         if fallback is not None and e.fits == 0:
             # An engine's own estimate starts where the fleet's is now, not at the prior:
             # engines judged by different standards would look faster or slower than they are.

@@ -38,10 +38,13 @@ Policies choose among candidates (instance id, queue depth, in-flight prefill to
   the backlog drains, so recomputation is weighed up (doubled per 0.5 s of backlog at the
   default 2/s); with one candidate idle the weight is ``recompute_weight``. Then affinity:
   among the candidates within ``affinity_slack_tokens * prefill_s_per_token`` of the best
-  score, the one with the longest local (gpu + cpu) prefix wins (then the lower score, then the
-  lighter load). Scores that close are within their estimates' error; keeping the request where
-  its KV already is keeps that instance warm for the conversation's next turn and leaves the
-  store's bandwidth to requests that need it.
+  score, at most ``affinity_slack_max_s``, the one with the longest local (gpu + cpu) prefix
+  wins (then the lower score, then the lighter load). Scores that close are within their
+  estimates' error; keeping the request where its KV already is keeps that instance warm for
+  the conversation's next turn and leaves the store's bandwidth to requests that need it. The
+  cap in seconds is for slow engines: on CPU engines prefilling ~500 tokens/s, 4,096 tokens are
+  8 s, which held 18 of a live replay's first 24 requests on one engine while the other idled;
+  a slack is what the router may add to a request's wait, so it is bounded in seconds.
 
   The parameters live in :class:`CostModel`; set them to the deployment's measured prefill
   throughput and transfer bandwidth, or let the caller measure them: a candidate may carry its
@@ -51,7 +54,7 @@ Policies choose among candidates (instance id, queue depth, in-flight prefill to
   LLaMA2-70B-class model on an 8-GPU node (Mooncake's testbed; derivation in
   ``kvpool.tools.replay_sim.InstanceModel``), 8,000 prefill tokens/s per instance, KV loads from
   the store at ~10x and from host memory at ~20x prefill speed, ``recompute_weight`` 1,
-  ``backlog_weight_per_s`` 2 and a slack of 4,096 tokens (0.5 s).
+  ``backlog_weight_per_s`` 2 and a slack of 4,096 tokens, at most 0.5 s.
 
   Measured with ``kvpool replay --sweep 16000,8000,5000,4000`` on the Mooncake conversation
   trace (8 instances x 6,000 blocks, 60,000-block store or none, store loads at 10x prefill
@@ -170,18 +173,22 @@ class CostModel:
     cpu_s_per_token: float = 1 / 160000
     recompute_weight: float = 1.0
     affinity_slack_tokens: int = 4096
+    affinity_slack_max_s: float = 0.5
     backlog_weight_per_s: float = 2.0
 
     def __post_init__(self) -> None:
         if min(self.prefill_s_per_token, self.store_s_per_token, self.cpu_s_per_token) <= 0:
             raise InvalidArgument("cost model rates must be > 0 s/token")
-        if min(self.recompute_weight, self.affinity_slack_tokens,
+        if min(self.recompute_weight, self.affinity_slack_tokens, self.affinity_slack_max_s,
                self.backlog_weight_per_s) < 0:
             raise InvalidArgument("cost model weights must be >= 0")
 
     @property
     def affinity_slack_s(self) -> float:
-        return self.affinity_slack_tokens * self.prefill_s_per_token
+        """``affinity_slack_tokens`` of prefill, but never more than ``affinity_slack_max_s``:
+        on a slow engine 4,096 tokens are seconds of queueing, not an estimate's error."""
+        return min(self.affinity_slack_tokens * self.prefill_s_per_token,
+                   self.affinity_slack_max_s)
 
     def for_candidate(self, c: Candidate) -> CostModel:
         """This model with the rates ``c`` reports (measured per instance) where it gives them."""

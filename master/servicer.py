@@ -14,7 +14,7 @@ import secrets
 from collections.abc import AsyncIterator
 
 import grpc
-from kvpool.common import checksum
+from kvpool.common import capabilities, checksum
 from kvpool.common.errors import (
     InvalidArgument,
     KVPoolError,
@@ -22,6 +22,7 @@ from kvpool.common.errors import (
     status_for_error,
 )
 from kvpool.common.logging import get_logger
+from kvpool.master.grants import GrantMinter
 from kvpool.master.manifest_log import ManifestDelta
 from kvpool.master.manifest_watch import ManifestWatchers
 from kvpool.master.state import MasterState
@@ -98,6 +99,9 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         # This master's epoch: nodes refuse a writer's reservation or seal of another one, so
         # a late writer of a master that died is fenced at the node (store_node/manifest.py).
         self.epoch = epoch if epoch is not None else secrets.randbits(63) | 1
+        # Keys per node, and a grant per replica of each placement and location: a node serves
+        # a tcp READ or WRITE only of an extent granted for it (common/capabilities.py).
+        self._grants = GrantMinter(state.replica_in)
 
     @mutation(wait=False)
     async def MountSegment(self, request, context):
@@ -114,7 +118,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             self._watchers.expect(node.node_id)
         log.info("segment_mounted", node=node.node_id, segment=segment.segment_id,
                  size_bytes=segment.size_bytes, tcp=node.tcp_endpoint)
-        return pb.MountSegmentResponse(epoch=self.epoch)
+        return pb.MountSegmentResponse(epoch=self.epoch,
+                                       data_key=self._grants.key_for(node.node_id))
 
     @mutation
     async def UnmountSegment(self, request, context):
@@ -283,11 +288,15 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         summary = self._state.space_summary() if pb.STATUS_NO_SPACE in statuses else ""
         pending = self._state.pending_version
         config = self._state.config
+        versions = [pending(k) if s == pb.STATUS_OK else 0
+                    for k, s in zip(request.keys, statuses)]
+        # A write grant lasts as long as the put may: its space is reclaimed after that.
+        grants = self._grants.mint(capabilities.WRITE, counts, segment_ids, offsets,
+                                   request.sizes, versions, config.put_timeout_s)
         return pb.PutStartResponse(put_timeout_s=config.put_timeout_s,
-                                   statuses=statuses, replicas=columns.to_pb(),
+                                   statuses=statuses, replicas=columns.to_pb(grants),
                                    space_summary=summary, epoch=self.epoch,
-                                   versions=[pending(k) if s == pb.STATUS_OK else 0
-                                             for k, s in zip(request.keys, statuses)],
+                                   versions=versions,
                                    hold_s=config.put_timeout_s + config.quarantine_s)
 
     @mutation(wait="put")   # unsealed: the nodes holding the new objects were told first
@@ -357,9 +366,12 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                             self._state.replica_in)
         # The shortest lease granted (max_lease_s caps a lease re-read for long).
         lease_s = self._state.config.lease_ttl_s if located.lease_s is None else located.lease_s
+        grants = self._grants.mint(capabilities.READ, located.counts, located.segment_ids,
+                                   located.offsets, located.sizes, located.versions,
+                                   max(lease_s, capabilities.READ_GRANT_MIN_S))
         return pb.GetReplicasResponse(lease_ttl_s=lease_s,
                                       statuses=statuses, sizes=located.sizes,
-                                      versions=located.versions, replicas=columns.to_pb(),
+                                      versions=located.versions, replicas=columns.to_pb(grants),
                                       checksums=located.checksums)
 
     async def Stats(self, request, context):

@@ -13,6 +13,11 @@ Responses come in request order, so a client may pipeline requests on one connec
 After a BAD_REQUEST (malformed frame) or a refused WRITE the server closes the connection,
 because it cannot know where the next frame starts.
 
+shm hand-off trust: the node answers only peers it trusts by their SO_PEERCRED uid/gid
+(DENIED otherwise, and closes). A request without ``HANDOFF_WRITABLE`` gets a read-only fd of
+the segment (its inode owner-only, so it cannot be reopened writable through /proc); with it,
+the writable fd, for trusted writers only (DENIED for a read-only peer, connection kept).
+
 RESERVE and SEAL (a put's record, handed by its writer; on the data port, and on the shm
 hand-off socket after the marker ``HANDOFF_RESERVE``/``HANDOFF_SEAL`` in place of a length):
 the header's segment id, offset and length name the extent; a ``RECORD`` body
@@ -24,6 +29,14 @@ if they differ) and keeps the record as a commit pending the master's word. Each
 OK with no payload, or refused with a message; the connection stays usable either way.
 On the shm socket the marker is followed by ``HANDOFF_RECORD`` (``!HQQ`` = segment id length,
 offset, length), the ``RECORD`` body, the segment id, the key and the parent.
+
+Grants (common/capabilities.py): a request whose magic is ``MAGIC_GRANTED`` (b"KVP2") carries
+the master's grant for its extent (``capabilities.GRANT``: version, expiry, MAC; 32 bytes)
+right after the segment id. A node given a key by its master serves READ, WRITE, RESERVE and
+SEAL only with a grant that covers the operation (READ; WRITE for the other three) on exactly
+that extent, unexpired, refusing DENIED otherwise (a refused WRITE closes the connection, as
+always); a WRITE spends its grant. A node without a key (no master, or one that mints none)
+takes requests with or without grants alike.
 
 CONNECT_QP (the RDMA queue-pair handshake): segment id empty, offset 0, length =
 ``QP_INFO.size``, followed by the client's ``QP_INFO`` (``!II16sB3x``: QP number, starting PSN,
@@ -42,10 +55,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 
+from kvpool.common import capabilities
 from kvpool.common.errors import TransportError
 from kvpool.net.sockets import recv_exact, send_all
 
 MAGIC = b"KVP1"
+MAGIC_GRANTED = b"KVP2"   # a grant follows the segment id
+GRANT_BYTES = capabilities.GRANT.size
 REQUEST = struct.Struct("!4sBxHQQ")
 RESPONSE = struct.Struct("!B3xQ")
 MAX_SEGMENT_ID_BYTES = 1024
@@ -63,6 +79,9 @@ MAX_KEY_BYTES = 4096
 HANDOFF_RESERVE = 0xFFF1
 HANDOFF_SEAL = 0xFFF2
 HANDOFF_RECORD = struct.Struct("!HQQ")
+# Or'ed into a hand-off request's segment id length: the writable fd (trusted writers only);
+# without it the node hands a read-only fd, which the client maps PROT_READ.
+HANDOFF_WRITABLE = 0x8000
 
 
 class Op(IntEnum):
@@ -81,6 +100,7 @@ class FrameStatus(IntEnum):
     UNSUPPORTED = 4        # a valid request this node cannot serve (CONNECT_QP without RDMA)
     STALE_EPOCH = 5        # RESERVE/SEAL granted by a master that is not this node's current one
     CHECKSUM_MISMATCH = 6  # SEAL: the extent's bytes do not match the record's CRC-32C
+    DENIED = 7             # the peer may not do this: an shm peer the node does not trust
 
 
 QP_INFO = struct.Struct("!II16sB3x")
@@ -100,9 +120,12 @@ def decode_qp_info(data: bytes) -> tuple[int, int, str, int]:
     return qp_num, psn, ":".join(hexgid[i:i + 4] for i in range(0, 32, 4)), mtu
 
 
-def encode_request(op: Op, segment_id: str, offset: int, length: int) -> bytes:
+def encode_request(op: Op, segment_id: str, offset: int, length: int,
+                   grant: bytes = b"") -> bytes:
+    """A request header and segment id, and ``grant`` (the master's, for this extent) if any."""
     sid = segment_id.encode()
-    return REQUEST.pack(MAGIC, op, len(sid), offset, length) + sid
+    magic = MAGIC_GRANTED if grant else MAGIC
+    return REQUEST.pack(magic, op, len(sid), offset, length) + sid + grant
 
 
 def encode_response(status: FrameStatus, payload_length: int) -> bytes:
@@ -135,11 +158,9 @@ def encode_record(record: PutRecord, sid: bytes = b"") -> bytes:
 
 
 def encode_record_request(op: Op, segment_id: str, offset: int, length: int,
-                          record: PutRecord) -> bytes:
-    """A RESERVE or SEAL frame for the data port."""
-    sid = segment_id.encode()
-    body = encode_record(record)
-    return REQUEST.pack(MAGIC, op, len(sid), offset, length) + sid + body
+                          record: PutRecord, grant: bytes = b"") -> bytes:
+    """A RESERVE or SEAL frame for the data port (with the extent's write grant, if any)."""
+    return encode_request(op, segment_id, offset, length, grant) + encode_record(record)
 
 
 def encode_handoff_record(op: Op, segment_id: str, offset: int, length: int,
@@ -175,9 +196,9 @@ def recv_record(recv: Callable[[int], bytes], *, sid_len: int | None = None
 
 # ---------------------------------------------------------------- the client's end
 
-def encode_handoff_request(segment_id: str) -> bytes:
+def encode_handoff_request(segment_id: str, writable: bool = False) -> bytes:
     sid = segment_id.encode("utf-8")
-    return HANDOFF_REQUEST.pack(len(sid)) + sid
+    return HANDOFF_REQUEST.pack(len(sid) | (HANDOFF_WRITABLE if writable else 0)) + sid
 
 
 def recv_refusal(sock: socket.socket, status: int, length: int, what: str = "node") -> str:
@@ -193,10 +214,10 @@ def recv_refusal(sock: socket.socket, status: int, length: int, what: str = "nod
 def malformed_request(magic: bytes, op: int, sid_len: int, offset: int, length: int) -> str:
     """Why a request header breaks the framing ("" if it does not): the node answers
     BAD_REQUEST and closes, since it cannot know where the next frame starts."""
-    if magic != MAGIC:
+    if magic != MAGIC and magic != MAGIC_GRANTED:
         return f"bad magic {bytes(magic)!r}"
     if op == Op.CONNECT_QP:
-        ok = not sid_len and not offset and length == QP_INFO.size
+        ok = magic == MAGIC and not sid_len and not offset and length == QP_INFO.size
         return "" if ok else "malformed CONNECT_QP"
     if op not in (Op.READ, Op.WRITE, Op.RESERVE, Op.SEAL):
         return f"unknown op {op}"

@@ -55,7 +55,8 @@ class Located:
             return err
         r, size = self.replicas, int(self.sizes[i])
         first = int(r.first[i])
-        reps = tuple(r.locations[int(r.location[j])].at(int(r.offsets[j]), size)
+        reps = tuple(r.locations[int(r.location[j])].at(int(r.offsets[j]), size,
+                                                        r.grants[j] if r.grants else b"")
                      for j in range(first, first + int(r.counts[i])))
         return ObjectView(self.keys[i], size, int(self.versions[i]), reps,
                           checksum.decode(int(self.checksums[i])))
@@ -68,4 +69,5 @@ def only_replica(r: pb.GetReplicasResponse) -> Replica | None:
     cols = r.replicas
     if len(r.statuses) != 1 or r.statuses[0] != pb.STATUS_OK or len(cols.offsets) != 1:
         return None
-    return replica_from_pb(cols.locations[cols.location[0]]).at(cols.offsets[0], r.sizes[0])
+    return replica_from_pb(cols.locations[cols.location[0]]).at(
+        cols.offsets[0], r.sizes[0], cols.grants[0] if cols.grants else b"")

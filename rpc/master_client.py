@@ -69,9 +69,18 @@ class MasterClient(GrpcClient):
                       keeps_manifest: bool = False, recovering: bool = False) -> int:
         """Mount ``segment``; returns the master's epoch (a writer's grant carries it, and the
         node refuses a reservation or seal of another epoch)."""
-        return self._call("MountSegment", pb.MountSegmentRequest(
+        return self.mount_segment_keyed(node, segment, keeps_manifest=keeps_manifest,
+                                        recovering=recovering)[0]
+
+    def mount_segment_keyed(self, node: NodeEndpoints, segment: SegmentInfo, *,
+                            keeps_manifest: bool = False, recovering: bool = False
+                            ) -> tuple[int, bytes]:
+        """:meth:`mount_segment`, also returning the key the master signs this node's data
+        grants with (common/capabilities.py; empty: it mints none)."""
+        r = self._call("MountSegment", pb.MountSegmentRequest(
             node=wire.node_to_pb(node), segment=wire.segment_to_pb(segment),
-            keeps_manifest=keeps_manifest, recovering=recovering)).epoch
+            keeps_manifest=keeps_manifest, recovering=recovering))
+        return r.epoch, r.data_key
 
     def unmount_segment(self, node_id: str, segment_id: str) -> None:
         r = self._call("UnmountSegment", pb.UnmountSegmentRequest(node_id=node_id,

@@ -108,9 +108,15 @@ class ReplicaColumnsWriter:
         self.location += map(index.__getitem__, segment_ids)
         self.offsets += offsets
 
-    def to_pb(self) -> pb.ReplicaColumns:
+    def to_pb(self, grants: Sequence[bytes] = ()) -> pb.ReplicaColumns:
+        """The columns, with ``grants`` (one per replica, in order) where minted."""
         return pb.ReplicaColumns(locations=self._locations, counts=self.counts,
-                                 location=self.location, offsets=self.offsets)
+                                 location=self.location, offsets=self.offsets, grants=grants)
+
+    def segment_ids(self) -> list[str]:
+        """Each replica's segment id, in order (what grants are minted for)."""
+        ids = [loc.segment_id for loc in self._locations]
+        return [ids[i] for i in self.location]
 
 
 def _template(r: Replica) -> pb.Replica:
@@ -130,18 +136,21 @@ def replicas_from_columns(columns: pb.ReplicaColumns, lengths: Sequence[int]
         r = replica_from_pb(msg)
         templates.append((r.extent.segment_id, [getattr(r, name) for name in _REPLICA_FIELDS]))
     location, offsets = columns.location, columns.offsets
+    grants = columns.grants or None
     out: list[tuple[Replica, ...]] = []
     j = 0
     for count, length in zip(columns.counts, lengths):
         if count == 1:   # the common case, without the loop
             segment_id, args = templates[location[j]]
             args[_EXTENT_ARG] = Extent(segment_id, offsets[j], length)
+            args[_GRANT_ARG] = grants[j] if grants else b""
             out.append((Replica(*args),))
         else:
             reps = []
             for k in range(j, j + count):
                 segment_id, args = templates[location[k]]
                 args[_EXTENT_ARG] = Extent(segment_id, offsets[k], length)
+                args[_GRANT_ARG] = grants[k] if grants else b""
                 reps.append(Replica(*args))
             out.append(tuple(reps))
         j += count
@@ -150,6 +159,7 @@ def replicas_from_columns(columns: pb.ReplicaColumns, lengths: Sequence[int]
 
 _REPLICA_FIELDS = [f.name for f in fields(Replica)]
 _EXTENT_ARG = _REPLICA_FIELDS.index("extent")
+_GRANT_ARG = _REPLICA_FIELDS.index("grant")
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +177,7 @@ class ReplicaArrays:
     first: np.ndarray      # int64, one per object: the index of its first replica
     location: np.ndarray   # int64, one per replica
     offsets: np.ndarray    # uint64, one per replica
+    grants: Sequence[bytes] = ()   # one per replica, or empty (common/capabilities.py)
 
 
 def replica_arrays(columns: pb.ReplicaColumns) -> ReplicaArrays:
@@ -175,7 +186,8 @@ def replica_arrays(columns: pb.ReplicaColumns) -> ReplicaArrays:
     return ReplicaArrays(locations=[replica_from_pb(m) for m in columns.locations],
                          counts=counts, first=first,
                          location=np.array(columns.location, dtype=np.int64),
-                         offsets=np.array(columns.offsets, dtype=np.uint64))
+                         offsets=np.array(columns.offsets, dtype=np.uint64),
+                         grants=columns.grants)
 
 
 def move_to_pb(m: Move) -> pb.Move:

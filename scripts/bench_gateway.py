@@ -31,16 +31,21 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import http.client
 import json
 import os
 import random
+import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from urllib.parse import urlsplit
+
+HERE = Path(__file__).resolve().parent
 
 
 class Target:
@@ -89,9 +94,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", help="the engine's URL (an OpenAI server)")
+    p.add_argument("--stand-in", action="store_true",
+                   help="start a stand-in engine that answers at once (scripts/stand_in_engine"
+                        ".py) and measure against it: the gateway's own overhead")
     p.add_argument("--prefill", help="disaggregated: the prefill engine's URL (kv_producer)")
     p.add_argument("--decode", help="disaggregated: the decode engine's URL (kv_consumer)")
-    p.add_argument("--model", required=True, help="the model folder the engine serves")
+    p.add_argument("--model", help="the model folder the engine serves (with --stand-in: "
+                   "default, the tiny Llama's tokenizer, built in a temporary folder)")
     p.add_argument("--served-model-name", help="default: --model as given")
     p.add_argument("--master", help="a kvpool master (default: start a local cluster)")
     p.add_argument("--block-size", type=int, default=32, help="registered with a new cluster")
@@ -105,15 +114,52 @@ def main() -> int:
                    help="disaggregated: requests sent at once per round (default: 1)")
     p.add_argument("--probe-interval", default="1s",
                    help="the gateway's --probe-interval (its scrapes of each engine's /metrics)")
+    p.add_argument("--gateway-args", default="",
+                   help="more arguments for the gateway, e.g. '--event-loop asyncio'")
     a = p.parse_args()
-    name = a.served_model_name or a.model
     if a.prefill or a.decode:
-        if not (a.prefill and a.decode and a.master) or a.engine:
-            p.error("disaggregated: give --prefill, --decode and --master (the engines' "
-                    "master), not --engine")
-        return disaggregated(a, name)
-    if not a.engine:
-        p.error("give --engine URL, or --prefill URL --decode URL --master M")
+        if not (a.prefill and a.decode and a.master and a.model) or a.engine or a.stand_in:
+            p.error("disaggregated: give --prefill, --decode, --master (the engines' "
+                    "master) and --model, not --engine")
+        return disaggregated(a, a.served_model_name or a.model)
+    if bool(a.engine) == a.stand_in:
+        p.error("give --engine URL or --stand-in, or --prefill URL --decode URL --master M")
+    if a.model is None and not a.stand_in:
+        p.error("give --model DIR: the engine's model folder")
+    with contextlib.ExitStack() as stack:
+        if a.stand_in:
+            a.engine = stack.enter_context(stand_in())
+            if a.model is None:
+                a.model = stack.enter_context(tokenizer_only())
+        name = a.served_model_name or a.model
+        return colocated(a, name)
+
+
+@contextlib.contextmanager
+def stand_in():
+    """A stand-in engine process (answers at once); yields its URL."""
+    proc = subprocess.Popen([sys.executable, str(HERE / "stand_in_engine.py")],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        if not line.startswith("stand-in: "):
+            raise SystemExit(f"bench: the stand-in engine did not start: {line!r}")
+        yield line.split()[1]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def tokenizer_only():
+    """The tiny Llama's tokenizer and chat template in a temporary folder (no torch needed)."""
+    with tempfile.TemporaryDirectory(prefix="bench-gateway-tok-") as out:
+        subprocess.run([sys.executable, str(HERE / "engines" / "make_tiny_llama.py"), out,
+                        "--tokenizer-only"], check=True, capture_output=True, timeout=120)
+        yield out
+
+
+def colocated(a: argparse.Namespace, name: str) -> int:
 
     cluster = None
     if a.master is None:
@@ -129,7 +175,7 @@ def main() -> int:
     gw = subprocess.Popen(
         [sys.executable, "-m", "kvpool", "gateway", "--master", a.master, "--engines", a.engine,
          "--model", a.model, "--served-model-name", name, "--port", "0",
-         "--probe-interval", a.probe_interval],
+         "--probe-interval", a.probe_interval, *shlex.split(a.gateway_args)],
         stdout=subprocess.PIPE, stderr=log, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:

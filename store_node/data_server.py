@@ -1,13 +1,28 @@
 """The store node's two-sided data plane: the tcp data port and the shm fd hand-off.
 
-tcp: one thread per connection, blocking sockets (the GIL is released in recv/send). READ sends
-the response header and then the segment slice straight from the mapping; WRITE receives
-straight into the segment slice. Framing: :mod:`kvpool.net.data_port`.
+tcp: an idle connection costs no thread. One thread waits on every idle connection (epoll,
+one-shot); a connection with a request in flight goes to a worker thread, which serves frames
+while they keep coming (blocking sockets: the GIL is released in recv/send) and hands the
+connection back once none arrived for ``_LINGER_WORK_S``. READ sends the response header and then
+the segment slice straight from the mapping; WRITE receives straight into the segment slice.
+Framing: :mod:`kvpool.net.data_port`. Limits (:class:`DataLimits`): at most ``max_connections``
+connections (at the cap, the one idle longest is closed to make room, so a flood of idle
+connections cannot lock a client out); a tcp connection idle for ``idle_timeout_s`` is closed
+(not one that holds an RDMA queue pair, nor an shm link: their EOF tells the client the node died);
+a frame that stalls mid-way for ``idle_timeout_s`` ends its connection.
 
-shm hand-off: a listening unix stream socket in the Linux abstract namespace. A same-host client
-sends a segment id (``!H`` length + utf-8, :data:`kvpool.net.data_port.HANDOFF_REQUEST`);
-the reply is a ``frames.RESPONSE`` header: status OK with the segment size as its length field and
-the segment's memfd attached (SCM_RIGHTS), or an error status followed by a utf-8 message. The
+tcp grants (common/capabilities.py): once the master has handed this node its key
+(:meth:`DataServer.set_grant_key`, at MountSegment), a READ, WRITE, RESERVE or SEAL of an
+extent inside a segment is served only under the master's grant for exactly that operation
+and extent, unexpired; a WRITE spends its grant. Refused DENIED before a byte is touched.
+
+shm hand-off: a listening unix stream socket in the Linux abstract namespace, answered only for
+peers trusted by SO_PEERCRED (:class:`DataLimits` ``shm_writers``/``shm_readers``; DENIED for
+anyone else). A same-host client sends a segment id (``!H`` length + utf-8, or'ed with
+``HANDOFF_WRITABLE`` for the writable fd, writers only; :data:`kvpool.net.data_port.
+HANDOFF_REQUEST`); the reply is a ``frames.RESPONSE`` header: status OK with the segment size
+as its length field and the segment's memfd attached (SCM_RIGHTS; a read-only one unless the
+writable fd was asked for), or an error status followed by a utf-8 message. The
 client keeps the connection open: it may ask for more segments on it, and its EOF tells the
 client that this node died. The server never sends anything unsolicited.
 
@@ -19,6 +34,7 @@ from __future__ import annotations
 
 import errno
 import os
+import resource
 import secrets
 import select
 import socket
@@ -27,17 +43,23 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Self
 
+from kvpool.common import capabilities
 from kvpool.common.checksum import checksum
 from kvpool.common.logging import RateLimited, get_logger
 from kvpool.common.loops import OnCrash, Supervisor
 from kvpool.common.types import ObjectRecord, Reservation
 from kvpool.net.data_port import (
+    GRANT_BYTES,
     HANDOFF_RECORD,
     HANDOFF_REQUEST,
     HANDOFF_RESERVE,
     HANDOFF_SEAL,
+    HANDOFF_WRITABLE,
+    MAGIC_GRANTED,
     MAX_SEGMENT_ID_BYTES,
     QP_INFO,
     REQUEST,
@@ -61,6 +83,12 @@ client_errors = RateLimited(log)
 
 _LINGER_S = 2.0          # how long to drain a refused client before closing (see _linger_close)
 _JOIN_TIMEOUT_S = 5.0
+# How long a worker waits for a connection's next frame before handing it back to the idle
+# poller: longer than a client's gap between two calls of a busy loop (a master round trip),
+# so a busy connection keeps its worker, and short enough that an idle one costs no thread.
+_LINGER_WORK_MS = 20
+_FD_HEADROOM = 128       # fds kept for segments, the master's channel, logs (see _fit_fd_limit)
+_IN = select.EPOLLIN | select.EPOLLONESHOT
 _UCRED = struct.Struct("3i")   # struct ucred: pid, uid, gid
 # The acceptor keeps nothing between runs (its poller is rebuilt), so a crash is retried; one
 # that keeps coming stops the node: the master would go on sending clients to a port that
@@ -85,6 +113,121 @@ def _recv_exact(sock: socket.socket, view: memoryview, *, frame_started: bool) -
         raise _Disconnected(mid_frame=frame_started or exc.received > 0) from None
 
 
+@dataclass(frozen=True, slots=True)
+class DataLimits:
+    """What one store node's data server allows (``kvpool store-node`` flags).
+
+    ``max_connections``: tcp and shm connections at once (default 4096, lowered to fit the
+    process's fd limit); at the cap the tcp connection idle longest is closed for a new one.
+    ``idle_timeout_s``: a tcp connection with no request for this long is closed (default 120
+    s; clients reconnect on their next call), and a frame stalled mid-way as long ends its
+    connection.
+    ``shm_writers`` / ``shm_readers``: the shm hand-off's peers by SO_PEERCRED, as ``"uid:N"``
+    or ``"gid:N"`` (the peer's primary gid). Writers get the writable fd (and may RESERVE and
+    SEAL), readers only a read-only fd; anyone else is refused. The node's own uid and root
+    are always writers (both can read and write the node's memory anyway); by default nobody
+    else is trusted.
+    """
+
+    max_connections: int = 4096
+    idle_timeout_s: float = 120.0
+    shm_writers: tuple[str, ...] = ()
+    shm_readers: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for spec in (*self.shm_writers, *self.shm_readers):
+            parse_peer(spec)
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, not {self.max_connections}")
+        if not self.idle_timeout_s > 0:
+            raise ValueError(f"idle_timeout_s must be positive, not {self.idle_timeout_s}")
+
+
+def parse_peer(spec: str) -> tuple[str, int]:
+    """``"uid:N"`` or ``"gid:N"`` as ("uid"|"gid", N); ValueError saying what is expected."""
+    kind, _, number = spec.partition(":")
+    if kind not in ("uid", "gid") or not number.isdigit():
+        raise ValueError(f"shm peer {spec!r}: expected uid:N or gid:N")
+    return kind, int(number)
+
+
+class _ShmTrust:
+    """Who gets which hand-off: WRITE (the writable fd, records), READ (a read-only fd), or
+    NONE, from a peer's SO_PEERCRED."""
+
+    NONE, READ, WRITE = 0, 1, 2
+
+    def __init__(self, writers: tuple[str, ...], readers: tuple[str, ...]) -> None:
+        self._write = {parse_peer(s) for s in writers} | {("uid", os.getuid()), ("uid", 0)}
+        self._read = {parse_peer(s) for s in readers}
+
+    def of(self, uid: int, gid: int) -> int:
+        ids = {("uid", uid), ("gid", gid)}
+        if ids & self._write:
+            return self.WRITE
+        return self.READ if ids & self._read else self.NONE
+
+
+class _GrantChecker:
+    """Checks a request's grant (common/capabilities.py) against the master's key, and
+    remembers spent write grants until they expire: one WRITE per grant."""
+
+    def __init__(self) -> None:
+        self._signer: capabilities.Signer | None = None
+        self._lock = threading.Lock()
+        self._spent: dict[bytes, int] = {}   # a spent grant's MAC -> its expiry (unix ms)
+
+    def set_key(self, key: bytes) -> None:
+        with self._lock:
+            if self._signer is None or key != self._signer.key:
+                self._spent.clear()
+                self._signer = capabilities.Signer(key) if key else None
+
+    def denied(self, op: Op, grant: bytes, segment_id: bytes, offset: int, length: int) -> str:
+        """Why ``op`` on the extent is refused ("" if it is allowed); a WRITE spends it."""
+        signer = self._signer
+        if signer is None:
+            return ""
+        if not grant:
+            return "this node serves only extents the master granted: the request has no grant"
+        _version, why = signer.check(grant, capabilities.READ if op is Op.READ
+                                     else capabilities.WRITE, segment_id, offset, length)
+        if why or op is not Op.WRITE:
+            return why
+        _version, expiry, tag = capabilities.GRANT.unpack(grant)
+        with self._lock:
+            if tag in self._spent:
+                return "this write grant was spent: an extent is written once per put"
+            self._spent[tag] = expiry
+        return ""
+
+    def forget_expired(self) -> None:
+        now_ms = time.time() * 1000
+        with self._lock:
+            for tag in [t for t, expiry in self._spent.items() if expiry < now_ms]:
+                del self._spent[tag]
+
+
+class _Conn:
+    """One client connection and what serving it keeps between frames."""
+
+    __slots__ = ("busy", "fd", "header", "keep_open", "last_active", "peer", "poller",
+                 "queue_pairs", "shm", "sid_buf", "sock", "trust")
+
+    def __init__(self, sock: socket.socket, peer: str, shm: bool, trust: int) -> None:
+        self.sock, self.fd, self.peer, self.shm, self.trust = sock, sock.fileno(), peer, shm, trust
+        self.busy = False                  # a worker holds it (not in the idle poller)
+        self.last_active = time.monotonic()
+        # A trusted shm link is exempt from the idle timeout and from eviction (its EOF tells
+        # the client that the node died); an untrusted one waits to be refused, or times out.
+        self.keep_open = shm and trust != _ShmTrust.NONE
+        self.header = bytearray(HANDOFF_REQUEST.size if shm else REQUEST.size)
+        self.sid_buf = bytearray(MAX_SEGMENT_ID_BYTES)
+        self.queue_pairs: list = []        # RDMA queue pairs set up on it: die with it
+        self.poller = select.poll()
+        self.poller.register(self.fd, select.POLLIN)
+
+
 class DataServer:
     """Serves a node's segments over tcp and, for same-host clients, by shm fd hand-off.
 
@@ -102,12 +245,12 @@ class DataServer:
     ``connections()`` how many clients are connected by tcp and by the shm socket (the node's
     metrics). ``supervisor`` runs the accepting thread (common/loops.py). ``manifest``: the
     node's, which records writers' reservations and seals (RESERVE, SEAL; refused UNSUPPORTED
-    without one).
+    without one). ``limits``: connections and idle timeout (:class:`DataLimits`).
     """
 
     def __init__(self, segments: Mapping[str, Segment], host: str = "127.0.0.1", port: int = 0,
                  shm: bool = True, rdma=None, supervisor: Supervisor | None = None,
-                 manifest: Manifest | None = None) -> None:
+                 manifest: Manifest | None = None, limits: DataLimits | None = None) -> None:
         self._segments = segments
         self._manifest = manifest   # takes writers' RESERVE and SEAL; None: refused
         self._rdma = rdma
@@ -118,8 +261,14 @@ class DataServer:
         self._shm = shm
         self.tcp_endpoint = ""
         self.shm_endpoint = ""
+        self._limits = limits or DataLimits()
+        self._max_connections = self._limits.max_connections
+        self._trust = _ShmTrust(self._limits.shm_writers, self._limits.shm_readers)
+        self._grants = _GrantChecker()
         self._lock = threading.Lock()
-        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._conns: dict[int, _Conn] = {}      # by fd
+        self._epoll: select.epoll | None = None
+        self._workers: ThreadPoolExecutor | None = None
         self._stopping = threading.Event()
         self._started = False
         self._tcp_listener: socket.socket | None = None
@@ -158,6 +307,10 @@ class DataServer:
         host = f"[{self._host}]" if family == socket.AF_INET6 else self._host
         self.tcp_endpoint = f"{host}:{port}"
         self._tcp_listener, self._shm_listener = tcp, shm_sock
+        self._max_connections = _fit_fd_limit(self._limits.max_connections)
+        self._epoll = select.epoll()
+        # Threads only for connections with a request in flight: at most one per connection.
+        self._workers = ThreadPoolExecutor(self._max_connections, thread_name_prefix="kvpool-data")
         self._wake_r, self._wake_w = _pipe()
         self._acceptor = self._supervisor.start_thread("data-accept", self._accept_loop,
                                                        _ACCEPT_ON_CRASH, self._stopping)
@@ -176,18 +329,20 @@ class DataServer:
             if listener is not None:
                 listener.close()
         with self._lock:
-            conns = dict(self._conns)
-        for conn in conns:
-            # shutdown (not close) wakes a thread blocked in recv/send on it without racing
-            # against fd reuse; the thread closes its own socket.
+            conns = list(self._conns.values())
+        for c in conns:
+            # shutdown (not close) wakes a worker blocked in recv/send on it without racing
+            # against fd reuse; the worker (or, for an idle one, _drop below) closes it.
             try:
-                conn.shutdown(socket.SHUT_RDWR)
+                c.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        for thread in conns.values():
-            thread.join(_JOIN_TIMEOUT_S)
-            if thread.is_alive():
-                log.warning("connection_thread_not_stopped", thread=thread.name)
+        if self._workers is not None:
+            self._workers.shutdown(wait=True, cancel_futures=True)
+        for c in conns:
+            self._drop(c)
+        if self._epoll is not None:
+            self._epoll.close()
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)
@@ -202,6 +357,12 @@ class DataServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def set_grant_key(self, key: bytes) -> None:
+        """The key the master signs this node's grants with (MountSegment): from now on a
+        tcp READ, WRITE, RESERVE or SEAL is served only with a grant under it. Empty: none
+        (every request served, as before grants)."""
+        self._grants.set_key(key)
+
     def request_counts(self) -> dict[str, int]:
         """Requests served since start, by op name (READ, WRITE, CONNECT_QP, HANDOFF)."""
         with self._lock:
@@ -215,7 +376,7 @@ class DataServer:
     def connections(self) -> dict[str, int]:
         """Clients connected now: ``tcp`` (the data port) and ``shm`` (the hand-off socket)."""
         with self._lock:
-            shm = sum(c.family == socket.AF_UNIX for c in self._conns)
+            shm = sum(c.shm for c in self._conns.values())
             return {"tcp": len(self._conns) - shm, "shm": shm}
 
     def _count(self, op: str, nbytes: int = 0) -> None:
@@ -227,119 +388,215 @@ class DataServer:
     # ---------------------------------------------------------------- accepting
 
     def _accept_loop(self) -> None:
-        poller = select.poll()
-        listeners = {self._tcp_listener.fileno(): (self._tcp_listener, self._serve_tcp)}
+        """Accept new connections, hand connections with a request to a worker, and close the
+        ones idle too long; the one thread that waits on every idle connection."""
+        epoll = self._epoll
+        listeners = {self._tcp_listener.fileno(): self._tcp_listener}
         if self._shm_listener is not None:
-            listeners[self._shm_listener.fileno()] = (self._shm_listener, self._serve_shm)
-        for fd in listeners:
-            poller.register(fd, select.POLLIN)
-        poller.register(self._wake_r, select.POLLIN)
+            listeners[self._shm_listener.fileno()] = self._shm_listener
+        for fd in (*listeners, self._wake_r):
+            try:
+                epoll.register(fd, select.EPOLLIN)
+            except FileExistsError:   # registered by a previous run of this loop (a restart)
+                pass
+        sweep_every = min(1.0, self._limits.idle_timeout_s / 4)
+        next_sweep = time.monotonic() + sweep_every
         while not self._stopping.is_set():
             try:
-                events = poller.poll()
+                events = epoll.poll(max(0.0, next_sweep - time.monotonic()))
             except InterruptedError:
                 continue
             for fd, _ in events:
-                if fd not in listeners:
-                    continue
-                listener, handler = listeners[fd]
-                try:
-                    conn, addr = listener.accept()
-                except OSError as exc:  # e.g. ECONNABORTED, EMFILE: keep serving the others
-                    log.warning("accept_failed", error=str(exc))
-                    if exc.errno in (errno.EMFILE, errno.ENFILE):
-                        time.sleep(0.1)
-                    continue
-                self._spawn(conn, addr, handler)
+                if fd in listeners:
+                    self._accept(listeners[fd])
+                elif fd != self._wake_r:
+                    self._dispatch(fd)
+            if time.monotonic() >= next_sweep:
+                self._close_idle()
+                self._grants.forget_expired()
+                next_sweep = time.monotonic() + sweep_every
 
-    def _spawn(self, conn: socket.socket, addr: object, handler) -> None:
-        peer = _peer_name(conn, addr)
-        thread = threading.Thread(target=self._run_connection, args=(conn, peer, handler),
-                                  name=f"kvpool-data-{peer}", daemon=True)
+    def _accept(self, listener: socket.socket) -> None:
+        try:
+            sock, addr = listener.accept()
+        except OSError as exc:  # e.g. ECONNABORTED, EMFILE: keep serving the others
+            log.warning("accept_failed", error=str(exc))
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                time.sleep(0.1)
+            return
+        shm = sock.family == socket.AF_UNIX
+        peer = _peer_name(sock, addr)
+        if len(self._conns) >= self._max_connections and not self._evict_one():
+            client_errors.warning("connection_refused", kind="max_connections", peer=peer,
+                                  max_connections=self._max_connections)
+            sock.close()
+            return
+        # A frame stalled mid-way ends the connection. Kernel timeouts on a blocking socket,
+        # not settimeout: that makes it non-blocking, and a 2 MiB READ reply then takes a
+        # poll and a partial send per socket buffer instead of one sendmsg.
+        stall = struct.pack("ll", int(self._limits.idle_timeout_s),
+                            int(self._limits.idle_timeout_s % 1 * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, stall)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, stall)
+        if not shm:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        c = _Conn(sock, peer, shm, self._trust.of(*_peer_ids(sock)) if shm else _ShmTrust.NONE)
         with self._lock:
             if self._stopping.is_set():
-                conn.close()
+                sock.close()
                 return
-            self._conns[conn] = thread
-        thread.start()
+            self._conns[c.fd] = c
+        self._epoll.register(c.fd, _IN)
 
-    def _run_connection(self, conn: socket.socket, peer: str, handler) -> None:
+    def _dispatch(self, fd: int) -> None:
+        """A request (or EOF) arrived on an idle connection: a worker serves it."""
+        with self._lock:
+            c = self._conns.get(fd)
+            if c is None or c.busy:
+                return
+            c.busy = True
         try:
-            handler(conn, peer)
+            self._workers.submit(self._work, c)
+        except RuntimeError:   # shut down: stop() closes it
+            pass
+
+    def _evict_one(self) -> bool:
+        """Close the tcp connection idle longest to make room for a new one; False if every
+        connection is busy or kept open."""
+        with self._lock:
+            idle = [c for c in self._conns.values() if not c.busy and not c.keep_open]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda c: c.last_active)
+        client_errors.warning("idle_connection_evicted", kind="max_connections",
+                              peer=victim.peer, max_connections=self._max_connections)
+        self._drop(victim)
+        return True
+
+    def _close_idle(self) -> None:
+        deadline = time.monotonic() - self._limits.idle_timeout_s
+        with self._lock:
+            stale = [c for c in self._conns.values()
+                     if not c.busy and not c.keep_open and c.last_active < deadline]
+        for c in stale:
+            log.debug("idle_connection_closed", peer=c.peer)
+            self._drop(c)
+
+    def _drop(self, c: _Conn) -> None:
+        """Forget and close a connection no worker holds. Idempotent."""
+        with self._lock:
+            if self._conns.get(c.fd) is not c:
+                return
+            del self._conns[c.fd]
+        try:
+            self._epoll.unregister(c.fd)
+        except (OSError, ValueError):   # never registered, or the poller is closed
+            pass
+        for qp in c.queue_pairs:
+            qp.close()
+        c.sock.close()
+
+    def _work(self, c: _Conn) -> None:
+        """Serve ``c``'s frames while they keep coming, then hand it back to the idle poller
+        (or close it: the client left, broke the framing, or the node is stopping)."""
+        serve = self._shm_frame if c.shm else self._tcp_frame
+        keep = False
+        try:
+            while serve(c) and not self._stopping.is_set():
+                if not c.poller.poll(_LINGER_WORK_MS):
+                    keep = True
+                    break
         except _Disconnected as exc:
             if not self._stopping.is_set():
-                log.debug("client_disconnected", peer=peer, mid_frame=exc.mid_frame)
-        except OSError as exc:
+                log.debug("client_disconnected", peer=c.peer, mid_frame=exc.mid_frame)
+        except OSError as exc:   # reset, or a frame stalled past the idle timeout
             if not self._stopping.is_set():
-                log.debug("client_connection_lost", peer=peer, error=str(exc))
+                log.debug("client_connection_lost", peer=c.peer, error=str(exc))
         except Exception:  # a bug here, not client misbehaviour: say so loudly, keep serving
-            log.exception("connection_handler_failed", peer=peer)
-        finally:
+            log.exception("connection_handler_failed", peer=c.peer)
+        if keep and not self._stopping.is_set():
             with self._lock:
-                self._conns.pop(conn, None)
-            conn.close()
+                c.busy = False
+                c.last_active = time.monotonic()
+            try:
+                self._epoll.modify(c.fd, _IN)
+                return
+            except (OSError, ValueError):   # stop() closed the poller meanwhile
+                pass
+        with self._lock:
+            c.busy = False
+        self._drop(c)
 
     # ---------------------------------------------------------------- tcp data port
 
-    def _serve_tcp(self, conn: socket.socket, peer: str) -> None:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        header = bytearray(REQUEST.size)
-        header_view = memoryview(header)
-        sid_buf = bytearray(MAX_SEGMENT_ID_BYTES)
-        queue_pairs: list = []     # RDMA queue pairs set up on this connection: die with it
+    def _tcp_frame(self, c: _Conn) -> bool:
+        """Serve one data-port frame of ``c``; False if the connection must end."""
+        conn, peer, header = c.sock, c.peer, c.header
+        _recv_exact(conn, memoryview(header), frame_started=False)
+        magic, op, sid_len, offset, length = REQUEST.unpack(header)
+        if reason := malformed_request(magic, op, sid_len, offset, length):
+            self._refuse_malformed(conn, peer, reason)
+            return False
+        granted = magic == MAGIC_GRANTED
+        if op == Op.CONNECT_QP:
+            self._count(Op.CONNECT_QP.name)
+            if not self._connect_qp(conn, peer, c.queue_pairs):
+                return False
+            # The client keeps this connection for the queue pair's life: never idle-closed.
+            c.keep_open = bool(c.queue_pairs)
+            return True
+        sid_view = memoryview(c.sid_buf)[:sid_len]
+        _recv_exact(conn, sid_view, frame_started=True)
+        sid_bytes = sid_view.tobytes()
         try:
-            self._serve_frames(conn, peer, header, header_view, sid_buf, queue_pairs)
-        finally:
-            for qp in queue_pairs:
-                qp.close()
-
-    def _serve_frames(self, conn: socket.socket, peer: str, header: bytearray,
-                      header_view: memoryview, sid_buf: bytearray, queue_pairs: list) -> None:
-        while not self._stopping.is_set():
-            _recv_exact(conn, header_view, frame_started=False)
-            magic, op, sid_len, offset, length = REQUEST.unpack(header)
-            if reason := malformed_request(magic, op, sid_len, offset, length):
-                return self._refuse_malformed(conn, peer, reason)
-            if op == Op.CONNECT_QP:
-                self._count(Op.CONNECT_QP.name)
-                if not self._connect_qp(conn, peer, queue_pairs):
-                    return
-                continue
-            sid_view = memoryview(sid_buf)[:sid_len]
-            _recv_exact(conn, sid_view, frame_started=True)
-            try:
-                segment_id = sid_view.tobytes().decode("utf-8")
-            except UnicodeDecodeError:
-                return self._refuse_malformed(conn, peer, "segment id is not utf-8")
-            op = Op(op)
-            if op in (Op.RESERVE, Op.SEAL):
-                got = recv_record(lambda n: _recv_bytes(conn, n))
-                if isinstance(got, str):
-                    return self._refuse_malformed(conn, peer, got)
-                self._count(op.name)
-                status, message = self._take_record(op, segment_id, offset, length, got[1])
-                if status is FrameStatus.OK:
-                    conn.sendall(encode_response(FrameStatus.OK, 0))
-                else:
-                    client_errors.warning("put_record_refused", kind=status.name, peer=peer,
-                                          op=op.name, key=got[1].key, reason=message)
-                    send_refusal(conn, status, message)
-                    if op is Op.RESERVE:
-                        # Its WRITE may follow on the stream: no byte of it may land.
-                        return _linger_close(conn)
-                continue
-            if self._serve_by_segment(conn, op, segment_id, offset, length):
-                self._count(op.name, length)
-                continue
+            segment_id = sid_bytes.decode("utf-8")
+        except UnicodeDecodeError:
+            self._refuse_malformed(conn, peer, "segment id is not utf-8")
+            return False
+        grant = _recv_bytes(conn, GRANT_BYTES) if granted else b""
+        op = Op(op)
+        if op in (Op.RESERVE, Op.SEAL):
+            got = recv_record(lambda n: _recv_bytes(conn, n))
+            if isinstance(got, str):
+                self._refuse_malformed(conn, peer, got)
+                return False
             self._count(op.name)
-            status, message = self._refusal(segment_id, offset, length)
-            client_errors.warning("request_refused", kind=status.name, peer=peer, op=op.name,
-                                  segment=segment_id, offset=offset, length=length,
-                                  status=status.name)
+            why = self._grants.denied(op, grant, sid_bytes, offset, length)
+            if why:
+                status, message = FrameStatus.DENIED, why
+            else:
+                status, message = self._take_record(op, segment_id, offset, length, got[1])
+            if status is FrameStatus.OK:
+                conn.sendall(encode_response(FrameStatus.OK, 0))
+                return True
+            client_errors.warning("put_record_refused", kind=status.name, peer=peer,
+                                  op=op.name, key=got[1].key, reason=message)
             send_refusal(conn, status, message)
-            if op is Op.WRITE:
-                # The payload follows on the stream; we will not consume it frame by frame.
-                return _linger_close(conn)
+            if op is Op.RESERVE:
+                # Its WRITE may follow on the stream: no byte of it may land.
+                _linger_close(conn)
+                return False
+            return True
+        # Grants are checked for a request the node could serve: one outside any segment is
+        # refused as before (a segment's size is no secret: the master hands it out).
+        segment = self._segments.get(segment_id)
+        servable = segment is not None and offset + length <= segment.info.size_bytes
+        why = self._grants.denied(op, grant, sid_bytes, offset, length) if servable else ""
+        if not why and self._serve_by_segment(conn, op, segment_id, offset, length):
+            self._count(op.name, length)
+            return True
+        self._count(op.name)
+        status, message = (FrameStatus.DENIED, why) if why else \
+            self._refusal(segment_id, offset, length)
+        client_errors.warning("request_refused", kind=status.name, peer=peer, op=op.name,
+                              segment=segment_id, offset=offset, length=length,
+                              status=status.name)
+        send_refusal(conn, status, message)
+        if op is Op.WRITE:
+            # The payload follows on the stream; we will not consume it frame by frame.
+            _linger_close(conn)
+            return False
+        return True
 
     def _connect_qp(self, conn: socket.socket, peer: str, queue_pairs: list) -> bool:
         """Answer a CONNECT_QP; False if the connection was refused and must end."""
@@ -435,46 +692,62 @@ class DataServer:
 
     # ---------------------------------------------------------------- shm hand-off
 
-    def _serve_shm(self, conn: socket.socket, peer: str) -> None:
-        length_buf = bytearray(HANDOFF_REQUEST.size)
-        while not self._stopping.is_set():
-            _recv_exact(conn, memoryview(length_buf), frame_started=False)
-            (sid_len,) = HANDOFF_REQUEST.unpack(length_buf)
-            if sid_len in (HANDOFF_RESERVE, HANDOFF_SEAL):
-                if not self._serve_shm_record(conn, peer, sid_len):
-                    return
-                continue
-            if reason := check_segment_id_length(sid_len):
-                return self._refuse_handoff(conn, peer, FrameStatus.BAD_REQUEST, reason,
-                                            close=True)
-            sid_buf = bytearray(sid_len)
-            _recv_exact(conn, memoryview(sid_buf), frame_started=True)
+    def _shm_frame(self, c: _Conn) -> bool:
+        """Serve one hand-off socket frame of ``c``; False if the connection must end."""
+        conn, peer, length_buf = c.sock, c.peer, c.header
+        _recv_exact(conn, memoryview(length_buf), frame_started=False)
+        if c.trust == _ShmTrust.NONE:
+            self._refuse_handoff(conn, peer, FrameStatus.DENIED,
+                                 "this node does not trust your uid/gid with its shared memory "
+                                 "(kvpool store-node --shm-writer/--shm-reader)", close=True)
+            return False
+        (sid_len,) = HANDOFF_REQUEST.unpack(length_buf)
+        if sid_len in (HANDOFF_RESERVE, HANDOFF_SEAL):
+            if c.trust != _ShmTrust.WRITE:
+                self._refuse_handoff(conn, peer, FrameStatus.DENIED, "only a trusted writer "
+                                     "may reserve or seal over shm", close=True)
+                return False
+            return self._serve_shm_record(conn, peer, sid_len)
+        writable = bool(sid_len & HANDOFF_WRITABLE)
+        sid_len &= ~HANDOFF_WRITABLE
+        if reason := check_segment_id_length(sid_len):
+            self._refuse_handoff(conn, peer, FrameStatus.BAD_REQUEST, reason, close=True)
+            return False
+        sid_buf = bytearray(sid_len)
+        _recv_exact(conn, memoryview(sid_buf), frame_started=True)
+        try:
+            segment_id = sid_buf.decode("utf-8")
+        except UnicodeDecodeError:
+            self._refuse_handoff(conn, peer, FrameStatus.BAD_REQUEST,
+                                 "segment id is not utf-8", close=True)
+            return False
+        if writable and c.trust != _ShmTrust.WRITE:
+            self._refuse_handoff(conn, peer, FrameStatus.DENIED,
+                                 "this node trusts your uid/gid to read its shared memory, "
+                                 "not to write it")
+            return True
+        segment = self._segments.get(segment_id)
+        fd = -1
+        if segment is not None:
             try:
-                segment_id = sid_buf.decode("utf-8")
-            except UnicodeDecodeError:
-                return self._refuse_handoff(conn, peer, FrameStatus.BAD_REQUEST,
-                                            "segment id is not utf-8", close=True)
-            segment = self._segments.get(segment_id)
-            fd = -1
-            if segment is not None:
-                try:
-                    fd = segment.fd
-                except ValueError:   # closed while being unmounted
-                    segment = None
-            if segment is None:
-                self._refuse_handoff(conn, peer, FrameStatus.UNKNOWN_SEGMENT,
-                                     f"segment {segment_id!r} is not mounted here")
-                continue
-            if fd < 0:
-                self._refuse_handoff(conn, peer, FrameStatus.BAD_REQUEST,
-                                     f"segment {segment_id!r} cannot be shared by fd")
-                continue
-            self._count("HANDOFF")
-            header = encode_response(FrameStatus.OK, segment.info.size_bytes)
-            sent = socket.send_fds(conn, [header], [fd])
-            if sent < len(header):
-                conn.sendall(header[sent:])
-            log.debug("segment_fd_handed_off", peer=peer, segment=segment_id)
+                fd = segment.fd if writable else segment.readonly_fd
+            except ValueError:   # closed while being unmounted
+                segment = None
+        if segment is None:
+            self._refuse_handoff(conn, peer, FrameStatus.UNKNOWN_SEGMENT,
+                                 f"segment {segment_id!r} is not mounted here")
+            return True
+        if fd < 0:
+            self._refuse_handoff(conn, peer, FrameStatus.BAD_REQUEST,
+                                 f"segment {segment_id!r} cannot be shared by fd")
+            return True
+        self._count("HANDOFF")
+        header = encode_response(FrameStatus.OK, segment.info.size_bytes)
+        sent = socket.send_fds(conn, [header], [fd])
+        if sent < len(header):
+            conn.sendall(header[sent:])
+        log.debug("segment_fd_handed_off", peer=peer, segment=segment_id)
+        return True
 
     def _serve_shm_record(self, conn: socket.socket, peer: str, marker: int) -> bool:
         """A RESERVE or SEAL on the hand-off socket; False if it was malformed (the
@@ -543,6 +816,16 @@ def _linger_close(conn: socket.socket) -> None:
         pass
 
 
+def _peer_ids(conn: socket.socket) -> tuple[int, int]:
+    """A unix peer's (uid, gid) by SO_PEERCRED; (-1, -1), trusted by nobody, if unknown."""
+    try:
+        _pid, uid, gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                       _UCRED.size))
+    except OSError:
+        return -1, -1
+    return uid, gid
+
+
 def _peer_name(conn: socket.socket, addr: object) -> str:
     if conn.family == socket.AF_UNIX:
         try:
@@ -555,6 +838,27 @@ def _peer_name(conn: socket.socket, addr: object) -> str:
         host, port = addr[0], addr[1]
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     return str(addr)
+
+
+def _fit_fd_limit(max_connections: int) -> int:
+    """``max_connections``, or fewer where the process's fd limit cannot hold that many plus
+    ``_FD_HEADROOM``: the soft limit is raised toward the hard one first. At the fd limit the
+    node could accept nothing (nor open a segment), so the cap must be reached first."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max_connections + _FD_HEADROOM
+    if soft != resource.RLIM_INFINITY and soft < want:
+        target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft != resource.RLIM_INFINITY and soft < want:
+        fitted = max(1, soft - _FD_HEADROOM)
+        log.warning("max_connections_lowered", requested=max_connections, allowed=fitted,
+                    fd_limit=soft)
+        return fitted
+    return max_connections
 
 
 def _pipe() -> tuple[int, int]:

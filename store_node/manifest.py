@@ -95,6 +95,11 @@ class Manifest:
         current one."""
         with self._lock:
             self._check_epoch(epoch)
+            now = self._by_key.get(record.key)
+            if now is not None and record.key not in self._sealed and \
+                    (now.version, now.segment_id, now.offset) == \
+                    (record.version, record.segment_id, record.offset):
+                return   # the master's commit came first (a PutEnd sent beside the seal)
             self._drop_sealed_overlapping(record.segment_id, record.offset, record.size,
                                           record.key)
             self._add(record)

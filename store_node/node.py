@@ -28,7 +28,7 @@ from kvpool.common.logging import get_logger
 from kvpool.common.loops import RESTART, OnCrash, Supervisor
 from kvpool.common.types import Move, NodeEndpoints, SegmentInfo
 from kvpool.rpc.master_client import MasterClient
-from kvpool.store_node.data_server import DataServer
+from kvpool.store_node.data_server import DataLimits, DataServer
 from kvpool.store_node.disk import DiskTier
 from kvpool.store_node.manifest import Manifest
 from kvpool.store_node.memory import Segment, check_hugepages, create_dram_segment
@@ -78,7 +78,7 @@ class StoreNode:
                  scrub_interval_s: float = 60.0, disk_path: str | None = None,
                  disk_size: int = 0, hbm_size: int = 0, gpu: int = 0,
                  hugepages: bool = False, supervisor: Supervisor | None = None,
-                 credentials: str | None = None):
+                 data_limits: DataLimits | None = None, credentials: str | None = None):
         """``host``/``port``: where the tcp data server listens (port 0 = any free port);
         ``advertise_host``: the address clients should dial, if not ``host`` (e.g. 0.0.0.0).
         ``rdma_device``: register the segments with this RDMA device (an error if missing);
@@ -93,6 +93,8 @@ class StoreNode:
         every copy; see memory.check_hugepages).
         ``master``: the master's address, or a client of it (a test's, that fails on purpose).
         ``supervisor``: runs the node's loops (common/loops.py; a test's does not exit).
+        ``data_limits``: the data server's connection cap, idle timeout and shm trust
+        (store_node/data_server.py DataLimits).
         ``credentials``: this node's credentials file (common/security.py; by default found
         as ``resolve`` says); a node certificate names the node id, which ``node_id`` (if
         given) must equal."""
@@ -124,6 +126,7 @@ class StoreNode:
         self._advertise = advertise_host
         self._rdma_device = rdma_device
         self._rdma = None                       # store_node.rdma.NodeRDMA where enabled
+        self._data_limits = data_limits
         self._published: dict[str, SegmentInfo] = {}   # as mounted: with the RDMA region
         self._interval_s = heartbeat_interval_s
         self._master = master if isinstance(master, MasterClient) else \
@@ -187,7 +190,7 @@ class StoreNode:
                         self._published[sid] = self._rdma.register(seg)
             self._server = DataServer(self.segments, self._host, self._port, shm=self._shm,
                                       rdma=self._rdma, supervisor=self._supervisor,
-                                      manifest=self.manifest)
+                                      manifest=self.manifest, limits=self._data_limits)
             self._server.start()
             host, _, port = self._server.tcp_endpoint.rpartition(":")
             self.endpoints = NodeEndpoints(
@@ -229,11 +232,14 @@ class StoreNode:
 
     def _mount_all(self, recovering: bool = False) -> None:
         for sid in self.segments:
-            epoch = self._master.mount_segment(self.endpoints, self._published[sid],
-                                               keeps_manifest=True, recovering=recovering)
+            epoch, key = self._master.mount_segment_keyed(
+                self.endpoints, self._published[sid], keeps_manifest=True,
+                recovering=recovering)
             # From now on writers are fenced by this master's epoch (store_node/manifest.py):
             # what the previous master's writers reserved or sealed before is announced below.
             self.manifest.set_epoch(epoch)
+            # ... and tcp clients reach only the extents this master grants them.
+            self._server.set_grant_key(key)
 
     def _heartbeat_loop(self) -> None:
         while True:

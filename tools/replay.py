@@ -147,6 +147,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          "served from its prefix cache and loaded from kvpool")
     gw.add_argument("--vocab-size", type=count_type, default=32000,
                     help="token ids stay below it: the model's vocabulary (default: 32000)")
+    gw.add_argument("--start", type=_start, default=0, metavar="N|auto",
+                    help="replay --requests requests from the N-th (arrivals counted from it); "
+                         "auto: the window with the most prefix reuse among its own requests "
+                         "(default: 0)")
+    gw.add_argument("--multi-turn", type=count_type, metavar="H",
+                    help="replay whole conversations of two turns or more found among the H "
+                         "requests from --start, up to --requests (real prefix reuse in a "
+                         "short run)")
     gw.add_argument("--time-scale", type=_positive, default=1.0, metavar="F",
                     help="arrival times are the trace's times F (default: 1.0)")
     gw.add_argument("--max-prompt-tokens", type=count_type, metavar="N",
@@ -156,6 +164,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="tokens generated per request (default: 4)")
     gw.add_argument("--salt", type=lambda t: count_type(t, 0), default=0,
                     help="runs with different salts share no prefix (default: 0)")
+
+
+def _start(text: str) -> int | str:
+    return "auto" if text == "auto" else count_type(text, 0)
 
 
 class Progress:

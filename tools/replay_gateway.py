@@ -29,7 +29,7 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -41,6 +41,7 @@ from kvpool.tools.replay_sim import (
     InstanceModel,
     Request,
     as_dict,
+    ideal_reuse,
     load_trace,
     percentile,
     simulate,
@@ -86,6 +87,58 @@ def scale(requests: list[Request], *, trace_block_tokens: int, live_block_tokens
     return scaled, prompts
 
 
+def window(requests: list[Request], start: int, size: int) -> list[Request]:
+    """``size`` requests from ``start``, their arrivals counted from the first of them."""
+    part = requests[start:start + size]
+    if not part:
+        raise InvalidArgument(f"--start {start}: the trace has {len(requests)} requests")
+    t0 = part[0].arrival_s
+    return [replace(r, arrival_s=r.arrival_s - t0) for r in part]
+
+
+def best_window(requests: list[Request], size: int, *, block_tokens: int,
+                max_blocks: int | None = None) -> tuple[int, float]:
+    """The start of the ``size`` consecutive requests with the most prefix reuse among
+    themselves (:func:`ideal_reuse` of the window alone, each prompt cut to ``max_blocks``
+    blocks as the live replay cuts it), and that reuse. A live replay starts with empty caches,
+    so only reuse inside the window can show; the trace's first requests share almost none."""
+    cut = [r if max_blocks is None or len(r.hash_ids) <= max_blocks else
+           Request(r.arrival_s, max_blocks * block_tokens, r.hash_ids[:max_blocks])
+           for r in requests]
+    best = (0, -1.0)
+    for start in range(max(1, len(cut) - size + 1)):
+        reuse = ideal_reuse(cut[start:start + size], block_tokens)
+        if reuse > best[1]:
+            best = (start, reuse)
+    return best
+
+
+def multi_turn(requests: list[Request], start: int, horizon: int, size: int) -> list[Request]:
+    """Whole conversations of two turns or more: among the ``horizon`` requests from
+    ``start``, those whose first two blocks another of them starts with too (a conversation's
+    turns share their history; the conversation trace's first block is common to every
+    request), conversation by conversation in order of their first turn while they fit in
+    ``size``, in arrival order, arrivals counted from the first. Consecutive requests of the
+    conversation trace share little more than that first block (3% ideal reuse in its first
+    24): its conversations' turns are minutes apart, so a short live run sees reuse only
+    through a selection like this one (48% over the first 300 requests' conversations)."""
+    part = requests[start:start + horizon]
+    turns: dict[tuple, list[int]] = {}
+    for i, r in enumerate(part):
+        if len(r.hash_ids) >= 2:
+            turns.setdefault(r.hash_ids[:2], []).append(i)
+    chosen: list[int] = []
+    for conversation in sorted((t for t in turns.values() if len(t) >= 2), key=lambda t: t[0]):
+        if len(chosen) + len(conversation) <= size:
+            chosen += conversation
+    if not chosen:
+        raise InvalidArgument(f"no conversation has two turns among requests #{start}-"
+                              f"#{start + horizon - 1}: give a longer --multi-turn")
+    chosen.sort()
+    t0 = part[chosen[0]].arrival_s
+    return [replace(part[i], arrival_s=part[i].arrival_s - t0) for i in chosen]
+
+
 class Gateway:
     """The gateway's OpenAI endpoint, one connection per request (requests overlap)."""
 
@@ -97,18 +150,7 @@ class Gateway:
         self.url = f"http://{self.host}:{self.port}"
 
     def get(self, path: str) -> bytes:
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
-        try:
-            conn.request("GET", path)
-            r = conn.getresponse()
-            body = r.read()
-        except OSError as e:
-            raise InvalidArgument(f"gateway {self.url} does not answer: {e}") from None
-        finally:
-            conn.close()
-        if r.status != 200:
-            raise InvalidArgument(f"gateway {self.url}{path}: HTTP {r.status}")
-        return body
+        return http_get(self.url, path, f"gateway {self.url}")
 
     def model(self) -> str:
         return json.loads(self.get("/v1/models"))["data"][0]["id"]
@@ -135,16 +177,25 @@ class Gateway:
             conn.close()
 
 
-def scrape(url: str) -> str:
+def http_get(url: str, path: str, what: str) -> bytes:
+    """``GET url + path``'s body; InvalidArgument naming ``what`` if it does not answer 200."""
     parts = urlsplit(url if "//" in url else f"http://{url}")
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
     try:
-        conn.request("GET", "/metrics")
-        return conn.getresponse().read().decode()
+        conn.request("GET", path)
+        r = conn.getresponse()
+        body = r.read()
     except OSError as e:
-        raise InvalidArgument(f"--engine-metrics {url}: no /metrics there: {e}") from None
+        raise InvalidArgument(f"{what} does not answer {path}: {e}") from None
     finally:
         conn.close()
+    if r.status != 200:
+        raise InvalidArgument(f"{what}: GET {path}: HTTP {r.status}")
+    return body
+
+
+def scrape(url: str) -> str:
+    return http_get(url, "/metrics", f"--engine-metrics {url}").decode()
 
 
 def by_label(page: str, name: str, label: str = "") -> dict[str, float]:
@@ -195,7 +246,19 @@ def send_all(gateway: Gateway, model: str, scaled: list[Request], prompts: list[
 
 def run_gateway(args, progress=None) -> int:
     gateway = Gateway(args.gateway)
-    requests = load_trace(args.trace, args.requests)
+    start = args.start
+    if start == "auto":
+        live_blocks_max = None if args.max_prompt_tokens is None else \
+            max(1, args.max_prompt_tokens // args.live_block_tokens)
+        start, _ = best_window(load_trace(args.trace), args.requests,
+                               block_tokens=args.block_tokens, max_blocks=live_blocks_max)
+    if args.multi_turn:
+        if start == "auto":
+            raise InvalidArgument("--multi-turn takes --start N, not auto")
+        requests = multi_turn(load_trace(args.trace, start + args.multi_turn), start,
+                              args.multi_turn, args.requests)
+    else:
+        requests = window(load_trace(args.trace, start + args.requests), start, args.requests)
     scaled, prompts = scale(requests, trace_block_tokens=args.block_tokens,
                             live_block_tokens=args.live_block_tokens,
                             vocab_size=args.vocab_size, time_scale=args.time_scale,
@@ -219,7 +282,10 @@ def run_gateway(args, progress=None) -> int:
     predicted.sort()
     prompt_tokens = sum(len(p) for p in prompts)
     report = {
-        "trace": str(args.trace), "gateway": gateway.url, "requests": len(scaled),
+        "trace": str(args.trace), "gateway": gateway.url, "start": start,
+        "multi_turn": args.multi_turn,
+        "requests": len(scaled),
+        "ideal_reuse": ideal_reuse(scaled, args.live_block_tokens),
         "prompt_tokens": prompt_tokens, "policy": policy, "routed_by": routed,
         "failed": [{"request": s.index, "error": s.error} for s in sent if s.ttft_s is None],
         "per_engine": {e: sum(1 for s in sent if s.engine == e)
@@ -256,7 +322,11 @@ def format_report(r: dict) -> str:
     def tokens(v):
         return "-" if v is None else f"{v:,.0f}"
 
-    lines = [f"{r['requests']} requests ({r['prompt_tokens']:,} prompt tokens) through "
+    picked = (f"of the multi-turn conversations in #{r['start']}-"
+              f"#{r['start'] + r['multi_turn'] - 1}" if r.get("multi_turn")
+              else f"from #{r['start']}")
+    lines = [f"{r['requests']} requests {picked} ({r['prompt_tokens']:,} prompt "
+             f"tokens, ideal reuse {r['ideal_reuse']:.1%}) through "
              f"{r['gateway']}, policy {r['policy']}; per engine: "
              + ", ".join(f"{e or '?'} {n}" for e, n in r["per_engine"].items()),
              f"{'':<22}{'measured':>12}{'predicted':>12}",

@@ -49,6 +49,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: 1s)")
     p.add_argument("--no-shm", action="store_true",
                    help="do not offer the same-host shared-memory hand-off (tcp only)")
+    p.add_argument("--max-connections", type=int, default=4096, metavar="N",
+                   help="data connections (tcp and shm) at once; at the cap the tcp connection "
+                        "idle longest is closed for a new one (default: 4096, lowered to fit "
+                        "the fd limit)")
+    p.add_argument("--idle-timeout", type=duration_type, default=120.0, metavar="DURATION",
+                   help="close a tcp data connection idle this long, and end one whose frame "
+                        "stalls this long (default: 120s)")
+    p.add_argument("--shm-writer", action="append", default=[], metavar="uid:N|gid:N",
+                   help="also trust this uid (or primary gid) with the shm hand-off's writable "
+                        "fd; repeat for several (default: only this node's uid, and root)")
+    p.add_argument("--shm-reader", action="append", default=[], metavar="uid:N|gid:N",
+                   help="hand this uid (or primary gid) a read-only shm fd: it may read any "
+                        "byte of the segments, and write none; repeat for several")
     p.add_argument("--scrub-rate", type=size_or_off_type, default=64 << 20, metavar="SIZE",
                    help="bytes per second the scrubber reads to re-check stored objects' "
                         "checksums; a damaged replica is dropped from the index (default: "
@@ -95,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
                      scrub_bytes_per_s=args.scrub_rate, scrub_interval_s=args.scrub_interval,
                      disk_path=args.disk_path, disk_size=args.disk_size or 0,
                      hbm_size=args.hbm_size or 0, gpu=args.gpu, hugepages=args.hugepages,
-                     credentials=args.credentials)
+                     data_limits=_data_limits(args), credentials=args.credentials)
     with contextlib.ExitStack() as running:
         if args.metrics_port is not None:   # up first: /healthz answers while the node mounts
             from kvpool.common.metrics import MetricsServer, new_registry
@@ -111,3 +124,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"store-node: {node.node_id} tcp={node.endpoints.tcp_endpoint}{rdma}", flush=True)
         wait_for_signal()
     return 0
+
+
+def _data_limits(args: argparse.Namespace):
+    from kvpool.store_node.data_server import DataLimits
+    try:
+        return DataLimits(max_connections=args.max_connections,
+                          idle_timeout_s=args.idle_timeout,
+                          shm_writers=tuple(args.shm_writer), shm_readers=tuple(args.shm_reader))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

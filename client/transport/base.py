@@ -78,19 +78,37 @@ class Transport(ABC):
         error = TransportError(f"{self.scheme or type(self).__name__}: cannot seal puts")
         return [error] * len(ops), [None] * len(ops)
 
+    def write_sealed_then(self, op: IoOp, record: PutRecord, then: Callable[[int], object]
+                          ) -> tuple[TransportError | None, int | None, bool]:
+        """:meth:`write_sealed` of one op, calling ``then(crc)`` once its bytes are written
+        (the caller commits the put there): ``(error, crc, whether then ran)``. An error
+        after ``then`` ran is the seal's: the node did not take the record. A transport
+        that can overlap ``then`` with the seal's round trip does (shm); this default seals
+        first."""
+        [error], [crc] = self.write_sealed([op], [record])
+        if error is not None or crc is None:
+            return error, None, False
+        then(crc)
+        return None, crc, True
+
     def read_at(self, segments: Sequence[Replica], which: np.ndarray, offsets: np.ndarray,
-                lengths: np.ndarray, addresses: np.ndarray) -> dict[int, TransportError]:
+                lengths: np.ndarray, addresses: np.ndarray, grants: Sequence[bytes] = ()
+                ) -> dict[int, TransportError]:
         """Copy extent k, ``[offsets[k], offsets[k] + lengths[k])`` of the segment of
         ``segments[which[k]]``, to the ``lengths[k]`` bytes at ``addresses[k]`` (arrays of
         one length, uint64 but ``which``), for every k: :meth:`read` of many extents without
         an op or a view per extent. The caller owns that memory, writable, and keeps it
-        alive during the call. Returns the failures by k: empty when every extent arrived.
+        alive during the call. ``grants``: extent k's read grant (common/capabilities.py),
+        or empty where none was minted. Returns the failures by k: empty when every extent
+        arrived.
 
         This default reads through :meth:`read`, an op per extent; a transport that copies
         from a mapping reads the extents of a segment in place (shm)."""
         views = map(view_at, addresses.tolist(), lengths.tolist())
-        ops = [IoOp(segments[s].at(offset, length), view) for s, offset, length, view
-               in zip(which.tolist(), offsets.tolist(), lengths.tolist(), views)]
+        grants = grants or [b""] * len(which)
+        ops = [IoOp(segments[s].at(offset, length, grant), view)
+               for s, offset, length, view, grant
+               in zip(which.tolist(), offsets.tolist(), lengths.tolist(), views, grants)]
         return {k: e for k, e in enumerate(self.read(ops)) if e is not None}
 
     def register_buffer(self, buffer) -> None:

@@ -85,14 +85,20 @@ class _Mapping:
             pass
 
 
+class HandoffDenied(TransportError):
+    """The node does not trust this process's uid/gid with that hand-off (net/data_port.py)."""
+
+
 class _NodeLink:
-    """The open hand-off connection to one node and the segments mapped through it."""
+    """The open hand-off connection to one node and the segments mapped through it: each
+    segment read-only for reads and, once written, writable for writes (a reader's bug or a
+    hostile reader cannot write through a PROT_READ mapping of a read-only fd)."""
 
     def __init__(self, endpoint: str, sock: socket.socket) -> None:
         self.endpoint = endpoint
         self.sock = sock
         self.lock = threading.Lock()        # serializes hand-offs on the socket
-        self.mappings: dict[str, _Mapping] = {}
+        self.mappings: dict[tuple[str, bool], _Mapping] = {}   # by (segment id, writable)
         self.closed = False
 
     def alive(self) -> bool:
@@ -103,21 +109,22 @@ class _NodeLink:
         poller.register(self.sock, _DEAD)
         return not poller.poll(0)
 
-    def mapping(self, segment_id: str, timeout_s: float) -> _Mapping:
-        found = self.mappings.get(segment_id)
+    def mapping(self, segment_id: str, timeout_s: float, writable: bool) -> _Mapping:
+        key = (segment_id, writable)
+        found = self.mappings.get(key)
         if found is not None:
             return found
         with self.lock:
-            found = self.mappings.get(segment_id)
+            found = self.mappings.get(key)
             if found is None:
                 if self.closed:
                     raise TransportError(f"shm node {self.endpoint} link closed")
-                found = self._handoff(segment_id, timeout_s)
-                self.mappings[segment_id] = found
+                found = self._handoff(segment_id, timeout_s, writable)
+                self.mappings[key] = found
             return found
 
-    def _handoff(self, segment_id: str, timeout_s: float) -> _Mapping:
-        request = encode_handoff_request(segment_id)
+    def _handoff(self, segment_id: str, timeout_s: float, writable: bool) -> _Mapping:
+        request = encode_handoff_request(segment_id, writable)
         if len(request) - HANDOFF_REQUEST.size > MAX_SEGMENT_ID_BYTES:
             raise SegmentBoundsError(f"segment id of {len(request) - HANDOFF_REQUEST.size} "
                                      "bytes cannot exist")
@@ -133,6 +140,8 @@ class _NodeLink:
                 message = recv_refusal(self.sock, status, length, "shm hand-off: node")
                 if status in (FrameStatus.UNKNOWN_SEGMENT, FrameStatus.OUT_OF_BOUNDS):
                     raise SegmentBoundsError(f"shm {self.endpoint}: {message}")
+                if status == FrameStatus.DENIED:
+                    raise HandoffDenied(f"shm {self.endpoint}: hand-off denied: {message}")
                 raise TransportError(f"shm {self.endpoint}: hand-off refused: {message}")
             if len(fds) != 1:
                 raise TransportError("shm hand-off: no fd in the reply")
@@ -141,40 +150,54 @@ class _NodeLink:
                 raise TransportError("shm hand-off: fd smaller than the segment")
             if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _REQUIRED_SEALS != _REQUIRED_SEALS:
                 raise TransportError("shm hand-off: segment fd is not sealed against shrinking")
-            mm = map_populated(fd, length)
+            mm = map_populated(fd, length) if writable else _map_readonly(fd, length)
         finally:
             for fd in fds:
                 os.close(fd)
-        log.debug("shm_segment_mapped", endpoint=self.endpoint, segment=segment_id, size=length)
+        log.debug("shm_segment_mapped", endpoint=self.endpoint, segment=segment_id, size=length,
+                  writable=writable)
         return _Mapping(mm, length)
 
-    def records(self, op: Op, items: list[tuple[IoOp, PutRecord]], timeout_s: float
+    def records(self, op: Op, items: list[tuple[IoOp, PutRecord]], timeout_s: float,
+                meanwhile: Callable[[], object] | None = None
                 ) -> list[TransportError | None]:
         """RESERVE or SEAL each ``(op, record)`` at the node, all sent at once and answered
         in order; one result per item (a refusal keeps the link usable). TransportError
-        (raised) if the link failed."""
+        (raised) if the link failed. ``meanwhile``: called once the requests are sent, before
+        their answers are read (the node works while the caller does), under this link's
+        lock; whatever it raises is raised once the answers are read."""
         requests = [encode_handoff_record(op, io.replica.extent.segment_id,
                                           io.replica.extent.offset, io.replica.extent.length,
                                           record) for io, record in items]
-        out: list[TransportError | None] = []
         with self.lock:
             if self.closed:
                 raise TransportError(f"shm node {self.endpoint} link closed")
             self.sock.settimeout(timeout_s)
             self.sock.sendall(b"".join(requests))
-            for io, record in items:
-                status, length = RESPONSE.unpack(recv_exact(self.sock, RESPONSE.size,
-                                                            "shm node"))
-                if status == FrameStatus.OK and length == 0:
-                    out.append(None)
-                    continue
-                message = recv_refusal(self.sock, status, length, "shm node")
-                if status == FrameStatus.BAD_REQUEST:
-                    raise TransportError(f"shm {self.endpoint}: {op.name} refused as "
-                                         f"malformed: {message}")
-                out.append(TransportError(f"shm {self.endpoint}: {op.name} of "
-                                          f"{record.key!r} refused ({FrameStatus(status).name}): "
-                                          f"{message}"))
+            if meanwhile is None:
+                return self._answers(op, items)
+            try:
+                meanwhile()
+            finally:   # read the answers whatever happened, or the link is out of step
+                out = self._answers(op, items)
+            return out
+
+    def _answers(self, op: Op, items: list[tuple[IoOp, PutRecord]]
+                 ) -> list[TransportError | None]:
+        out: list[TransportError | None] = []
+        for io, record in items:
+            status, length = RESPONSE.unpack(recv_exact(self.sock, RESPONSE.size,
+                                                        "shm node"))
+            if status == FrameStatus.OK and length == 0:
+                out.append(None)
+                continue
+            message = recv_refusal(self.sock, status, length, "shm node")
+            if status == FrameStatus.BAD_REQUEST:
+                raise TransportError(f"shm {self.endpoint}: {op.name} refused as "
+                                     f"malformed: {message}")
+            out.append(TransportError(f"shm {self.endpoint}: {op.name} of "
+                                      f"{record.key!r} refused ({FrameStatus(status).name}): "
+                                      f"{message}"))
         return out
 
     def close(self) -> None:
@@ -184,6 +207,11 @@ class _NodeLink:
             for m in mappings.values():
                 m.close()
             self.sock.close()
+
+
+def _map_readonly(fd: int, length: int) -> mmap.mmap:
+    """A shared PROT_READ mapping of ``fd`` with its page tables filled in now."""
+    return mmap.mmap(fd, length, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ)
 
 
 def _adjacent_runs(ready: list[tuple[int, _Mapping]], ops: Sequence[IoOp],
@@ -341,9 +369,11 @@ class SHMTransport(Transport):
         return self._run(ops, byte_views(ops, writable=False), write=True, sums=sums), sums
 
     def read_at(self, segments: Sequence[Replica], which: np.ndarray, offsets: np.ndarray,
-                lengths: np.ndarray, addresses: np.ndarray) -> dict[int, TransportError]:
+                lengths: np.ndarray, addresses: np.ndarray, grants: Sequence[bytes] = ()
+                ) -> dict[int, TransportError]:
         """Each segment's extents copied in place from its mapping, the runs found with numpy
-        (see :meth:`Transport.read_at`); a segment whose copy fails fails all its extents."""
+        (see :meth:`Transport.read_at`); a segment whose copy fails fails all its extents.
+        ``grants`` are not needed: a peer the node trusts maps the whole segment."""
         if self._closed:
             raise ClientClosed("transport is closed")
         failed: dict[int, TransportError] = {}
@@ -364,7 +394,7 @@ class SHMTransport(Transport):
         if not link.alive():
             self._drop(link, "node hung up")
             raise TransportError(f"shm node {endpoint} hung up (node gone)")
-        mapping = self._segment(link, segment.extent.segment_id)
+        mapping = self._segment(link, segment.extent.segment_id, writable=False)
         ends = offsets + lengths
         if int(ends.max()) > mapping.size:
             raise SegmentBoundsError(f"an extent ends past segment "
@@ -445,16 +475,41 @@ class SHMTransport(Transport):
                 results[k] = e
         return results, [None if e is not None else c for e, c in zip(results, sums)]
 
-    def _records(self, op: Op, ops: Sequence[IoOp], records: Sequence[PutRecord]
+    def write_sealed_then(self, op: IoOp, record: PutRecord, then: Callable[[int], object]
+                          ) -> tuple[TransportError | None, int | None, bool]:
+        """:meth:`Transport.write_sealed_then`: ``then`` runs while the SEAL is on its way and
+        being checked (one round trip on the node's hand-off link, beside the caller's)."""
+        [error] = self._records(Op.RESERVE, [op], [record])
+        if error is not None:
+            return error, None, False
+        [error], [crc] = self.write_summed([op])
+        if error is not None or crc is None:
+            return error, None, False
+        sealed = PutRecord(record.key, record.version, record.epoch, record.hold_s, crc,
+                           record.parent)
+        called = False
+
+        def once() -> None:
+            nonlocal called
+            if not called:
+                called = True
+                then(crc)
+        [error] = self._records(Op.SEAL, [op], [sealed], once)
+        once()   # the link failed before the SEAL went out: ``then`` still runs, once
+        return error, crc, True
+
+    def _records(self, op: Op, ops: Sequence[IoOp], records: Sequence[PutRecord],
+                 meanwhile: Callable[[], object] | None = None
                  ) -> list[TransportError | None]:
-        """RESERVE or SEAL each op's record at its node, one exchange per node."""
+        """RESERVE or SEAL each op's record at its node, one exchange per node; with
+        ``meanwhile`` (one node only), called while that exchange is under way."""
         results: list[TransportError | None] = [None] * len(ops)
         for endpoint, indexes in group_by(ops, lambda op: op.replica.node.shm_endpoint).items():
             try:
                 link = self._link(endpoint)
                 try:
                     got = link.records(op, [(ops[k], records[k]) for k in indexes],
-                                       self._timeout_s)
+                                       self._timeout_s, meanwhile)
                 except OSError as exc:   # TransportError too: the link is no longer in step
                     self._drop(link, str(exc))
                     raise
@@ -488,7 +543,7 @@ class SHMTransport(Transport):
             failed: list[int] = []
             for pos, i in enumerate(indexes):
                 try:
-                    ready.append((i, self._mapping(link, ops[i])))
+                    ready.append((i, self._mapping(link, ops[i], write)))
                 except SegmentBoundsError as exc:
                     results[i] = exc
                 except TransportError as exc:
@@ -565,20 +620,25 @@ class SHMTransport(Transport):
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvpool-shm-write")
             return self._executor
 
-    def _mapping(self, link: _NodeLink, op: IoOp) -> _Mapping:
+    def _mapping(self, link: _NodeLink, op: IoOp, writable: bool) -> _Mapping:
         """The mapping of ``op``'s segment, with ``op``'s extent checked against it."""
         extent = op.replica.extent
-        mapping = self._segment(link, extent.segment_id)
+        mapping = self._segment(link, extent.segment_id, writable)
         if extent.offset < 0 or extent.length < 0 or extent.end > mapping.size:
             raise SegmentBoundsError(
                 f"[{extent.offset}, {extent.end}) is outside segment {extent.segment_id!r} "
                 f"of {mapping.size} bytes")
         return mapping
 
-    def _segment(self, link: _NodeLink, segment_id: str) -> _Mapping:
-        """The mapping of a segment of ``link``'s node (handed off on first use)."""
+    def _segment(self, link: _NodeLink, segment_id: str, writable: bool) -> _Mapping:
+        """The mapping of a segment of ``link``'s node (handed off on first use); a node that
+        denies us is failed fast for ``retry_after_s``, as one whose socket refused us."""
         try:
-            return link.mapping(segment_id, self._timeout_s)
+            return link.mapping(segment_id, self._timeout_s, writable)
+        except HandoffDenied:
+            with self._lock:
+                self._refused_until[link.endpoint] = time.monotonic() + self._retry_after_s
+            raise
         except TransportError:
             raise
         except OSError as exc:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import select
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 
 from kvpool.client.transport.base import (
@@ -113,12 +113,27 @@ class TCPTransport(Transport):
 
     seals = True
 
-    def write_sealed(self, ops: Sequence[IoOp], records: Sequence[PutRecord]
+    def write_sealed_then(self, op: IoOp, record: PutRecord, then: Callable[[int], object]
+                          ) -> tuple[TransportError | None, int | None, bool]:
+        """:meth:`Transport.write_sealed_then`: ``then`` runs once the node answered the
+        WRITE, while it checks the SEAL pipelined behind it."""
+        written: list[int] = []
+
+        def after_write(crc: int) -> None:
+            written.append(crc)
+            then(crc)
+        [error], _ = self.write_sealed([op], [record], after_write)
+        return (error, written[0], True) if written else (error, None, False)
+
+    def write_sealed(self, ops: Sequence[IoOp], records: Sequence[PutRecord],
+                     after_write: Callable[[int], object] | None = None
                      ) -> tuple[list[TransportError | None], list[int | None]]:
         """:meth:`Transport.write_sealed` in one round trip per node: RESERVE, WRITE (the
         node reads no byte of it when the RESERVE was refused: it drops the connection) and,
         once the checksums are done (a helper thread takes them while the writes go out),
-        SEAL of each op, pipelined; the replies come in that order."""
+        SEAL of each op, pipelined; the replies come in that order. ``after_write`` (one op
+        only): called with its CRC-32C once the node answered its WRITE, before the SEAL's
+        answer is read."""
         if self._closed:
             raise ClientClosed("transport is closed")
         views = byte_views(ops, writable=False)
@@ -137,7 +152,8 @@ class TCPTransport(Transport):
 
             for endpoint, indexes in group_by(ops, lambda o: o.replica.node.tcp_endpoint
                                               ).items():
-                self._sealed_endpoint(endpoint, indexes, ops, views, records, crc, results)
+                self._sealed_endpoint(endpoint, indexes, ops, views, records, crc, results,
+                                      after_write)
         for k, e in enumerate(results):
             if e is None:
                 sums[k] = crc(k)
@@ -145,9 +161,9 @@ class TCPTransport(Transport):
 
     def _sealed_endpoint(self, endpoint: str, indexes: list[int], ops: Sequence[IoOp],
                          views: list[memoryview], records: Sequence[PutRecord], crc,
-                         results: list) -> None:
+                         results: list, after_write=None) -> None:
         """One node's RESERVE/WRITE/SEAL exchange, filling ``results``; never raises a
-        transport failure."""
+        transport failure (``after_write`` may raise: the connection is then dropped)."""
         pending = []
         for k in indexes:
             refusal = _local_refusal(ops[k])
@@ -172,6 +188,12 @@ class TCPTransport(Transport):
                     recv_exact_into(sock, memoryview(header))
                     status, length = RESPONSE.unpack(header)
                     if status == FrameStatus.OK and length == 0:
+                        if op is Op.WRITE and after_write is not None:
+                            try:
+                                after_write(crc(k))
+                            except BaseException:
+                                sock.close()   # the SEAL's answer is left unread
+                                raise
                         continue
                     message = recv_refusal(sock, status, length)
                     error = TransportError(f"tcp {endpoint}: {op.name} of {records[k].key!r} "
@@ -336,12 +358,14 @@ def _usable(sock: socket.socket) -> bool:
 
 def _request(op: Op, io: IoOp) -> bytes:
     extent = io.replica.extent
-    return encode_request(op, extent.segment_id, extent.offset, extent.length)
+    return encode_request(op, extent.segment_id, extent.offset, extent.length,
+                          io.replica.grant)
 
 
 def _record_request(op: Op, io: IoOp, record: PutRecord) -> bytes:
     extent = io.replica.extent
-    return encode_record_request(op, extent.segment_id, extent.offset, extent.length, record)
+    return encode_record_request(op, extent.segment_id, extent.offset, extent.length, record,
+                                 io.replica.grant)
 
 
 def _with_checksum(record: PutRecord, crc: int) -> PutRecord:

@@ -3,7 +3,7 @@ through ``kvpool gateway`` in front of real vLLM CPU engines, beside what ``kvpo
 predicts for the same scaled requests.
 
     python3 scripts/engines/bench_replay_gateway.py [--trace FILE] [--requests 40]
-        [--policies round_robin,least_loaded,kvpool] [--engines 2] [--model DIR]
+        [--start N|auto] [--multi-turn H] [--policies round_robin,least_loaded,kvpool] [--engines 2] [--model DIR]
 
 Starts a local kvpool cluster (one node), ``--engines`` vLLM OpenAI servers (the environment of
 scripts/engines/vllm-env.sh; a random model of ``--layers``/``--hidden``/``--heads`` unless
@@ -21,10 +21,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import random
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,16 +29,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvpool.tools.vllm_server import free_port, start_server, stop_groups, wait_healthy
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 BLOCK = 32
 MAX_MODEL_LEN = 1024
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ttft_s(url: str, prompt: list[int]) -> float:
@@ -61,23 +54,6 @@ def ttft_s(url: str, prompt: list[int]) -> float:
     return seconds
 
 
-def healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 600) -> None:
-    host, port = url.split("//")[1].rsplit(":", 1)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"bench: engine exited:\n{log.read_text()[-3000:]}")
-        try:
-            conn = http.client.HTTPConnection(host, int(port), timeout=5)
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise SystemExit(f"bench: {url} not healthy in {timeout_s:.0f} s")
-
-
 def kvpool(argv: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     """A kvpool command that prints its address on its first line once it serves."""
     err = open(log, "w")   # noqa: SIM115  (the child holds it)
@@ -89,23 +65,17 @@ def kvpool(argv: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     return proc, line.split()[-1]
 
 
-def stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGINT)
-    for p in procs:
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", default=str(REPO / "tests/data/mooncake_conversation_trace_head.jsonl"))
     p.add_argument("--requests", type=int, default=40)
+    p.add_argument("--multi-turn", type=int, metavar="H",
+                   help="whole multi-turn conversations among H requests from --start "
+                        "(kvpool replay --multi-turn)")
+    p.add_argument("--start", default="0",
+                   help="the first request replayed, or auto: the window of --requests with "
+                        "the most prefix reuse (kvpool replay --start)")
     p.add_argument("--policies", default="round_robin,least_loaded,kvpool")
     p.add_argument("--engines", type=int, default=2)
     p.add_argument("--model", help="a model folder (default: build one with the sizes below)")
@@ -135,27 +105,15 @@ def main() -> int:
     try:
         engines = []
         for k in range(a.engines):
-            port, events = free_port(), free_port()
-            cfg = {"kv_connector": "KVPoolConnector",
-                   "kv_connector_module_path": "kvpool.client.connectors.vllm",
-                   "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                   "kv_connector_extra_config": {"master": cluster.master}}
+            events = free_port()
             log = tmp / f"engine-{k}.log"
-            with open(log, "w") as out:
-                procs.append(subprocess.Popen(
-                    [py, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-                     "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port),
-                     "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
-                     "--enforce-eager", "--block-size", str(BLOCK), "--seed", "0",
-                     "--kv-transfer-config", json.dumps(cfg),
-                     "--kv-events-config", json.dumps({"enable_kv_cache_events": True,
-                                                       "publisher": "zmq",
-                                                       "endpoint": f"tcp://*:{events}"})],
-                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                    env={**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}))
-            engines.append((f"e{k}", f"http://127.0.0.1:{port}", events, procs[-1], log))
+            proc, url = start_server(py, model, log, master=cluster.master, events_port=events,
+                                     served_model_name="m", max_model_len=MAX_MODEL_LEN,
+                                     block_tokens=BLOCK)
+            procs.append(proc)
+            engines.append((f"e{k}", url, events, proc, log))
         for _, url, _, proc, log in engines:
-            healthy(url, proc, log)
+            wait_healthy(url, proc, log, timeout_s=600)
         for name, _, events, _, _ in engines:
             procs.append(kvpool(["kv-events", "--master", cluster.master, "--endpoint",
                                  f"tcp://127.0.0.1:{events}", "--instance-id", name,
@@ -187,22 +145,30 @@ def main() -> int:
             time.sleep(1.0)
             r = subprocess.run(
                 [sys.executable, "-m", "kvpool", "replay", a.trace, "--gateway", url,
-                 "--requests", str(a.requests), "--engine-metrics", urls,
+                 "--requests", str(a.requests), "--start", a.start, "--engine-metrics", urls,
+                 *(["--multi-turn", str(a.multi_turn)] if a.multi_turn else []),
                  "--live-block-tokens", str(BLOCK), "--max-prompt-tokens",
                  str(a.max_prompt_tokens), "--vocab-size", str(vocab), "--time-scale",
                  str(a.time_scale), "--cache-blocks", str(a.cache_blocks),
                  "--prefill-tokens-per-s", f"{prefill_rate:.0f}", "--store-tokens-per-s",
                  f"{store_rate:.0f}", "--salt", str(salt), "--json", str(out),
                  "--no-progress"], text=True, capture_output=True, check=False)
-            stop([gw])
+            stop_groups([gw])
             print(f"--- {policy}\n{r.stdout.strip()}", flush=True)
             if r.returncode != 0 and not out.exists():
                 raise SystemExit(f"bench: replay failed:\n{r.stderr[-3000:]}")
             reports.append(json.loads(out.read_text()))
     finally:
-        stop(procs)
+        stop_groups(procs)
         cluster.stop()
-    print(f"\n{'policy':<14}{'TTFT p50 ms':>12}{'p90 ms':>9}{'pred p50':>10}{'pred p90':>10}"
+    if reports:
+        first = reports[0]
+        print(f"\n{first['requests']} requests of {Path(a.trace).name} "
+              + (f"(the multi-turn conversations among #{first['start']}-"
+                 f"#{first['start'] + a.multi_turn - 1})" if a.multi_turn else
+                 f"(#{first['start']}-#{first['start'] + a.requests - 1})")
+              + f"; ideal reuse among them {first['ideal_reuse']:.1%}")
+    print(f"{'policy':<14}{'TTFT p50 ms':>12}{'p90 ms':>9}{'pred p50':>10}{'pred p90':>10}"
           f"{'engine-cache tok':>18}{'kvpool tok':>12}{'pred engine':>13}{'pred kvpool':>13}")
     for r in reports:
         m, pr = r["measured"], r["predicted"]

@@ -22,19 +22,15 @@ from pathlib import Path
 
 import pytest
 from kvpool.client.router import Candidate, RouterClient
+from kvpool.tools import vllm_server
 from kvpool.tools.cluster import LocalCluster
+from kvpool.tools.vllm_server import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 MODEL = "tiny"
 BLOCK = 32
 START_TIMEOUT_S = 300
 TRACE = Path(__file__).parents[1] / "data" / "mooncake_conversation_trace_head.jsonl"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def words(n: int, seed: int) -> str:
@@ -86,40 +82,15 @@ class Server:
 
 def start_engine(python: str, model: str, master: str, name: str, events_port: int,
                  log: Path, kv_role: str = "kv_both", **extra_config) -> Server:
-    port = free_port()
-    kv_transfer = {"kv_connector": "KVPoolConnector",
-                   "kv_connector_module_path": "kvpool.client.connectors.vllm",
-                   "kv_role": kv_role, "kv_load_failure_policy": "recompute",
-                   "kv_connector_extra_config": {"master": master, "timeout_s": 2.0,
-                                                 **extra_config}}
-    kv_events = {"enable_kv_cache_events": True, "publisher": "zmq",
-                 "endpoint": f"tcp://*:{events_port}"}
-    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-            "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
-            "--block-size", str(BLOCK), "--seed", "0",
-            "--kv-transfer-config", json.dumps(kv_transfer),
-            "--kv-events-config", json.dumps(kv_events)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    with open(log, "w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-    return Server(name, f"http://127.0.0.1:{port}", proc, log)
+    proc, url = vllm_server.start_server(
+        python, model, log, master=master, events_port=events_port, served_model_name=MODEL,
+        max_model_len=512, kv_role=kv_role, block_tokens=BLOCK,
+        **{"timeout_s": 2.0, **extra_config})
+    return Server(name, url, proc, log)
 
 
 def wait_healthy(server: Server, timeout_s: float = START_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if server.proc.poll() is not None:
-            raise AssertionError(f"{server.name} exited ({server.proc.returncode}):\n"
-                                 + server.log.read_text()[-4000:])
-        try:
-            if server.request("GET", "/health", timeout=5)[0] == 200:
-                return
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, f"{server.name} not healthy in {timeout_s} s"
-        time.sleep(1)
+    vllm_server.wait_healthy(server.url, server.proc, server.log, timeout_s)
 
 
 def start_line(argv: list[str], log: Path, prefix: str) -> subprocess.Popen:
@@ -168,15 +139,7 @@ def setup(vllm_python, tiny_model, tmp_path_factory):
         yield Setup(cluster, engines, Server("gateway", gw.first_line.split()[1], gw,
                                              tmp / "gateway.log"))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        vllm_server.stop_groups(procs)
         for e in engines.values():
             e.kill()
         cluster.stop()

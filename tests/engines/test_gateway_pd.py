@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from kvpool.tools.cluster import LocalCluster
+from kvpool.tools.vllm_server import stop_groups
 
 from .test_gateway import (
     BLOCK,
@@ -80,15 +81,7 @@ def pd(vllm_python, tiny_model, tmp_path_factory):
         yield PD(cluster, tiny_model, *engines, Server("gateway", gw.first_line.split()[1], gw,
                                            tmp / "gateway.log"), tmp)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_groups(procs)
         for e in engines:
             e.kill()
         cluster.stop()

@@ -17,7 +17,7 @@ import pytest
 from kvpool.client import KVClient
 from kvpool.client.router import Candidate, RouterClient
 from kvpool.client.transport.base import IoOp
-from kvpool.client.transport.tcp import TCPTransport
+from kvpool.client.transport.shm import SHMTransport
 from kvpool.client.vllm_events import ZMQEventBridge
 from kvpool.common.hashing import HashSpec
 from kvpool.rpc.master_client import MasterClient
@@ -62,7 +62,7 @@ def alter(master: str, keys: list[str]) -> None:
     node's segment (valid numbers, so only the values differ; the checksum stays the old one)."""
     with MasterClient(master) as mc, KVClient(master, transports=["tcp"]) as kv:
         views = mc.locate(keys).views()
-        tcp = TCPTransport()
+        tcp = SHMTransport()   # a trusted writer's mapping: tcp writes only granted extents
         try:
             for key, view in zip(keys, views):
                 data = np.frombuffer(kv.get(key), dtype=np.float32)

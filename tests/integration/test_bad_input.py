@@ -132,8 +132,13 @@ def test_tcp_request_outside_segment(kv, cluster):
         assert status == FrameStatus.OUT_OF_BOUNDS and msg
         s.sendall(encode_request(Op.READ, "no-such-segment", 0, 10))
         assert _response(s)[0] == FrameStatus.UNKNOWN_SEGMENT
-        s.sendall(encode_request(Op.READ, seg, 0, 16))      # the same connection still serves
+        with MasterClient(cluster.master) as mc:   # the same connection still serves...
+            [view] = mc.locate(["sentinel"]).views()
+        e = view.replicas[0].extent
+        s.sendall(encode_request(Op.READ, seg, e.offset, e.length, view.replicas[0].grant))
         assert _response(s)[0] == FrameStatus.OK
+        s.sendall(encode_request(Op.READ, seg, 0, 16))      # ...extents the master granted
+        assert _response(s)[0] == FrameStatus.DENIED
 
 
 def test_malformed_frames_on_data_port(kv, cluster):

@@ -10,15 +10,17 @@ import time
 import pytest
 from kvpool.client import KVClient
 from kvpool.client.transport.base import IoOp
-from kvpool.client.transport.tcp import TCPTransport
+from kvpool.client.transport.shm import SHMTransport
 from kvpool.common.checksum import checksum
-from kvpool.common.errors import CorruptObject, ObjectNotFound
+from kvpool.common.errors import CorruptObject, ObjectNotFound, TransportError
 from kvpool.rpc.master_client import MasterClient
 
 
 def damage(replica) -> None:
-    """Overwrite a replica's bytes in its node's segment (a bit flip in RAM, a stray write)."""
-    t = TCPTransport()
+    """Overwrite a replica's bytes in its node's segment (a bit flip in RAM, a stray write):
+    through shm, as this process is the node's uid (the tcp data port writes only extents
+    granted to a pending put)."""
+    t = SHMTransport()
     try:
         garbage = memoryview(bytearray(os.urandom(replica.extent.length)))
         [err] = t.write([IoOp(replica, garbage)])
@@ -53,6 +55,28 @@ def test_a_large_batch_records_each_values_own_checksum(cluster, transport):
             views = mc.locate(keys).views()
         assert [v.checksum for v in views] == [checksum(v) for v in values]
         assert kv.batch_get(keys, verify=True) == values
+
+
+class _CopyDamagingShm(SHMTransport):
+    """An shm transport whose copy goes wrong: the checksum it reports is not the bytes'."""
+
+    def write_summed(self, ops):
+        errors, sums = super().write_summed(ops)
+        return errors, [None if c is None else c ^ 1 for c in sums]
+
+
+def test_a_single_put_whose_seal_the_node_refuses_fails_and_leaves_nothing(cluster):
+    """A single put sends PutEnd while the node checks its seal (client/kv_client.py): when
+    the node refuses the seal (the bytes it holds are not the checksummed ones), the commit
+    is taken back, so the put fails and no object with those bytes is served."""
+    with KVClient(cluster.master, transports=[_CopyDamagingShm(timeout_s=5)]) as kv, \
+            pytest.raises(TransportError, match="CHECKSUM_MISMATCH"):
+        kv.put("damaged-copy", os.urandom(16384))
+    with KVClient(cluster.master) as kv:
+        with pytest.raises(ObjectNotFound):
+            kv.get("damaged-copy")
+        kv.put("after", b"x" * 4096)   # the space and the link are fine
+        assert kv.get("after", verify=True) == b"x" * 4096
 
 
 def test_damaged_replica_is_dropped_and_read_served_from_another(cluster):

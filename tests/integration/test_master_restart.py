@@ -72,15 +72,21 @@ def test_committed_objects_survive_master_kill(cluster):
         assert kv.get("after-restart", verify=True) == b"x" * 1000
 
 
-def test_puts_in_flight_at_the_kill_lose_nothing_committed(cluster):
+@pytest.mark.parametrize("scheme", ["shm", "tcp"])
+def test_puts_in_flight_at_the_kill_lose_nothing_committed(cluster, scheme):
     committed: dict[str, tuple[bytes, float]] = {}   # key -> (value, when put returned)
     stop = threading.Event()
+    # The writers stop well below the eviction watermark (2 x 64 MiB nodes): an object evicted
+    # to make room is not a lost one, and fast puts once filled the cluster here (the first
+    # ~420 objects evicted read as "not back"). The kill comes at 2 s or half the budget.
+    size = 4 * 1024
+    budget = int(0.4 * 2 * (64 << 20)) // size
 
     def writer(tag: str) -> None:
-        with KVClient(cluster.master, timeout_s=2.0) as kv:
+        with KVClient(cluster.master, timeout_s=2.0, transports=[scheme]) as kv:
             i = 0
-            while not stop.is_set():
-                key, value = f"{tag}-{i}", os.urandom(32 * 1024)
+            while not stop.is_set() and len(committed) < budget:
+                key, value = f"{tag}-{i}", os.urandom(size)
                 i += 1
                 try:
                     kv.put(key, value)
@@ -92,7 +98,9 @@ def test_puts_in_flight_at_the_kill_lose_nothing_committed(cluster):
     for t in threads:
         t.start()
     try:
-        time.sleep(2.0)
+        until = time.monotonic() + 2.0
+        while time.monotonic() < until and len(committed) < budget // 2:
+            time.sleep(0.01)
         killed_at = time.monotonic()
         cluster.restart_master()
         time.sleep(1.0)
@@ -175,10 +183,12 @@ def test_a_late_writer_from_before_the_kill_overwrites_nothing_stored_after(slow
             for r in obj.replicas:
                 assert (r.node.node_id, r.extent.offset) not in held, "reserved space reused"
         assert sum(s.quarantined_bytes for s in mc.stats().segments) >= 2 * size
-        # The late writer writes now: nothing stored since is touched.
+        # The late writer writes now: nothing stored since is touched (its nodes refuse its
+        # grant, minted by the old master, or let it land where no object lives).
         junk = memoryview(os.urandom(size))
         try:
-            assert tcp.write([IoOp(r, junk) for r in late]) == [None, None]
+            errors = tcp.write([IoOp(r, junk) for r in late])
+            assert all(e is None or "grant" in str(e) for e in errors), errors
         finally:
             tcp.close()
         assert kv.batch_get(list(values), verify=True) == list(values.values())

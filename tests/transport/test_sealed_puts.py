@@ -145,3 +145,32 @@ def test_after_a_refused_reserve_the_node_takes_no_byte_of_the_write_behind_it(n
         assert sock.recv(1) == b"", "the node answered the WRITE behind a refused RESERVE"
     assert bytes(seg.buffer[0:len(before)]) == before
     assert manifest.reservations() == []
+
+
+def test_then_runs_once_with_the_bytes_written_and_the_seal_is_answered(node, transport):
+    """``write_sealed_then``: the caller's commit runs once the bytes are in the segment,
+    exactly once, and the seal's answer comes back with it (shm sends the SEAL first, so the
+    node checks it while the caller commits)."""
+    endpoints, seg, manifest = node
+    value = os.urandom(8192)
+    seen = []
+
+    def then(crc: int) -> None:
+        seen.append((crc, bytes(seg.buffer[128:128 + len(value)])))
+
+    error, crc, ran = transport.write_sealed_then(
+        _op(endpoints, seg, 128, value), PutRecord("t", 9, EPOCH, 30.0), then)
+    assert (error, crc, ran) == (None, checksum(value), True)
+    assert seen == [(checksum(value), value)]
+    assert [(r.key, r.version, r.checksum) for r in manifest.records()] == \
+        [("t", 9, checksum(value))]
+
+
+def test_then_does_not_run_when_the_reservation_is_refused(node, transport):
+    endpoints, seg, manifest = node
+    seen = []
+    error, _, ran = transport.write_sealed_then(
+        _op(endpoints, seg, 0, os.urandom(4096)), PutRecord("t", 9, EPOCH + 1, 30.0),
+        seen.append)
+    assert "STALE_EPOCH" in str(error) and not ran and seen == []
+    assert manifest.records() == []

@@ -71,18 +71,32 @@ def test_a_new_engine_starts_from_the_fleet_not_the_prior(clock):
     assert within(cal.rates("late"), TRUE, 0.05) and not cal.estimate("late").calibrated
 
 
-def test_holds_the_prior_until_it_has_enough_samples(clock):
+def test_an_engine_is_judged_by_the_fleet_until_it_has_enough_samples(clock):
     prior = TRUE.scaled(4, 4)
     cal = CostCalibrator(prior, clock=clock, min_samples=8)
+    assert cal.measured("e0") is None        # no sample yet: the router's own model
     rng = random.Random(3)
-    feed(cal, "e0", clock, samples(7, rng))
-    assert cal.rates("e0") == prior and not cal.estimate("e0").calibrated
+    feed(cal, "e0", clock, samples(1, rng))
+    # The fleet moves from its first sample (a fraction of the way: one sample is weak
+    # evidence), so the router stops using a prior that may be 10x off at once.
+    first = cal.rates("e0")
+    assert first == cal.fleet_rates() == cal.measured("e0")
+    assert TRUE.prefill_tokens_per_s < first.prefill_tokens_per_s < prior.prefill_tokens_per_s
+    feed(cal, "e0", clock, samples(6, rng))
+    assert not cal.estimate("e0").calibrated
     # Requests that cost nothing (all local hits) or took no time are not evidence.
     cal.observe("e0", 0, 0, 0.5)
     cal.observe("e0", 4000, 0, 0.0)
-    assert cal.rates("e0") == prior and cal.estimate("e0").accepted == 7
+    assert cal.estimate("e0").accepted == 7 and not cal.estimate("e0").calibrated
     feed(cal, "e0", clock, samples(1, rng))
-    assert cal.rates("e0") != prior and cal.estimate("e0").calibrated
+    assert cal.estimate("e0").calibrated
+
+
+def test_the_fleet_can_wait_for_evidence(clock):
+    prior = TRUE.scaled(4, 4)
+    cal = CostCalibrator(prior, clock=clock, fleet_min_samples=8)
+    feed(cal, "e0", clock, samples(7, random.Random(3)))
+    assert cal.rates("e0") == prior and cal.measured("e0") is None
 
 
 def test_ignores_outliers(clock):

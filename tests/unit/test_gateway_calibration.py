@@ -1,5 +1,5 @@
 """The gateway's engine pool feeding the cost-model calibrator: candidates carry each engine's
-measured rates once there is evidence, and none before (the master's model decides)."""
+measured rates from the first sample, and none before (the master's model decides)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from kvpool.gateway.routing import Choice
 from kvpool.master.calibration import CostCalibrator, Rates
 
 
-def test_candidates_carry_measured_rates_once_there_are_enough_samples(clock):
+def test_candidates_carry_measured_rates_from_the_first_sample(clock):
     cal = CostCalibrator(Rates(8000.0, 80000.0), clock=clock, min_samples=4)
     pool = EnginePool([EngineSpec("slow", "http://h:1"), EngineSpec("idle", "http://h:2")],
                       clock=clock, calibrator=cal)
@@ -18,7 +18,7 @@ def test_candidates_carry_measured_rates_once_there_are_enough_samples(clock):
     # second's service starts at the first's first token, not when it was sent).
     for n in range(12):
         tickets = [pool.sent("slow", 1000 * (k + 1)) for k in range(2)]
-        if n < 2:   # fewer than 4 samples: no evidence yet, no rates
+        if n == 0:   # no sample yet: no rates (the master's model decides)
             assert pool.candidates()[1] == Candidate("idle", 0, 0)
         for k, t in enumerate(tickets):
             clock.advance(k + 1.0)

@@ -100,6 +100,20 @@ def test_a_seal_is_announced_until_the_master_commits_it_however_long_that_takes
     assert m.sealed() == [rec("waiting", 64)]
 
 
+def test_a_seal_that_arrives_after_the_masters_commit_leaves_nothing_pending(clock):
+    """A single put sends PutEnd while its seal is on the way (client/kv_client.py): the
+    master's commit may reach the node first. The seal then finds the record committed and
+    waits for no word that already came."""
+    m = Manifest(clock)
+    m.set_epoch(5)
+    m.reserve(5, Reservation("k", "s", 0, 64, clock.now + 10))
+    m.apply([rec("k", 0)], [])
+    m.seal(5, rec("k", 0))
+    assert m.records() == [rec("k", 0)] and m.sealed() == []
+    m.apply([], [("k", rec("k", 0).version)])     # and its removal ends it for good
+    assert m.records() == [] and m.sealed() == []
+
+
 def test_a_reservation_of_another_key_drops_a_seal_it_overlaps(clock):
     """Reserved or committed space is the master's to give: a seal still there overlapping it
     is stale (its put was revoked or timed out, never committed)."""

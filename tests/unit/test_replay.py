@@ -198,6 +198,39 @@ def test_a_trace_scaled_for_real_engines_keeps_its_prefix_structure():
     assert other[0][:16] != prompts[0][:16]   # another salt: no shared prefix
 
 
+def test_a_window_of_the_trace_starts_at_zero_and_the_best_one_has_the_most_reuse():
+    from kvpool.tools.replay_gateway import best_window, window
+    # Requests 0-2 share nothing; 3-5 extend one conversation (prefix 9, 10, ...).
+    reqs = [Request(0.0, 512, (1,)), Request(1.0, 512, (2,)), Request(2.0, 512, (3,)),
+            Request(3.0, 1024, (9, 10)), Request(4.0, 1536, (9, 10, 11)),
+            Request(5.0, 2048, (9, 10, 11, 12))]
+    part = window(reqs, 3, 2)
+    assert [r.arrival_s for r in part] == [0.0, 1.0] and part[1].hash_ids == (9, 10, 11)
+    start, reuse = best_window(reqs, 3, block_tokens=512)
+    assert start == 3 and reuse == pytest.approx((1024 + 1536) / (1024 + 1536 + 2048))
+    # Cut to 2 blocks, as the live replay cuts long prompts: every prompt is (9, 10).
+    start, reuse = best_window(reqs, 3, block_tokens=512, max_blocks=2)
+    assert start == 3 and reuse == pytest.approx(2 / 3)
+    with pytest.raises(InvalidArgument, match="--start 6"):
+        window(reqs, 6, 2)
+
+
+def test_multi_turn_keeps_whole_conversations_of_two_turns_or_more():
+    from kvpool.tools.replay_gateway import multi_turn
+    # Every request starts with block 0 (as in the conversation trace); conversations are
+    # told apart by their second block: (0, 5) has three turns, (0, 6) two, (0, 7) one.
+    reqs = [Request(10.0, 1024, (0, 5)), Request(11.0, 1024, (0, 7)),
+            Request(12.0, 1024, (0, 6)), Request(13.0, 1536, (0, 5, 8)),
+            Request(14.0, 1536, (0, 6, 9)), Request(15.0, 2048, (0, 5, 8, 10))]
+    got = multi_turn(reqs, 0, 6, 5)
+    assert [r.hash_ids[1] for r in got] == [5, 6, 5, 6, 5]
+    assert [r.arrival_s for r in got] == [0.0, 2.0, 3.0, 4.0, 5.0]
+    # A conversation that does not fit whole is left out, not cut.
+    assert [r.hash_ids[1] for r in multi_turn(reqs, 0, 6, 2)] == [6, 6]
+    with pytest.raises(InvalidArgument, match="two turns"):
+        multi_turn(reqs, 0, 2, 5)
+
+
 def test_the_engines_and_gateways_counters_are_read_from_their_metrics_pages():
     from kvpool.tools.replay_gateway import by_label, routed_by
     engine = ('# HELP vllm:prefix_cache_hits_total hits\n# TYPE vllm:prefix_cache_hits_total counter\n'

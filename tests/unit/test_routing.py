@@ -124,7 +124,7 @@ def test_kvpool_weighs_matched_prefix_against_queueing(index):
 
 def test_kvpool_keeps_affinity_within_the_slack(clock):
     idx = RoutingIndex(clock, cost=CostModel(1.0, 0.1, 0.01, recompute_weight=0,
-                                             affinity_slack_tokens=5))
+                                             affinity_slack_tokens=5, affinity_slack_max_s=60))
     idx.apply("a", [BlockStored((1, 2))])
     query = q(1, 2, 3)
     # a: 10 recomputed + 4 queued = 14 s; b: 30 recomputed = 30 s -> a (no contest).
@@ -133,6 +133,19 @@ def test_kvpool_keeps_affinity_within_the_slack(clock):
     assert route(idx, "kvpool", query, [Candidate("a", 1, 22), Candidate("b")]) == "a"
     # 26 queued: 36 s, more than the slack behind b: b wins.
     assert route(idx, "kvpool", query, [Candidate("a", 1, 26), Candidate("b")]) == "b"
+
+
+def test_the_affinity_slack_is_bounded_in_seconds(clock):
+    """On a slow instance (1 token/s here) the slack in tokens is long in seconds: the cap
+    keeps the router from making a request wait that long for affinity."""
+    idx = RoutingIndex(clock, cost=CostModel(1.0, 0.1, 0.01, recompute_weight=0,
+                                             affinity_slack_tokens=5, affinity_slack_max_s=1))
+    idx.apply("a", [BlockStored((1, 2))])
+    # a: 32 s against b's 30 s: within 5 tokens (5 s) but not within 1 s of the best.
+    assert route(idx, "kvpool", q(1, 2, 3), [Candidate("a", 1, 22), Candidate("b")]) == "b"
+    assert route(idx, "kvpool", q(1, 2, 3), [Candidate("a", 1, 21), Candidate("b")]) == "a"
+    assert CostModel(1 / 8000).affinity_slack_s == 0.5
+    assert CostModel(1 / 16000).affinity_slack_s == pytest.approx(4096 / 16000)
 
 
 @pytest.mark.parametrize("weight, expected", [(0.0, "b"), (1.0, "a")])

@@ -102,10 +102,12 @@ class MountSegmentRequest(_message.Message):
     def __init__(self, node: _Optional[_Union[NodeEndpoints, _Mapping]] = ..., segment: _Optional[_Union[SegmentInfo, _Mapping]] = ..., keeps_manifest: _Optional[bool] = ..., recovering: _Optional[bool] = ...) -> None: ...
 
 class MountSegmentResponse(_message.Message):
-    __slots__ = ("epoch",)
+    __slots__ = ("epoch", "data_key")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DATA_KEY_FIELD_NUMBER: _ClassVar[int]
     epoch: int
-    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
+    data_key: bytes
+    def __init__(self, epoch: _Optional[int] = ..., data_key: _Optional[bytes] = ...) -> None: ...
 
 class UnmountSegmentRequest(_message.Message):
     __slots__ = ("node_id", "segment_id")
@@ -292,16 +294,18 @@ class PutStartRequest(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., replicas: _Optional[int] = ..., parents: _Optional[_Iterable[str]] = ..., fenced: _Optional[bool] = ...) -> None: ...
 
 class ReplicaColumns(_message.Message):
-    __slots__ = ("locations", "counts", "location", "offsets")
+    __slots__ = ("locations", "counts", "location", "offsets", "grants")
     LOCATIONS_FIELD_NUMBER: _ClassVar[int]
     COUNTS_FIELD_NUMBER: _ClassVar[int]
     LOCATION_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    GRANTS_FIELD_NUMBER: _ClassVar[int]
     locations: _containers.RepeatedCompositeFieldContainer[Replica]
     counts: _containers.RepeatedScalarFieldContainer[int]
     location: _containers.RepeatedScalarFieldContainer[int]
     offsets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, locations: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., counts: _Optional[_Iterable[int]] = ..., location: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+    grants: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, locations: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., counts: _Optional[_Iterable[int]] = ..., location: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., grants: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PutStartResponse(_message.Message):
     __slots__ = ("put_timeout_s", "statuses", "replicas", "space_summary", "epoch", "versions", "hold_s")

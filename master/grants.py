@@ -1,0 +1,55 @@
+"""The master's side of data grants (common/capabilities.py): a key per store node, handed
+over at MountSegment, and a grant minted per replica of every placement and location."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from kvpool.common import capabilities
+from kvpool.common.types import Replica
+
+
+class GrantMinter:
+    """Keys by node id (random per master process: a restarted master hands out new ones as
+    its nodes mount again) and the grants of a batch, in ReplicaColumns' order."""
+
+    def __init__(self, replica_in: Callable[[str], Replica]) -> None:
+        self._replica_in = replica_in
+        self._signers: dict[str, capabilities.Signer] = {}
+
+    def _signer(self, node_id: str) -> capabilities.Signer:
+        signer = self._signers.get(node_id)
+        if signer is None:
+            signer = self._signers[node_id] = capabilities.Signer(capabilities.new_key())
+        return signer
+
+    def key_for(self, node_id: str) -> bytes:
+        """The node's key, made on its first mount."""
+        return self._signer(node_id).key
+
+    def mint(self, op: int, counts: Sequence[int], segment_ids: Sequence[str],
+             offsets: Sequence[int], sizes: Sequence[int], versions: Sequence[int],
+             ttl_s: float) -> list[bytes]:
+        """One grant per replica: object ``i`` has ``counts[i]`` replicas, each at
+        ``(segment_ids[j], offsets[j])``, of ``sizes[i]`` bytes and version ``versions[i]``."""
+        expiry = capabilities.expiry_ms(ttl_s)
+        # Grouped by segment (a batch's replicas share a few), minted per segment, then put
+        # back in replica order.
+        by_segment: dict[str, list[int]] = {}
+        extents: dict[str, list[tuple[int, int, int]]] = {}
+        j = 0
+        for count, size, version in zip(counts, sizes, versions):
+            for k in range(j, j + count):
+                sid = segment_ids[k]
+                if sid not in by_segment:
+                    by_segment[sid], extents[sid] = [], []
+                by_segment[sid].append(k)
+                extents[sid].append((offsets[k], size, version))
+            j += count
+        grants: list[bytes] = [b""] * j
+        for sid, where in by_segment.items():
+            signer = self._signer(self._replica_in(sid).node.node_id)
+            for k, grant in zip(where, signer.mint_many(op, sid.encode(), extents[sid],
+                                                        expiry)):
+                grants[k] = grant
+        return grants

@@ -1,0 +1,135 @@
+"""Grants (common/capabilities.py) and the data server's check of them, in this process."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+from kvpool.client.transport.base import IoOp
+from kvpool.client.transport.tcp import TCPTransport
+from kvpool.common import capabilities as caps
+from kvpool.common.errors import SegmentBoundsError
+from kvpool.common.host import local_boot_id
+from kvpool.common.types import Extent, NodeEndpoints, Replica
+from kvpool.net.data_port import (
+    RESPONSE,
+    FrameStatus,
+    Op,
+    PutRecord,
+    encode_record_request,
+    encode_request,
+)
+from kvpool.net.sockets import recv_exact
+from kvpool.store_node.data_server import DataServer
+from kvpool.store_node.manifest import Manifest
+from kvpool.store_node.memory import create_dram_segment
+
+KEY = caps.new_key()
+
+
+def test_ops_match_the_data_ports():
+    assert (caps.READ, caps.WRITE) == (Op.READ, Op.WRITE)
+
+
+def test_a_grant_covers_exactly_what_it_names():
+    g = caps.mint(KEY, caps.READ, "n/0-a", 4096, 512, 7, caps.expiry_ms(10))
+    assert len(g) == caps.GRANT.size
+    assert caps.check(KEY, g, caps.READ, b"n/0-a", 4096, 512) == (7, "")
+    for args in ((caps.WRITE, b"n/0-a", 4096, 512), (caps.READ, b"n/0-b", 4096, 512),
+                 (caps.READ, b"n/0-a", 0, 512), (caps.READ, b"n/0-a", 4096, 513)):
+        assert caps.check(KEY, g, *args)[1], args
+    assert caps.check(caps.new_key(), g, caps.READ, b"n/0-a", 4096, 512)[1]   # another node
+    tampered = g[:8] + (caps.GRANT.unpack(g)[1] + 10**9).to_bytes(8, "big") + g[16:]
+    assert "does not cover" in caps.check(KEY, tampered, caps.READ, b"n/0-a", 4096, 512)[1]
+    assert caps.check(KEY, b"", caps.READ, b"n/0-a", 4096, 512)[1]
+
+
+def test_an_expired_grant_is_refused():
+    g = caps.mint(KEY, caps.READ, "s", 0, 1, 1, caps.expiry_ms(-1))
+    assert "expired" in caps.check(KEY, g, caps.READ, b"s", 0, 1)[1]
+
+
+@pytest.fixture
+def keyed():
+    seg = create_dram_segment("n", 0, 1 << 20)
+    manifest = Manifest()
+    manifest.set_epoch(5)
+    server = DataServer({seg.info.segment_id: seg}, manifest=manifest)
+    server.start()
+    server.set_grant_key(KEY)
+    node = NodeEndpoints("n", local_boot_id(), server.tcp_endpoint, "")
+    yield server, seg, node
+    server.stop()
+    seg.close()
+
+
+def _replica(node, seg, op: int, offset: int, length: int, version: int = 1) -> Replica:
+    sid = seg.info.segment_id
+    return Replica(node, Extent(sid, offset, length),
+                   grant=caps.mint(KEY, op, sid, offset, length, version, caps.expiry_ms(10)))
+
+
+def test_reads_and_writes_need_their_grant(keyed):
+    _server, seg, node = keyed
+    tcp = TCPTransport(timeout_s=5)
+    try:
+        w = _replica(node, seg, caps.WRITE, 4096, 4)
+        assert tcp.write([IoOp(w, memoryview(b"abcd"))]) == [None]
+        r = _replica(node, seg, caps.READ, 4096, 4)
+        buf = bytearray(4)
+        assert tcp.read([IoOp(r, memoryview(buf))]) == [None] and buf == b"abcd"
+        # The write grant is spent; a read grant does not write; no grant does nothing.
+        for replica in (w, r, Replica(node, Extent(seg.info.segment_id, 4096, 4))):
+            [err] = tcp.write([IoOp(replica, memoryview(b"EVIL"))])
+            assert isinstance(err, SegmentBoundsError), replica.grant
+        assert bytes(seg.buffer[4096:4100]) == b"abcd"
+        [err] = tcp.read([IoOp(Replica(node, Extent(seg.info.segment_id, 0, 1 << 20)),
+                               memoryview(bytearray(1 << 20)))])
+        assert "grant" in str(err)
+    finally:
+        tcp.close()
+
+
+def test_reserve_and_seal_need_a_write_grant(keyed):
+    _server, seg, node = keyed
+    sid = seg.info.segment_id
+    host, _, port = node.tcp_endpoint.rpartition(":")
+    record = PutRecord("k", 1, 5, 60.0)
+    read_grant = caps.mint(KEY, caps.READ, sid, 0, 4096, 1, caps.expiry_ms(10))
+    write_grant = caps.mint(KEY, caps.WRITE, sid, 0, 4096, 1, caps.expiry_ms(10))
+    for grant, expected in ((b"", FrameStatus.DENIED), (read_grant, FrameStatus.DENIED),
+                            (write_grant, FrameStatus.OK)):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(encode_record_request(Op.RESERVE, sid, 0, 4096, record, grant))
+            status, _n = RESPONSE.unpack(recv_exact(s, RESPONSE.size))
+            assert status == expected
+
+
+def test_a_request_outside_any_segment_is_refused_as_before(keyed):
+    _server, seg, node = keyed
+    host, _, port = node.tcp_endpoint.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(encode_request(Op.READ, seg.info.segment_id, 1 << 20, 1))
+        status, _n = RESPONSE.unpack(recv_exact(s, RESPONSE.size))
+    assert status == FrameStatus.OUT_OF_BOUNDS
+
+
+def test_grant_check_cost():
+    """What a node pays per request and the master per replica, with the signer each keeps
+    (the figures are printed; the bound only catches a check that became orders of magnitude
+    slower)."""
+    signer = caps.Signer(KEY)
+    sid = b"node-0/0-0123456789abcdef"
+    g = signer.mint(caps.READ, sid, 1 << 20, 2 << 20, 12345, caps.expiry_ms(30))
+    n = 20_000
+    start = time.perf_counter()
+    for _ in range(n):
+        signer.check(g, caps.READ, sid, 1 << 20, 2 << 20)
+    check_us = (time.perf_counter() - start) / n * 1e6
+    start = time.perf_counter()
+    for _ in range(n):
+        signer.mint(caps.READ, sid, 1 << 20, 2 << 20, 12345, 1)
+    mint_us = (time.perf_counter() - start) / n * 1e6
+    print(f"grant check {check_us:.2f} us, mint {mint_us:.2f} us")
+    assert check_us < 200 and mint_us < 200
