@@ -63,14 +63,16 @@ class KVClient:
 
     def __init__(self, master: str, *, replicas: int = 0,
                  transports: Sequence[str | Transport] | None = None, timeout_s: float = 10.0,
-                 metrics: CollectorRegistry | None = None):
+                 metrics: CollectorRegistry | None = None, credentials: str | None = None):
         """``replicas``: copies per put (0 = the master's default). ``transports``: schemes
         (or Transport instances) to use; whatever the order given, the client prefers shm,
         then rdma, then tcp per replica (default: every transport available here).
         ``metrics``: a Prometheus registry (e.g. ``prometheus_client.REGISTRY``) to count
-        this client's keys, bytes and call times in (client/metrics.py); None: not counted."""
+        this client's keys, bytes and call times in (client/metrics.py); None: not counted.
+        ``credentials``: a credentials file (SECURITY.md); by default ``KVPOOL_CREDENTIALS``,
+        else those a local cluster of this user registered for ``master``, else none."""
         self._metrics = None if metrics is None else client_metrics(metrics)
-        self._master = MasterClient(master, timeout_s=timeout_s)
+        self._master = MasterClient(master, timeout_s=timeout_s, credentials=credentials)
         given = [t for t in transports or () if isinstance(t, Transport)]
         try:
             schemes = None if transports is None else [t for t in transports if isinstance(t, str)]
@@ -140,8 +142,9 @@ class KVClient:
 
     def get(self, key: str, *, verify: bool = False) -> bytes:
         """The value stored under ``key``; ObjectNotFound if there is none. ``verify``: check
-        the bytes against the checksum taken at put; a replica that fails is dropped from the
-        cluster and the next one read; CorruptObject when none is intact."""
+        the bytes against the checksum taken at put; a replica that fails is reported (its
+        node re-checks it and drops it if damaged) and the next one read; CorruptObject when
+        none is intact."""
         return _raise(self.batch_get([key], verify=verify)[0])
 
     def get_into(self, key: str, buffer, *, verify: bool = False) -> int:

@@ -67,12 +67,13 @@ class InstanceInfo:
 class RouterClient(GrpcClient):
     """A blocking, thread-safe client of the master's Router service."""
 
-    def __init__(self, master: str, timeout_s: float = 10.0):
+    def __init__(self, master: str, timeout_s: float = 10.0, credentials: str | None = None):
+        """``credentials``: a credentials file (SECURITY.md; default: found as KVClient's)."""
         super().__init__(master, routing_pb2_grpc.RouterStub, timeout_s=timeout_s, retries=3,
-                         name="router client")
+                         name="router client", credentials=credentials)
         # Route on the master's lookup port once an answer named it: a gateway asks before
         # every request it forwards, and gRPC costs ~1 ms a call on a busy 2-core host.
-        self._lookups = Lookups(timeout_s, map_status)
+        self._lookups = Lookups(timeout_s, map_status, tls=self.tls)
 
     def close(self) -> None:
         self._lookups.close()

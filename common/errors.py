@@ -38,7 +38,8 @@ class ValueTooLarge(NoSpace, InvalidArgument):
 
 class CorruptObject(KVPoolError):
     """Every replica read failed its checksum: the object's bytes are damaged. The damaged
-    replicas were dropped from the index; no data was returned."""
+    replicas were reported: each node re-checks its own and drops it if it is damaged there;
+    no data was returned."""
 
 
 class Conflict(KVPoolError):
@@ -72,6 +73,16 @@ class LimitExceeded(KVPoolError):
 class HashSpecMismatch(KVPoolError):
     """The client's block size or block-hash spec differs from the cluster's: its keys could
     never match anyone else's, so the master refuses it rather than let it mis-key silently."""
+
+
+class Unauthenticated(KVPoolError):
+    """The master does not know who this is: no credentials, or ones its CA did not sign
+    (gRPC UNAUTHENTICATED). SECURITY.md says where a process finds its credentials."""
+
+
+class PermissionDenied(KVPoolError):
+    """The caller's role may not make this call, or a store node named another node than
+    itself (gRPC PERMISSION_DENIED); the message names the caller and what it may do."""
 
 
 class TransportError(KVPoolError, OSError):

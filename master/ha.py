@@ -294,7 +294,8 @@ def advertised(host: str, port: int, advertise: str | None) -> str:
 async def serve_ha(config: MasterConfig, host: str, port: int, url: EtcdURL, *,
                    advertise: str | None = None, lease_ttl_s: int = DEFAULT_LEASE_TTL_S,
                    on_started: Callable[[str, str | None], None] | None = None,
-                   lookup_port: int | None = 0, metrics_port: int | None = None) -> None:
+                   lookup_port: int | None = 0, metrics_port: int | None = None,
+                   credentials=None) -> None:
     """Run a master that leads while it holds the etcd lease, until SIGINT/SIGTERM (then it
     resigns, for an immediate takeover). Raises MasterUnavailable if it loses the lease."""
     if advertise:
@@ -305,7 +306,7 @@ async def serve_ha(config: MasterConfig, host: str, port: int, url: EtcdURL, *,
     server = MasterServer(config, host, port, interceptors=[LeaderOnly(election)],
                           lookup_port=lookup_port, lookup_refusal=lambda: None
                           if election.is_leader() else f"master {election.address} does not lead",
-                          metrics_port=metrics_port)
+                          metrics_port=metrics_port, credentials=credentials)
     await server.start()
     election.address = advertised(host, server.port, advertise)
     if on_started:   # the address clients use, and the metrics server's (if any)

@@ -12,6 +12,8 @@ from kvpool.common.config import MasterConfig
 from kvpool.common.logging import get_logger
 from kvpool.common.loops import OnCrash, Supervisor
 from kvpool.common.metrics import MetricsServer, new_registry
+from kvpool.common.security import Credentials, Tokens
+from kvpool.master.auth import Authorizer
 from kvpool.master.lookup_server import LookupServer, Stream
 from kvpool.master.metrics import MasterCollector, RpcMetrics, ServerFigures
 from kvpool.master.request_guard import RequestGuard
@@ -21,8 +23,8 @@ from kvpool.master.servicer import MasterServicer
 from kvpool.master.state import MasterState
 from kvpool.net import lookup_port
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
-from kvpool.protos.kvpool.v1 import routing_pb2 as routing_pb
 from kvpool.protos.kvpool.v1 import master_pb2_grpc, routing_pb2_grpc
+from kvpool.protos.kvpool.v1 import routing_pb2 as routing_pb
 from kvpool.rpc.wire import GRPC_OPTIONS
 
 log = get_logger(__name__)
@@ -47,13 +49,25 @@ class MasterServer:
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
                  lookup_port: int | None = 0,
                  lookup_refusal: Callable[[], str | None] = lambda: None,
-                 supervisor: Supervisor | None = None, metrics_port: int | None = None):
+                 supervisor: Supervisor | None = None, metrics_port: int | None = None,
+                 credentials: Credentials | None = None, tokens: Tokens | None = None,
+                 token_port: int | None = None):
         """``interceptors``: wrap every call (master/ha.py refuses them on a standby).
         ``lookup_port``: where to serve lookups besides gRPC (master/lookup_server.py; 0: any
         free port, None: nowhere); ``lookup_refusal`` says why they are refused, if they are.
         ``supervisor`` runs the tick (common/loops.py; a test's does not exit).
         ``metrics_port``: where to serve /metrics, /healthz and /readyz (common/metrics.py;
-        0: any free port, None: nowhere)."""
+        0: any free port, None: nowhere).
+        ``credentials``: serve gRPC as mutual TLS and the lookup port as TLS, both with client
+        certificates required, and check each call against its caller's role (master/auth.py);
+        None: plain text, nothing checked (a test's in-process master, ``--insecure``).
+        ``tokens`` (with credentials): also serve gRPC on ``token_port`` (0: any free port) as
+        TLS without client certificates, each call's bearer token naming its caller (for
+        clients that cannot hold a certificate; common/security.py ``Tokens``)."""
+        if tokens is not None and credentials is None:
+            raise ValueError("bearer tokens need the master's credentials (TLS)")
+        self.credentials, self._tokens, self._token_port = credentials, tokens, token_port
+        self.token_port: int | None = None
         self.config = config
         self._interceptors = list(interceptors)
         self._lookup_port, self._lookup_refusal = lookup_port, lookup_refusal
@@ -88,6 +102,8 @@ class MasterServer:
         """Bind and serve; return the bound ``host:port``."""
         # The guard innermost: the other interceptors see its typed answers.
         interceptors = [*self._interceptors, RequestGuard()]
+        if self.credentials is not None:   # outside a standby's refusal: strangers learn nothing
+            interceptors.insert(0, Authorizer(tokens=self._tokens))
         if self._metrics_port is not None:
             # Bound first: a port that is taken fails the start before anything serves.
             registry = new_registry()
@@ -110,6 +126,8 @@ class MasterServer:
         if self.metrics:
             self.metrics.start()
         log.info("master_started", address=self.address, lookup_port=self._servicer.lookup_port,
+                 security=f"mutual TLS, CA {self.credentials.ca_file}" if self.credentials
+                 else "none (plain text, every caller trusted)", token_port=self.token_port,
                  **vars(self.config))
         return self.address
 
@@ -129,7 +147,15 @@ class MasterServer:
         router = RouterServicer(self.routing)
         routing_pb2_grpc.add_RouterServicer_to_server(router, self._server)
         try:
-            self.port = self._server.add_insecure_port(f"{self._host}:{self._port}")
+            if self.credentials is None:
+                self.port = self._server.add_insecure_port(f"{self._host}:{self._port}")
+            else:
+                self.port = self._server.add_secure_port(f"{self._host}:{self._port}",
+                                                         self.credentials.grpc_server())
+                if self._tokens is not None:
+                    self.token_port = self._server.add_secure_port(
+                        f"{self._host}:{self._token_port or 0}",
+                        self.credentials.grpc_server_tls_only())
         except RuntimeError as e:
             raise OSError(f"cannot listen on {self._host}:{self._port}: {e}") from None
         await self._server.start()
@@ -148,7 +174,8 @@ class MasterServer:
                 on_call=self._rpc_metrics.observe if self._rpc_metrics else None,
                 streams={lookup_port.WATCH_MANIFEST: Stream(
                     pb.WatchManifestRequest, servicer.watch_manifest, lookup_port.ACK_MANIFEST,
-                    pb.AckManifestRequest, servicer.ack_manifest)})
+                    pb.AckManifestRequest, servicer.ack_manifest)},
+                tls=self.credentials.ssl_server if self.credentials else None)
             try:
                 self._servicer.lookup_port = router.lookup_port = await self._lookup.start(
                     self._host, self._lookup_port)
@@ -195,13 +222,18 @@ class MasterServer:
 
 async def serve(config: MasterConfig, host: str, port: int,
                 on_started: Callable[[str, str | None], None] | None = None,
-                lookup_port: int | None = 0, metrics_port: int | None = None) -> None:
+                lookup_port: int | None = 0, metrics_port: int | None = None,
+                credentials: Credentials | None = None, tokens: Tokens | None = None,
+                token_port: int | None = None) -> None:
     """Run a master until SIGINT/SIGTERM."""
     server = MasterServer(config, host, port, lookup_port=lookup_port,
-                          metrics_port=metrics_port)
+                          metrics_port=metrics_port, credentials=credentials, tokens=tokens,
+                          token_port=token_port)
     address = await server.start()
     if on_started:   # the address clients use, and the metrics server's (if any)
         on_started(address, server.metrics_address)
+    if server.token_port is not None:
+        print(f"tokens: {host}:{server.token_port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -143,12 +143,17 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         except UnknownNode:
             return pb.HeartbeatResponse(status=pb.STATUS_UNKNOWN_NODE)
         moves = [wire.move_to_pb(m) for m in self._state.take_moves(request.node_id)]
+        suspects = self._state.take_rechecks(request.node_id)
+        verify = {"verify_keys": [k for k, _, _ in suspects],
+                  "verify_versions": [v for _, v, _ in suspects],
+                  "verify_segment_ids": [s for _, _, s in suspects]}
         if delta is None:
-            return pb.HeartbeatResponse(status=pb.STATUS_OK, moves=moves)
+            return pb.HeartbeatResponse(status=pb.STATUS_OK, moves=moves, **verify)
         return pb.HeartbeatResponse(status=pb.STATUS_OK,
                                     committed=wire.records_to_pb(delta.committed),
                                     removed_keys=[k for k, _ in delta.removed],
-                                    removed_versions=[v for _, v in delta.removed], moves=moves)
+                                    removed_versions=[v for _, v in delta.removed], moves=moves,
+                                    **verify)
 
     def manifest_lag(self) -> tuple[dict[str, int], int]:
         """Unacknowledged manifest messages per watching node, and how many calls were
@@ -210,9 +215,11 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         if not len(request.keys) == len(request.versions) == len(request.segment_ids):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "keys, versions and segment_ids must be parallel")
+        node = request.node_id or None   # a node's own re-check, else a reader's report
         results = self._state.report_corrupt(list(request.keys), list(request.versions),
-                                             list(request.segment_ids))
-        log.warning("corrupt_replicas_dropped", keys=list(request.keys)[:8],
+                                             list(request.segment_ids), node)
+        log.warning("corrupt_replicas_dropped" if node else "corrupt_replicas_reported",
+                    node=node, keys=list(request.keys)[:8],
                     segments=sorted(set(request.segment_ids)))
         return pb.StatusesResponse(statuses=map(_status, results))
 

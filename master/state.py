@@ -44,6 +44,7 @@ from kvpool.master.membership import Membership, Segment
 from kvpool.master.pins import Pins
 from kvpool.master.pressure import Pressure
 from kvpool.master.reads import LeaseCount, NamespaceLookups
+from kvpool.master.rechecks import Rechecks
 from kvpool.master.recovery import Recovery
 from kvpool.master.space import Space
 from kvpool.master.tiers import Tiers
@@ -124,6 +125,7 @@ class MasterState:
                               make_eviction_policy(config.eviction),
                               make_eviction_policy(config.eviction))
         self._pins = Pins(config, self._segments)
+        self._rechecks = Rechecks()
         self._recovery = Recovery(config.node_ttl_s)
         closed = self._recovery.recovering   # no new object, nor move, goes there
         self._tiers = Tiers(config, self._members, closed, self._index, self._chains,
@@ -235,13 +237,25 @@ class MasterState:
         return out
 
     def report_corrupt(self, keys: Sequence[str], versions: Sequence[int],
-                       segment_ids: Sequence[str]) -> list[KVPoolError | None]:
-        """Drop replicas whose bytes failed the checksum; an object left without replicas is
+                       segment_ids: Sequence[str], node_id: str | None = None
+                       ) -> list[KVPoolError | None]:
+        """Replicas whose bytes failed the checksum. From a reader (``node_id`` None): each
+        replica's node is asked to re-check it (:meth:`take_rechecks`; master/rechecks.py),
+        nothing is dropped. From the node holding them (``node_id``, its own segments only,
+        else InvalidArgument): the replicas are dropped; an object left without replicas is
         removed. A report about another version of the key, or a replica already gone, is
         a no-op (reports race with removals and with other readers' reports)."""
         now = self._clock()
-        return [_attempt(self._drop_corrupt_one, k, v, sid, now)
+        if node_id is None:
+            return [_attempt(self._ask_recheck_one, k, v, sid)
+                    for k, v, sid in zip(keys, versions, segment_ids)]
+        return [_attempt(self._drop_confirmed_one, k, v, sid, node_id, now)
                 for k, v, sid in zip(keys, versions, segment_ids)]
+
+    def take_rechecks(self, node_id: str) -> list[tuple[str, int, str]]:
+        """The replicas (key, version, segment id) readers reported corrupt on ``node_id``,
+        for it to re-check (each handed out once)."""
+        return self._rechecks.take(node_id)
 
     # -- objects ----------------------------------------------------------------------------
 
@@ -593,6 +607,22 @@ class MasterState:
         segments mounted so far (the rest come with nodes still to announce)."""
         if r.pinned and not obj.pinned:
             self._pin_one(obj.key, None, self._clock(), quota=False)
+
+    def _ask_recheck_one(self, key: str, version: int, segment_id: str) -> None:
+        validate_key(key)
+        obj = self._objects.get(key)
+        if obj is None or obj.state is not COMPLETE or obj.version != version \
+                or not any(e.segment_id == segment_id for e in obj.replicas):
+            return
+        self._rechecks.ask(self._segments[segment_id].node_id, (key, version, segment_id))
+
+    def _drop_confirmed_one(self, key: str, version: int, segment_id: str, node_id: str,
+                            now: float) -> None:
+        seg = self._segments.get(segment_id)
+        if seg is not None and seg.node_id != node_id:
+            raise InvalidArgument(f"segment {segment_id!r} is mounted by node {seg.node_id!r}, "
+                                  f"not {node_id!r}")
+        self._drop_corrupt_one(key, version, segment_id, now)
 
     def _drop_corrupt_one(self, key: str, version: int, segment_id: str, now: float) -> None:
         validate_key(key)

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 import grpc
+from kvpool.common import security
 from kvpool.common.addresses import LEADER_METADATA, parse_address
 from kvpool.common.errors import (
     ClientClosed,
@@ -17,6 +18,8 @@ from kvpool.common.errors import (
     KVPoolError,
     LimitExceeded,
     MasterUnavailable,
+    PermissionDenied,
+    Unauthenticated,
 )
 from kvpool.rpc.leader import MasterTargets
 from kvpool.rpc.wire import GRPC_OPTIONS
@@ -28,6 +31,8 @@ _REFUSALS: dict[grpc.StatusCode, type[KVPoolError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.FAILED_PRECONDITION: HashSpecMismatch,
     grpc.StatusCode.RESOURCE_EXHAUSTED: LimitExceeded,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
 }
 
 
@@ -62,11 +67,20 @@ class GrpcClient:
     ``address``: one master (``host:port``), standby masters (``a:1,b:2``) or
     ``etcd://HOST:PORT[/CLUSTER]`` (rpc/leader.py). With one address an UNAVAILABLE call is
     retried ``retries`` times; with standbys it is retried, on whichever master leads, until
-    ``timeout_s`` has passed since the call began (each try under what is left of it)."""
+    ``timeout_s`` has passed since the call began (each try under what is left of it).
+
+    ``credentials``: loaded ones, a credentials file, False (plain text), or None: found as
+    common/security.py ``resolve`` says for ``role`` (and ``identity``, a node's id); with
+    none found the channel is plain text."""
 
     def __init__(self, address: str, stub_factory: Callable[[grpc.Channel], object], *,
-                 timeout_s: float = 10.0, retries: int = 3, name: str = "client"):
+                 timeout_s: float = 10.0, retries: int = 3, name: str = "client",
+                 credentials: security.Credentials | str | bool | None = None, role: str = "client",
+                 identity: str | None = None):
         self._targets = MasterTargets(address)
+        self.credentials = credentials if isinstance(credentials, security.Credentials) \
+            else None if credentials is False \
+            else security.resolve(self._targets.spec, credentials, role=role, name=identity)
         self._timeout_s = timeout_s
         self._retries = retries
         self._name = name
@@ -84,6 +98,14 @@ class GrpcClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    @property
+    def tls(self):
+        """The lookup port's client TLS context (None: plain tcp, as gRPC is then; False:
+        no lookup port, for a token: the port takes certificates only)."""
+        if self.credentials is None:
+            return None
+        return False if self.credentials.token else self.credentials.ssl_client
 
     @property
     def address(self) -> str:
@@ -113,8 +135,13 @@ class GrpcClient:
             if self._closed:
                 return
             if address not in self._channels:
-                channel = grpc.insecure_channel(address,
-                                                options=GRPC_OPTIONS + _RECONNECT_OPTIONS)
+                options = GRPC_OPTIONS + _RECONNECT_OPTIONS
+                if self.credentials is None:
+                    channel = grpc.insecure_channel(address, options=options)
+                else:
+                    channel = grpc.secure_channel(
+                        address, self.credentials.grpc_channel(),
+                        options=options + security.GRPC_CHANNEL_OPTIONS)
                 self._channels[address] = (channel, self._stub_factory(channel))
             self._current = (address, self._channels[address][1])
 

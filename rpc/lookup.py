@@ -10,6 +10,7 @@ that a master names anew (a restarted master) is tried at once.
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from typing import TypeVar
 import grpc
 from google.protobuf.message import Message
 from kvpool.common.errors import KVPoolError, MasterUnavailable
+from kvpool.common.security import MASTER_NAME
 from kvpool.net import lookup_port
 from kvpool.net.sockets import recv_exact
 
@@ -38,10 +40,13 @@ class LookupChannel:
     """Connections to ``host:port``, the lookup port of the master at ``master``.
 
     ``refused(code, message, what)``: the KVPoolError for an answer with an error status (as
-    for the same status over gRPC)."""
+    for the same status over gRPC). ``tls``: a client context (common/security.py) when the
+    master's gRPC port is mutual TLS: the lookup port is too, with the same certificates."""
 
     def __init__(self, master: str, port: int, timeout_s: float,
-                 refused: Callable[[grpc.StatusCode, str, str], KVPoolError]):
+                 refused: Callable[[grpc.StatusCode, str, str], KVPoolError],
+                 tls: ssl.SSLContext | None = None):
+        self._tls = tls
         host = master.rpartition(":")[0]
         self.target = (master, port)
         self._endpoint = (host[1:-1] if host.startswith("[") else host, port)
@@ -140,6 +145,12 @@ class LookupChannel:
         except OSError as e:
             raise LookupLost(f"lookup port {self._endpoint[1]}: {e}") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._tls is not None:
+            try:   # the handshake under the connect timeout too
+                sock = self._tls.wrap_socket(sock, server_hostname=MASTER_NAME)
+            except OSError as e:   # ssl.SSLError included: a master of another CA
+                sock.close()
+                raise LookupLost(f"lookup port {self._endpoint[1]}: TLS: {e}") from None
         sock.settimeout(self._timeout_s)
         return sock, False
 
@@ -156,13 +167,17 @@ class Lookups:
 
     def __init__(self, timeout_s: float,
                  refused: Callable[[grpc.StatusCode, str, str], KVPoolError],
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 tls: ssl.SSLContext | None | bool = None):
+        """``tls``: the client context of a secure master's lookup port; None: plain tcp;
+        False: never use the port (gRPC only)."""
         self._timeout_s, self._refused, self._clock = timeout_s, refused, clock
+        self._tls = tls or None
         self._lock = threading.Lock()
         self._channel: LookupChannel | None = None
         self._learned: tuple[str, int] | None = None      # the last (master, port) named
         self._failed: dict[tuple[str, int], float] = {}   # target -> when to try it again
-        self._closed = False
+        self._closed = tls is False
 
     @property
     def channel(self) -> LookupChannel | None:
@@ -194,7 +209,7 @@ class Lookups:
             if self._closed or self._failed.get(target, 0.0) > self._clock():
                 return
             old, self._channel = self._channel, LookupChannel(
-                master, port, self._timeout_s, self._refused) if port else None
+                master, port, self._timeout_s, self._refused, self._tls) if port else None
         if old is not None:
             old.close()
 

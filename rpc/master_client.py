@@ -54,13 +54,15 @@ class PutGrant:
 class MasterClient(GrpcClient):
     """A blocking, thread-safe client of one master."""
 
-    def __init__(self, address: str, timeout_s: float = 10.0, retries: int = 3):
+    def __init__(self, address: str, timeout_s: float = 10.0, retries: int = 3, **security):
+        """``security``: ``credentials``, ``role``, ``identity`` (rpc/grpc_client.py)."""
         super().__init__(address, master_pb2_grpc.MasterStub, timeout_s=timeout_s,
-                         retries=retries, name="master client")
+                         retries=retries, name="master client", **security)
         self._watches: set = set()   # the WatchManifest calls open now (end_watches)
         self._port_watches: dict[str, socket.socket] = {}   # node id -> its stream's socket
         self._watch_generation = 0   # end_watches calls so far
-        self._lookups = Lookups(timeout_s, map_status)
+        self._lookups = Lookups(timeout_s, map_status, tls=self.tls)
+        self._rechecks: list[tuple[str, int, str]] = []   # asked by heartbeat answers
 
     # -- membership (store nodes) --
     def mount_segment(self, node: NodeEndpoints, segment: SegmentInfo, *,
@@ -102,6 +104,10 @@ class MasterClient(GrpcClient):
                                                         moves_failed=failed))
         if r.status == pb.STATUS_UNKNOWN_NODE:
             raise UnknownNode(f"master does not know node {node_id!r}")
+        if r.verify_keys:
+            with self._lock:
+                self._rechecks.extend(zip(r.verify_keys, r.verify_versions,
+                                          r.verify_segment_ids))
         return (wire.records_from_pb(r.committed),
                 list(zip(r.removed_keys, r.removed_versions)),
                 [wire.move_from_pb(m) for m in r.moves])
@@ -222,11 +228,21 @@ class MasterClient(GrpcClient):
             reserved=wire.reservations_to_pb(reserved, time.monotonic())))
         return [error_for_status(s, rec.key) for rec, s in zip(records, r.statuses)]
 
+    def take_rechecks(self) -> list[tuple[str, int, str]]:
+        """The replicas (key, version, segment id) heartbeat answers asked this node to
+        re-check since the last call: readers reported them corrupt (master/rechecks.py)."""
+        with self._lock:
+            taken, self._rechecks = self._rechecks, []
+        return taken
+
     def report_corrupt(self, keys: Sequence[str], versions: Sequence[int],
-                       segment_ids: Sequence[str]) -> list[KVPoolError | None]:
-        """Tell the master these replicas failed their checksum: it drops them."""
+                       segment_ids: Sequence[str], node_id: str = ""
+                       ) -> list[KVPoolError | None]:
+        """Tell the master these replicas failed their checksum. A reader's report
+        (``node_id`` ""): the master has their nodes re-check them. A node's own (its
+        ``node_id``, its segments): the master drops them."""
         r = self._call("ReportCorrupt", pb.ReportCorruptRequest(
-            keys=keys, versions=versions, segment_ids=segment_ids))
+            keys=keys, versions=versions, segment_ids=segment_ids, node_id=node_id))
         return [error_for_status(s, k) for k, s in zip(keys, r.statuses)]
 
     # -- objects --

@@ -4,6 +4,7 @@ again and re-announcing the manifest) -> unmount -> release."""
 
 from __future__ import annotations
 
+import os
 import queue
 import socket
 import threading
@@ -12,8 +13,16 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvpool.common import security
 from kvpool.common.config import format_size
-from kvpool.common.errors import Conflict, KVPoolError, MasterUnavailable, NoSpace, UnknownNode
+from kvpool.common.errors import (
+    Conflict,
+    InvalidArgument,
+    KVPoolError,
+    MasterUnavailable,
+    NoSpace,
+    UnknownNode,
+)
 from kvpool.common.host import local_boot_id
 from kvpool.common.logging import get_logger
 from kvpool.common.loops import RESTART, OnCrash, Supervisor
@@ -23,7 +32,7 @@ from kvpool.store_node.data_server import DataLimits, DataServer
 from kvpool.store_node.disk import DiskTier
 from kvpool.store_node.manifest import Manifest
 from kvpool.store_node.memory import Segment, check_hugepages, create_dram_segment
-from kvpool.store_node.scrubber import Scrubber
+from kvpool.store_node.scrubber import Scrubber, recheck
 
 log = get_logger(__name__)
 # Objects per AnnounceObjects call: ~100 bytes each on the wire, well under gRPC's limit.
@@ -69,7 +78,7 @@ class StoreNode:
                  scrub_interval_s: float = 60.0, disk_path: str | None = None,
                  disk_size: int = 0, hbm_size: int = 0, gpu: int = 0,
                  hugepages: bool = False, supervisor: Supervisor | None = None,
-                 data_limits: DataLimits | None = None):
+                 data_limits: DataLimits | None = None, credentials: str | None = None):
         """``host``/``port``: where the tcp data server listens (port 0 = any free port);
         ``advertise_host``: the address clients should dial, if not ``host`` (e.g. 0.0.0.0).
         ``rdma_device``: register the segments with this RDMA device (an error if missing);
@@ -85,12 +94,30 @@ class StoreNode:
         ``master``: the master's address, or a client of it (a test's, that fails on purpose).
         ``supervisor``: runs the node's loops (common/loops.py; a test's does not exit).
         ``data_limits``: the data server's connection cap, idle timeout and shm trust
-        (store_node/data_server.py DataLimits)."""
+        (store_node/data_server.py DataLimits).
+        ``credentials``: this node's credentials file (common/security.py; by default found
+        as ``resolve`` says); a node certificate names the node id, which ``node_id`` (if
+        given) must equal."""
         if not segment_sizes:
             raise ValueError("a store node needs at least one segment")
         # Opened first: a bad directory is an error before any memory is allocated.
         self._disk = DiskTier(disk_path, disk_size, node_id) if disk_path else None
         node_id = node_id or (self._disk.node_id if self._disk else None)
+        # Credentials given or named in the environment decide the node id (a node can act
+        # only as the node its certificate names); a local cluster's are issued for it.
+        creds = None
+        if not isinstance(master, MasterClient) and (path := credentials
+                                                      or os.environ.get(security.ENV)):
+            creds = security.load(path)
+            if not credentials and creds.identity.role != "node":
+                creds = None   # a client's, in the environment: not this node's
+        if creds is not None and creds.identity.role != "node":
+            raise InvalidArgument(f"a store node needs node credentials; {creds.path} is "
+                             f"{creds.identity}")
+        if creds is not None and node_id not in (None, creds.identity.name):
+            raise InvalidArgument(f"node id {node_id!r} is not the one {creds.path} names "
+                             f"({creds.identity.name!r})")
+        node_id = node_id or (creds.identity.name if creds else None)
         self.node_id = node_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
         self._sizes = list(segment_sizes)
         self._hugepages = hugepages
@@ -103,7 +130,8 @@ class StoreNode:
         self._published: dict[str, SegmentInfo] = {}   # as mounted: with the RDMA region
         self._interval_s = heartbeat_interval_s
         self._master = master if isinstance(master, MasterClient) else \
-            MasterClient(master, timeout_s=max(1.0, 2 * heartbeat_interval_s))
+            MasterClient(master, timeout_s=max(1.0, 2 * heartbeat_interval_s),
+                         credentials=creds, role="node", identity=self.node_id)
         self._supervisor = supervisor or Supervisor()
         self.segments: dict[str, Segment] = {}
         self._server: DataServer | None = None
@@ -229,6 +257,7 @@ class StoreNode:
                                                                          failed)
                 done = failed = []
                 self._apply_manifest(committed, removed)
+                self._recheck(self._master.take_rechecks())
                 for m in moves:
                     self._moves.put(m)
             except UnknownNode:
@@ -329,8 +358,21 @@ class StoreNode:
                         waited_s=3 * self._interval_s)
 
     def _report_corrupt(self, records) -> None:
+        """Report replicas this node found damaged itself: the master drops them."""
         self._master.report_corrupt([r.key for r in records], [r.version for r in records],
-                                    [r.segment_id for r in records])
+                                    [r.segment_id for r in records], node_id=self.node_id)
+
+    def _recheck(self, suspects) -> None:
+        """Re-check what readers reported corrupt here; confirm only what really is. (On
+        the heartbeat thread: a few objects per beat, each a checksum at ~20 GB/s.)"""
+        if not suspects:
+            return
+        bad = recheck(self.manifest, self.segments, suspects)
+        log.warning("corrupt_reports_rechecked", reported=len(suspects), confirmed=len(bad),
+                    keys=[k for k, _, _ in suspects[:8]])
+        if bad:
+            self._report_corrupt(bad)
+            self.manifest.forget_records(bad)
 
     def _recover(self) -> None:
         """Mount every segment as recovering, then re-announce the manifest in batches, the

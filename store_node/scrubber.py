@@ -26,6 +26,35 @@ from kvpool.store_node.memory import Segment
 log = get_logger(__name__)
 
 
+def _checksum_of(r: ObjectRecord, seg: Segment) -> int:
+    """The CRC-32C of the bytes ``r`` names in ``seg`` now; ValueError once it is closed."""
+    if seg.host_addressable:
+        return checksum(seg.buffer[r.offset:r.offset + r.size])
+    host = bytearray(r.size)   # device memory: through a host copy
+    seg.read_into(r.offset, memoryview(host))
+    return checksum(host)
+
+
+def recheck(manifest: Manifest, segments: Mapping[str, Segment],
+            suspects: Sequence[tuple[str, int, str]]) -> list[ObjectRecord]:
+    """The records among ``suspects`` (key, version, segment id: what readers reported
+    corrupt) whose bytes here fail their checksum now. A reader's report alone never drops a
+    replica (a client could name any object): only this node's own check does. A suspect
+    the manifest does not hold as named, or holds without a checksum, is not confirmed."""
+    bad = []
+    for key, version, segment_id in suspects:
+        r, seg = manifest.get(key), segments.get(segment_id)
+        if r is None or seg is None or r.checksum is None or r.version != version \
+                or r.segment_id != segment_id:
+            continue
+        try:
+            if _checksum_of(r, seg) != r.checksum and manifest.get(key) == r:
+                bad.append(r)
+        except ValueError:   # the segment was closed: the node is stopping
+            break
+    return bad
+
+
 class Scrubber:
     """Walks the manifest, checksumming each object's extent; reports the ones that differ."""
 
@@ -59,12 +88,7 @@ class Scrubber:
             if r.checksum is None or seg is None:
                 continue
             try:
-                if seg.host_addressable:
-                    crc = checksum(seg.buffer[r.offset:r.offset + r.size])
-                else:   # device memory: through a host copy
-                    host = bytearray(r.size)
-                    seg.read_into(r.offset, memoryview(host))
-                    crc = checksum(host)
+                crc = _checksum_of(r, seg)
             except ValueError:   # the segment was closed: the node is stopping
                 break
             self.objects_checked += 1

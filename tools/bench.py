@@ -70,6 +70,9 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--metrics", action="store_true",
                    help="run the local cluster's master and node with --metrics-port (to "
                         "measure what metrics cost: compare with a run without)")
+    b.add_argument("--insecure", action="store_true",
+                   help="run the local cluster without credentials (plain text; to measure "
+                        "what security costs: compare with a run without)")
     b.add_argument("--disk-tier", action="store_true",
                    help="instead: the disk tier's demotion and read GB/s beside a plain "
                         "sequential file read of the same bytes (tools/bench_disk.py)")
@@ -116,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         master_batch=args.master_batch, master_lookups=preset["master_lookups"],
         redis=not args.no_redis,
         peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()),
-        metrics=args.metrics)
+        metrics=args.metrics, insecure=args.insecure)
     bad = set(config.transports) - {"shm", "tcp", "rdma"}
     if bad:
         print(f"kvpool bench: error: unknown transport(s) {sorted(bad)}; known: shm, tcp, rdma",

@@ -8,10 +8,11 @@ counts as a result.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -207,8 +208,8 @@ def master_figures(address: str, master_pid: int | None, objects: int, batch: in
     keys = [os.urandom(32).hex() for _ in range(objects)]
     sizes = [value_bytes] * batch
     put_rates = []
-    with MasterClient(address, timeout_s=60.0) as mc:
-        keep_alive = _mount_virtual(mc, objects * value_bytes) if virtual_segment else _no_op
+    with MasterClient(address, timeout_s=60.0) as mc, \
+            _virtual_node(address, objects * value_bytes, virtual_segment) as keep_alive:
         rss_before = _rss_bytes(master_pid)
         chunk = -(-objects // repeats)
         for lo in range(0, objects, chunk):
@@ -247,25 +248,29 @@ def master_figures(address: str, master_pid: int | None, objects: int, batch: in
             "bytes_per_object": per_object}
 
 
-def _mount_virtual(mc, total_bytes: int) -> Callable[[], None]:
-    """Mount a segment of ``2 x total_bytes`` (below the eviction watermark) for a node that
-    does not exist; return a function that heartbeats for it at most once a second."""
+@contextlib.contextmanager
+def _virtual_node(address: str, total_bytes: int, mount: bool) -> Iterator[Callable[[], None]]:
+    """With ``mount``: mount a segment of ``2 x total_bytes`` (below the eviction watermark)
+    for a node that does not exist, as that node (a secure local cluster issues it a node
+    certificate: only a node mounts); yield a function that heartbeats for it at most once a
+    second. Without: a function that does nothing."""
+    if not mount:
+        yield lambda: None
+        return
     from kvpool.common.types import NodeEndpoints, SegmentInfo
+    from kvpool.rpc.master_client import MasterClient
     token = os.urandom(4).hex()
     node = NodeEndpoints(node_id=f"bench-virtual-{token}", boot_id="", tcp_endpoint="0.0.0.0:9")
-    mc.mount_segment(node, SegmentInfo(f"bench-virtual-{token}/0", 2 * total_bytes))
-    last = time.monotonic()
+    with MasterClient(address, timeout_s=60.0, role="node", identity=node.node_id) as mc:
+        mc.mount_segment(node, SegmentInfo(f"bench-virtual-{token}/0", 2 * total_bytes))
+        last = time.monotonic()
 
-    def keep_alive() -> None:
-        nonlocal last
-        if time.monotonic() - last > 1.0:
-            mc.heartbeat(node.node_id)
-            last = time.monotonic()
-    return keep_alive
-
-
-def _no_op() -> None:
-    pass
+        def keep_alive() -> None:
+            nonlocal last
+            if time.monotonic() - last > 1.0:
+                mc.heartbeat(node.node_id)
+                last = time.monotonic()
+        yield keep_alive
 
 
 def _median(xs: Sequence[float]) -> float:

@@ -55,6 +55,7 @@ class BenchConfig:
     redis: bool = True
     peers: tuple[str, ...] = ()
     metrics: bool = False        # kvpool's processes serve /metrics (their cost measured)
+    insecure: bool = False       # the local cluster without credentials (security's cost)
 
     def shapes(self) -> list[w.Shape]:
         return ([w.Shape("single", s, 1, self.single_calls) for s in self.sizes]
@@ -171,7 +172,7 @@ def _kvpool(config: BenchConfig, data: dict, figures: list, skipped: dict, maste
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as logs:
         cluster = LocalCluster(nodes=1, segment_size=str(segment),
                                master_args=["--lease-ttl", f"{_LEASE_S}s"], log_dir=logs,
-                               metrics=config.metrics)
+                               metrics=config.metrics, secure=not config.insecure)
         try:
             _kvpool_on(config, data, figures, skipped, cluster.start(), run_id, segment)
         finally:
@@ -247,7 +248,8 @@ def _master(config: BenchConfig, master: str | None) -> dict:
     _say(f"master: indexing {config.master_objects:,} objects of "
          f"{format_size(config.block_bytes)} in batches of {config.master_batch}")
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as logs:
-        cluster = LocalCluster(nodes=0, log_dir=logs, metrics=config.metrics)
+        cluster = LocalCluster(nodes=0, log_dir=logs, metrics=config.metrics,
+                               secure=not config.insecure)
         try:
             address = cluster.start()
             return w.master_figures(address, cluster.master_proc.popen.pid,

@@ -123,13 +123,19 @@ class LocalCluster:
                  port: int = 0, master_args: Sequence[str] = (), node_args: Sequence[str] = (),
                  log_dir: str | os.PathLike | None = None, masters: int = 1,
                  ha: str | None = None, disk_size: str | None = None,
-                 disk_path: str | os.PathLike | None = None, metrics: bool = False):
+                 disk_path: str | os.PathLike | None = None, metrics: bool = False,
+                 secure: bool = True, credentials_dir: str | os.PathLike | None = None):
         """``ha``: an ``etcd://`` URL: run ``masters`` standby masters electing on it (on
         free ports); ``master`` is then that URL, which the nodes and clients follow.
         ``disk_size``: give every node a disk tier of that size, in ``disk_path``/NODE (kept:
         a cluster started again on it finds its nodes' objects) or, without ``disk_path``, in
         a temporary directory removed by ``stop``. ``metrics``: every process serves
-        /metrics and its probes on a free port (``metrics_addresses``, by process name)."""
+        /metrics and its probes on a free port (``metrics_addresses``, by process name).
+        ``secure`` (the default): the cluster makes its own CA and credentials (common/pki.py)
+        in ``credentials_dir`` (default: a temporary directory, removed by ``stop``), serves
+        mutual TLS, and registers them for its master address, where this user's clients and
+        nodes find them (common/security.py ``resolve``); False: plain text (a loopback
+        master), for tests of what an unauthenticated peer meets."""
         if masters > 1 and not ha:
             raise ValueError("several masters need an etcd URL to elect on (ha=)")
         self.n_masters, self.ha = masters, ha
@@ -149,6 +155,11 @@ class LocalCluster:
         self.disk_path = Path(disk_path) if disk_path is not None else None
         self._disk_tmp: str | None = None   # created here, removed by stop
         self._metrics = ["--metrics-port", "0"] if metrics else []
+        self.secure = secure
+        self._creds_dir = Path(credentials_dir) if credentials_dir is not None else None
+        self._creds_tmp: str | None = None   # created here, removed by stop
+        self._registered: list[str] = []     # addresses whose credentials stop unregisters
+        self._master_creds: list[str] = []
         self.metrics_addresses: dict[str, str] = {}
 
     @property
@@ -161,6 +172,43 @@ class LocalCluster:
         if self.disk_path is not None:
             self.disk_path.mkdir(parents=True, exist_ok=True)
         return self.disk_path or Path(self._disk_tmp)
+
+    @property
+    def credentials_dir(self) -> Path | None:
+        """Where the cluster's CA and credentials are (None: not secure)."""
+        if not self.secure:
+            return None
+        if self._creds_dir is None:
+            self._creds_tmp = tempfile.mkdtemp(prefix="kvpool-credentials-")
+            self._creds_dir = Path(self._creds_tmp)
+        return self._creds_dir
+
+    @property
+    def client_credentials(self) -> Path | None:
+        """The default client's credentials file (what ``KVPOOL_CREDENTIALS`` may name)."""
+        return self.credentials_dir / "client.yaml" if self.secure else None
+
+    def credentials(self, role: str, name: str) -> Path:
+        """A credentials file of this cluster's CA for ``role``/``name`` (issued if new)."""
+        from kvpool.common import pki
+        return pki.ensure(self.credentials_dir, role, name)
+
+    def _security_args(self) -> list[str]:
+        """The master's flags: its credentials, or --insecure off loopback without them."""
+        from kvpool.common import security
+        if not self.secure:
+            return [] if security.is_loopback(self.host) else ["--insecure"]
+        if not self._master_creds:
+            from kvpool.common import pki
+            self._master_creds = ["--credentials",
+                                  str(pki.make_local(self.credentials_dir, self.host))]
+        return self._master_creds
+
+    def _register(self, *addresses: str) -> None:
+        if self.secure:
+            from kvpool.common import security
+            security.register(list(addresses), self.credentials_dir)
+            self._registered.extend(addresses)
 
     def _log(self, name: str) -> IO[bytes] | None:
         if self.log_dir is None:
@@ -177,12 +225,15 @@ class LocalCluster:
                 for _ in range(self.n_masters):
                     self.add_master()
                 self.master = self.ha
+                self._register(self.ha)
                 self.leader()
             else:
                 self.master_proc = Proc("master", ["master", "--host", self.host, "--port",
                                                    str(self.port), *self._metrics,
+                                                   *self._security_args(),
                                                    *self.master_args], self._log("master"))
                 self.master = self.master_proc.wait_ready("master")
+                self._register(self.master)
                 self._note_metrics(self.master_proc)
             for i in range(self.n_nodes):
                 self.add_node(f"node{i}")
@@ -208,7 +259,8 @@ class LocalCluster:
         self.kill_master()
         _, _, port = self.master.rpartition(":")
         self.master_proc = Proc("master", ["master", "--host", self.host, "--port", port,
-                                           *self._metrics, *self.master_args],
+                                           *self._metrics, *self._security_args(),
+                                           *self.master_args],
                                 self._log("master"))
         address = self.master_proc.wait_ready("master")
         assert address == self.master, (address, self.master)
@@ -219,8 +271,10 @@ class LocalCluster:
         """With ``ha``: start one more master (a standby unless none leads); its address."""
         name = f"master{len(self.standbys)}"
         proc = Proc(name, ["master", "--host", self.host, "--port", "0", "--ha", str(self.ha),
-                           *self._metrics, *self.master_args], self._log(name))
+                           *self._metrics, *self._security_args(), *self.master_args],
+                    self._log(name))
         address = proc.wait_ready("master")
+        self._register(address)
         self._note_metrics(proc)
         self.standbys[address] = proc
         return address
@@ -252,8 +306,10 @@ class LocalCluster:
         disk: list[str] = []
         if self.disk_dir is not None:
             disk = ["--disk-path", str(self.disk_dir / name), "--disk-size", str(self.disk_size)]
+        creds = ["--credentials", str(self.credentials("node", name))] if self.secure else []
         proc = Proc(name, ["store-node", "--master", self.master, "--host", self.host,
                            "--segment-size", self.segment_size, "--node-id", name, *disk,
+                           *creds,
                            *self._metrics, *self.node_args, *extra_args], self._log(name))
         self.nodes.append(proc)
         self._note_metrics(proc)   # printed before the node mounts
@@ -274,6 +330,14 @@ class LocalCluster:
         if self._disk_tmp is not None:
             shutil.rmtree(self._disk_tmp, ignore_errors=True)
             self._disk_tmp = None
+        if self._registered:
+            from kvpool.common import security
+            security.unregister(self._registered)
+            self._registered.clear()
+        if self._creds_tmp is not None:
+            shutil.rmtree(self._creds_tmp, ignore_errors=True)
+            self._creds_tmp = self._creds_dir = None
+            self._master_creds = []
 
     def __enter__(self) -> Self:
         self.start()

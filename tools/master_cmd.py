@@ -98,6 +98,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ha-lease-ttl", type=duration_type, default=5.0, metavar="DURATION",
                    help="with --ha: the leader's etcd lease; a dead leader is replaced within "
                         "about this long (default: 5s; etcd's minimum is 2s)")
+    p.add_argument("--credentials", metavar="FILE",
+                   help="this master's credentials file (ca, cert, key; SECURITY.md): gRPC "
+                        "and the lookup port then take only peers with certificates of that "
+                        "CA, each call checked against its role (default: none: plain text, "
+                        "allowed on a loopback --host only)")
+    p.add_argument("--tokens", metavar="FILE",
+                   help="with --credentials: also serve gRPC on --token-port to clients "
+                        "that hold a bearer token instead of a certificate; FILE lists each "
+                        "token's SHA-256 with its role and name (SECURITY.md). Prints "
+                        "`tokens: HOST:PORT`")
+    p.add_argument("--token-port", type=port_type, default=0, metavar="PORT",
+                   help="with --tokens: the token port (default: 0 = any free port)")
+    p.add_argument("--insecure", action="store_true",
+                   help="serve plain text, trusting every caller, on a non-loopback --host "
+                        "without credentials (refused otherwise); logs a warning")
     log_arg(p)
 
 
@@ -122,6 +137,12 @@ def run(args: argparse.Namespace) -> int:
         if metrics:
             print(f"metrics: {metrics}", flush=True)
 
+    if args.ha and args.tokens:
+        raise ConfigError("--tokens is not served by standby masters (--ha) yet")
+    if args.ha:   # a wildcard --host needs --advertise: said before anything else
+        from kvpool.master.ha import advertised
+        advertised(args.host, args.port or 1, args.advertise)
+    credentials = _credentials(args)
     lookup_port = None if args.no_lookup_port else args.lookup_port
     _gc_for_a_large_index()
     if args.ha:
@@ -130,10 +151,42 @@ def run(args: argparse.Namespace) -> int:
         url = parse_etcd_url(args.ha)
         asyncio.run(serve_ha(config, args.host, args.port, url, advertise=args.advertise,
                              lease_ttl_s=max(1, round(args.ha_lease_ttl)), on_started=announce,
-                             lookup_port=lookup_port, metrics_port=args.metrics_port))
+                             lookup_port=lookup_port, metrics_port=args.metrics_port,
+                             credentials=credentials))
         return 0
     if args.advertise:
         raise ConfigError("--advertise is for standby masters: give --ha etcd://HOST:PORT too")
+    tokens = None
+    if args.tokens:
+        from kvpool.common.security import Tokens
+        if credentials is None:
+            raise ConfigError("--tokens needs --credentials (tokens travel over TLS only)")
+        tokens = Tokens.load(args.tokens)
     asyncio.run(serve(config, args.host, args.port, on_started=announce,
-                      lookup_port=lookup_port, metrics_port=args.metrics_port))
+                      lookup_port=lookup_port, metrics_port=args.metrics_port,
+                      credentials=credentials, tokens=tokens, token_port=args.token_port))
     return 0
+
+
+def _credentials(args: argparse.Namespace):
+    """The master's credentials, or None where serving without is allowed (see --insecure)."""
+    from kvpool.common import security
+    from kvpool.common.logging import get_logger
+    path = args.credentials
+    if path:
+        if args.insecure:
+            raise ConfigError("--insecure and credentials together: choose one")
+        creds = security.load(path)
+        if creds.identity.role != "master":
+            raise ConfigError(f"{path} holds {creds.identity}'s credentials, not a master's")
+        return creds
+    if args.insecure:
+        get_logger("kvpool.master").warning(
+            "insecure_master", host=args.host,
+            why="--insecure: no credentials; any peer that reaches this port may put, read, "
+                "remove and pin any key and mount or unmount store nodes (SECURITY.md)")
+    elif not security.is_loopback(args.host):
+        raise ConfigError(f"a master on {args.host} (reachable from other hosts) needs "
+                          "--credentials FILE (SECURITY.md; `kvpool up` makes its own) or an "
+                          "explicit --insecure")
+    return None

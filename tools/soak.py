@@ -346,7 +346,8 @@ class Soak:
         self.report.recovery_misses, self.report.calls_cut_by_kills = len(back), cut
         removed = {k: t for r in results for k, t in r["removed"].items()}
         attempted = [k for r in results for k in r["attempted"]]
-        mc = MasterClient(self.cluster.master, timeout_s=30.0)
+        # As the cluster's admin: the audit (Stats with audit) is an admin's call.
+        mc = MasterClient(self.cluster.master, timeout_s=30.0, role="admin")
         kv = KVClient(self.cluster.master, timeout_s=30.0)
         try:
             exists = dict(zip(attempted, _chunked(mc.exists, attempted)))

@@ -37,7 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=port_type, metavar="PORT",
                    help="serve Prometheus metrics (/metrics) and probes (/healthz, /readyz) "
                         "over HTTP on this port of --host; 0 = any free port (default: off)")
-    p.add_argument("--node-id", help="stable name of this node (default: HOSTNAME-RANDOM)")
+    p.add_argument("--node-id", help="stable name of this node (default: the one its "
+                   "credentials name, else HOSTNAME-RANDOM)")
+    p.add_argument("--credentials", metavar="FILE",
+                   help="this node's credentials file (ca, cert, key with OU=node; "
+                        "SECURITY.md); default: $KVPOOL_CREDENTIALS if it holds a node's, else "
+                        "a node certificate from a local cluster (`kvpool up`) of this user "
+                        "at --master, else none (plain text)")
     p.add_argument("--heartbeat-interval", type=duration_type, default=1.0, metavar="DURATION",
                    help="how often to heartbeat the master; keep well under its --node-ttl "
                         "(default: 1s)")
@@ -102,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
                      scrub_bytes_per_s=args.scrub_rate, scrub_interval_s=args.scrub_interval,
                      disk_path=args.disk_path, disk_size=args.disk_size or 0,
                      hbm_size=args.hbm_size or 0, gpu=args.gpu, hugepages=args.hugepages,
-                     data_limits=_data_limits(args))
+                     data_limits=_data_limits(args), credentials=args.credentials)
     with contextlib.ExitStack() as running:
         if args.metrics_port is not None:   # up first: /healthz answers while the node mounts
             from kvpool.common.metrics import MetricsServer, new_registry

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvpool.common import security
 from kvpool.common.config import ConfigError, format_size, parse_size
 from kvpool.tools.argtypes import count_type, port_type, size_type
 from kvpool.tools.cluster import ClusterError, LocalCluster, wait_for_signal
@@ -28,6 +29,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics", action="store_true",
                    help="every process serves Prometheus metrics and probes over HTTP on a "
                         "free port (see master --metrics-port); their addresses are printed")
+    p.add_argument("--credentials-dir", metavar="DIR",
+                   help="make the cluster's CA and credentials here, kept (default: a "
+                        "temporary directory, removed on exit); clients of this user find "
+                        "them by the master's address, others through KVPOOL_CREDENTIALS")
+    p.add_argument("--insecure", action="store_true",
+                   help="no credentials: plain text, every caller trusted (SECURITY.md)")
     p.add_argument("--hugepages", action="store_true",
                    help="the nodes' DRAM segments in reserved 2 MiB huge pages (see "
                         "store-node --hugepages)")
@@ -41,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
                            disk_size=str(args.disk_size) if args.disk_size else None,
                            disk_path=args.disk_path,
                            node_args=["--hugepages"] if args.hugepages else [],
-                           metrics=args.metrics)
+                           metrics=args.metrics, secure=not args.insecure,
+                           credentials_dir=args.credentials_dir)
     try:
         cluster.start()
     except (ClusterError, OSError) as e:   # the message carries the process's log tail
@@ -56,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.nodes} store nodes, {format_size(args.segment_size)} DRAM each{disk}. "
               f"Try: kvpool stat --master {cluster.master}   (Ctrl-C stops the cluster)",
               flush=True)
+        if cluster.client_credentials is not None:
+            # This user's processes find them by the master's address; others need this.
+            print(f"{security.ENV}={cluster.client_credentials}", flush=True)
         wait_for_signal()
         print("stopping...", flush=True)
     finally:

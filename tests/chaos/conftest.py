@@ -17,6 +17,7 @@ import subprocess
 import time
 
 import pytest
+from kvpool.common import pki, security
 from kvpool.tools.cluster import Proc
 
 NODE_TTL_S = 5.0
@@ -74,6 +75,7 @@ class Hosts:
         self.net = f"10.77.{random.choice(free)}"
         self.master_ip = f"{self.net}.1"
         self.node_ip = [f"{self.net}.{10 + i}" for i in range(nodes)]
+        self.creds = tmp_path / "credentials"   # the cluster's own CA (SECURITY.md)
         self.log_dir = tmp_path / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._logs: list = []
@@ -97,9 +99,12 @@ class Hosts:
                 _sh("ip", "addr", "add", f"{ip}/24", "dev", p, ns=ns)
                 _sh("ip", "link", "set", p, "up", ns=ns)
                 _sh("ip", "link", "set", "lo", "up", ns=ns)
+            master_creds = pki.make_local(self.creds, self.master_ip)
             self.master_proc = Proc("master", ["master", "--host", self.master_ip, "--port", "0",
+                                               "--credentials", str(master_creds),
                                                *MASTER_ARGS], self._log("master"))
             self.master = self.master_proc.wait_ready("master")
+            security.register([self.master], self.creds)   # the tests' clients find them
             for i in range(len(self.ns)):
                 self.start_node(i)
         except BaseException:
@@ -109,7 +114,9 @@ class Hosts:
     def start_node(self, i: int) -> None:
         name = self.names[i]
         proc = Proc(name, ["store-node", "--master", self.master, "--host", self.node_ip[i],
-                           "--node-id", name, *NODE_ARGS], self._log(name),
+                           "--node-id", name, "--credentials",
+                           str(pki.ensure(self.creds, "node", name)), *NODE_ARGS],
+                    self._log(name),
                     launcher=["ip", "netns", "exec", self.ns[i]])
         self.nodes[name] = proc
         proc.wait_ready("store-node")
@@ -124,6 +131,8 @@ class Hosts:
                     proc.kill()
         self.nodes.clear()
         self.master_proc = None
+        if self.master:
+            security.unregister([self.master])
         for ns in self.ns:
             _sh("ip", "netns", "del", ns, check=False)
         for h in self.host_if:   # gone with their peers; left only by a half-done start

@@ -98,7 +98,7 @@ def assert_space_accounted(mc: MasterClient) -> None:
 
 @pytest.mark.parametrize("how", ["iptables", "link"])
 def test_partitioned_node_is_routed_around_then_rejoins_and_reconciles(hosts, how):
-    kv, mc = client(hosts), MasterClient(hosts.master, timeout_s=5.0)
+    kv, mc = client(hosts), MasterClient(hosts.master, timeout_s=5.0, role="admin")   # audits: an admin
     try:
         keys = [f"pre-{i}" for i in range(36)]
         for k in keys:
@@ -170,7 +170,7 @@ def test_partitioned_node_is_routed_around_then_rejoins_and_reconciles(hosts, ho
 
 
 def test_twenty_percent_packet_loss_on_one_node(hosts):
-    kv, mc = client(hosts), MasterClient(hosts.master, timeout_s=5.0)
+    kv, mc = client(hosts), MasterClient(hosts.master, timeout_s=5.0, role="admin")   # audits: an admin
     try:
         victim = hosts.names[0]
         hosts.lossy(victim, 0.2)

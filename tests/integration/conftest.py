@@ -30,6 +30,26 @@ def run_cluster(tmp_path, *, nodes: int = 2, segment_size: str = "64MiB", master
         assert "Traceback" not in log.read_text(), f"traceback in {log.name}"
 
 
+def channel_to(cluster, role: str = "client", name: str = "default"):
+    """A raw gRPC channel to ``cluster``'s master, as ``role``/``name`` (a certificate of its
+    CA) when it is secure, plain otherwise: for tests that send what kvpool's clients cannot."""
+    import grpc
+    from kvpool.common import security
+    if not cluster.secure:
+        return grpc.insecure_channel(cluster.master)
+    return security.load(cluster.credentials(role, name)).secure_channel(cluster.master)
+
+
+def lookup_socket(cluster, port: int, timeout_s: float = 5.0):
+    """A connection to ``cluster``'s master's lookup ``port`` (TLS as the default client when
+    the cluster is secure)."""
+    import socket
+
+    from kvpool.common import security
+    sock = socket.create_connection((cluster.master.rpartition(":")[0], port), timeout_s)
+    return security.load(cluster.client_credentials).wrap(sock) if cluster.secure else sock
+
+
 @pytest.fixture
 def cluster(tmp_path):
     """A real master and 2 real store nodes (64 MiB each), stopped after the test."""

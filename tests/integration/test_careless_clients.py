@@ -19,7 +19,7 @@ from kvpool.net.data_port import RESPONSE, FrameStatus, Op, encode_request
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
 from kvpool.rpc.master_client import MasterClient
 
-from .conftest import run_cluster
+from .conftest import channel_to, run_cluster
 
 MiB = 1 << 20
 
@@ -31,7 +31,7 @@ def kv(cluster):
 
 
 def raw_call(cluster, method: str):
-    channel = grpc.insecure_channel(cluster.master)
+    channel = channel_to(cluster)
     return channel, channel.unary_unary(f"/kvpool.v1.Master/{method}",
                                         request_serializer=lambda b: b,
                                         response_deserializer=lambda b: b)

@@ -27,7 +27,7 @@ from kvpool.protos.kvpool.v1 import master_pb2 as pb
 from kvpool.protos.kvpool.v1 import master_pb2_grpc, routing_pb2_grpc
 from kvpool.rpc.master_client import MasterClient
 
-from .conftest import run_cluster
+from .conftest import channel_to, lookup_socket, run_cluster
 
 KNOWN = 12
 examples: dict[str, int] = {}   # examples run per property (hypothesis may stop early)
@@ -153,7 +153,7 @@ def test_fuzz_shm_handoff(fuzzed):
 # -- the master's lookup port ------------------------------------------------------------------
 
 def lookup_address(fuzzed) -> tuple[str, int]:
-    channel = grpc.insecure_channel(fuzzed.cluster.master)
+    channel = channel_to(fuzzed.cluster)
     with channel:
         port = master_pb2_grpc.MasterStub(channel).GetReplicas(
             pb.KeysRequest(keys=["probe"]), timeout=5).lookup_port
@@ -189,7 +189,7 @@ def test_fuzz_lookup_port_frames(fuzzed):
     @given(frames=st.lists(lookup_frames(), min_size=1, max_size=3))
     def run(frames):
         count("lookup")
-        with socket.create_connection(address, timeout=5) as s:
+        with lookup_socket(fuzzed.cluster, address[1]) as s:   # as an authenticated client
             exchange(s, b"".join(frames))
     run()
     still_serving(fuzzed)
@@ -209,7 +209,7 @@ assert routing_pb2_grpc   # the Router service is fuzzed too (its unary methods)
 
 
 def test_fuzz_grpc_protobuf(fuzzed):
-    channel = grpc.insecure_channel(fuzzed.cluster.master)
+    channel = channel_to(fuzzed.cluster)   # an authenticated client: past the role checks
     seen: set[grpc.StatusCode] = set()
 
     @FUZZ

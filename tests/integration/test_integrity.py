@@ -91,12 +91,15 @@ def test_damaged_replica_is_dropped_and_read_served_from_another(cluster):
         out = bytearray(len(value))
         assert kv.get_into("k", out, verify=True) == len(value)
         assert out == value
-        after = replicas_of(cluster.master, "k")
-        assert [r.extent for r in after.replicas] == [damage_second.extent]
+        # Dropped once its node re-checked the bytes (its next heartbeat): a reader's report
+        # alone drops nothing (master/rechecks.py).
+        assert _eventually(lambda: [r.extent for r in replicas_of(cluster.master, "k").replicas]
+                           == [damage_second.extent])
         # The last replica damaged too: a typed error, never the bytes; then the key is gone.
         damage(damage_second)
         with pytest.raises(CorruptObject):
             kv.get("k", verify=True)
+        assert _eventually(lambda: not kv.exists("k"))
         with pytest.raises(ObjectNotFound):
             kv.get("k")
 
@@ -110,7 +113,17 @@ def test_batch_verify_reports_per_key(cluster):
         got = kv.batch_get(keys, verify=True)
         assert [g for i, g in enumerate(got) if i != 2] == values[:2] + values[3:]
         assert isinstance(got[2], CorruptObject)
-        assert kv.batch_exists(keys) == [True, True, False, True]
+        assert _eventually(lambda: kv.batch_exists(keys) == [True, True, False, True])
+
+
+def _eventually(fn, timeout_s: float = 10.0) -> bool:
+    """Whether ``fn()`` holds within ``timeout_s`` (a node re-checks on its next heartbeat)."""
+    deadline = time.monotonic() + timeout_s
+    while not fn():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def test_scrubber_finds_damage_nobody_reads(tmp_path):

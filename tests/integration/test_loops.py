@@ -50,8 +50,9 @@ class FaultyMaster(MasterClient):
     next call (on every call if also in ``always``); ``moves`` go to the node with its next
     heartbeat answer, after the master's own."""
 
-    def __init__(self, address: str):
-        super().__init__(address, timeout_s=2.0)
+    def __init__(self, address: str, node_id: str):
+        # With the node's own credentials (the cluster's CA issues them): it mounts as it.
+        super().__init__(address, timeout_s=2.0, role="node", identity=node_id)
         self.faults: dict[str, Exception] = {}
         self.always: set[str] = set()
         self.moves: list = []
@@ -98,7 +99,8 @@ def master(tmp_path):
 def node(master):
     """A store node in this process, on a FaultyMaster and a recording ``fatal``."""
     fatal = Fatal()
-    n = StoreNode(FaultyMaster(master.master), [8 << 20], heartbeat_interval_s=INTERVAL_S,
+    n = StoreNode(FaultyMaster(master.master, "loops0"), [8 << 20], node_id="loops0",
+                  heartbeat_interval_s=INTERVAL_S,
                   rdma_device=False, scrub_bytes_per_s=0, supervisor=Supervisor(fatal))
     n.start()
     n.faulty, n.fatal = n._master, fatal

@@ -240,7 +240,12 @@ def test_each_kind_of_acknowledged_change_survives_a_master_kill(pin_cluster):
         kv.pin("b")
         [view] = mc.locate(["both"]).views()
         bad, good = (r.extent.segment_id for r in view.replicas)
-        assert mc.report_corrupt(["both"], [view.version], [bad]) == [None]
+        # As the replica's own node: only its re-check drops a replica (a reader's report
+        # asks it to re-check; SECURITY.md).
+        owner = next(s.node_id for s in mc.stats().segments if s.segment.segment_id == bad)
+        with MasterClient(cluster.master, credentials=str(cluster.credentials("node", owner))
+                          ) as node:
+            assert node.report_corrupt(["both"], [view.version], [bad], node_id=owner) == [None]
         cluster.restart_master()                # a replica reported corrupt stays dropped
         read_all_when_back(kv, values)
         time.sleep(1.0)   # both nodes re-announced long since (heartbeats every 200 ms)

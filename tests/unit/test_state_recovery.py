@@ -55,13 +55,20 @@ def test_report_corrupt_drops_one_replica_then_the_object(clock):
     mount(state, "n2", "s2")
     put(state, "k", replicas=2, crc=7)
     [view] = get_replicas(state, ["k"])   # leased now
+    # A reader's report drops nothing: the replica's node is asked to re-check it.
     assert state.report_corrupt(["k"], [view.version], ["s1"]) == [None]
+    assert len(get_replicas(state, ["k"])[0].replicas) == 2
+    assert state.take_rechecks("n1") == [("k", view.version, "s1")]
+    assert state.take_rechecks("n1") == []
+    # The node's own report drops it; another node cannot report for a segment not its own.
+    assert state.report_corrupt(["k"], [view.version], ["s1"], "n2") != [None]
+    assert state.report_corrupt(["k"], [view.version], ["s1"], "n1") == [None]
     [after] = get_replicas(state, ["k"])
     assert [r.extent.segment_id for r in after.replicas] == ["s2"]
     # A stale report (another version) changes nothing; the last replica removes the object.
-    state.report_corrupt(["k"], [view.version + 99], ["s2"])
+    state.report_corrupt(["k"], [view.version + 99], ["s2"], "n2")
     assert state.exists(["k"]) == [True]
-    state.report_corrupt(["k"], [view.version], ["s2"])
+    state.report_corrupt(["k"], [view.version], ["s2"], "n2")
     assert state.exists(["k"]) == [False]
     assert state.stats().corrupt_replicas == 2   # counted for alerts; not the stale report
     # The damaged space waits for the lease, then is free.

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$kvpool/protos/kvpool/v1/master.proto\x12\tkvpool.v1\"\x97\x01\n\rNodeEndpoints\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x02 \x01(\t\x12\x14\n\x0ctcp_endpoint\x18\x03 \x01(\t\x12\x14\n\x0cshm_endpoint\x18\x04 \x01(\t\x12\x13\n\x0brdma_device\x18\x05 \x01(\t\x12\x10\n\x08rdma_gid\x18\x06 \x01(\t\x12\x11\n\trdma_port\x18\x07 \x01(\r\"z\n\x0bSegmentInfo\x12\x12\n\nsegment_id\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x1d\n\x04tier\x18\x03 \x01(\x0e\x32\x0f.kvpool.v1.Tier\x12\x11\n\trdma_addr\x18\x04 \x01(\x04\x12\x11\n\trdma_rkey\x18\x05 \x01(\r\"\xbf\x01\n\x07Replica\x12&\n\x04node\x18\x01 \x01(\x0b\x32\x18.kvpool.v1.NodeEndpoints\x12\x12\n\nsegment_id\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x11\n\trdma_addr\x18\x05 \x01(\x04\x12\x11\n\trdma_rkey\x18\x06 \x01(\r\x12\x13\n\x0brdma_length\x18\x07 \x01(\x04\x12\x1d\n\x04tier\x18\x08 \x01(\x0e\x32\x0f.kvpool.v1.Tier\"\x92\x01\n\x13MountSegmentRequest\x12&\n\x04node\x18\x01 \x01(\x0b\x32\x18.kvpool.v1.NodeEndpoints\x12\'\n\x07segment\x18\x02 \x01(\x0b\x32\x16.kvpool.v1.SegmentInfo\x12\x16\n\x0ekeeps_manifest\x18\x03 \x01(\x08\x12\x12\n\nrecovering\x18\x04 \x01(\x08\"7\n\x14MountSegmentResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x10\n\x08\x64\x61ta_key\x18\x02 \x01(\x0c\"<\n\x15UnmountSegmentRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nsegment_id\x18\x02 \x01(\t\";\n\x16UnmountSegmentResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvpool.v1.Status\"M\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nmoves_done\x18\x02 \x03(\x04\x12\x14\n\x0cmoves_failed\x18\x03 \x03(\x04\"\x9b\x01\n\x04Move\x12\x0f\n\x07move_id\x18\x01 \x01(\x04\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x16\n\x0esrc_segment_id\x18\x04 \x01(\t\x12\x12\n\nsrc_offset\x18\x05 \x01(\x04\x12\x16\n\x0e\x64st_segment_id\x18\x06 \x01(\t\x12\x12\n\ndst_offset\x18\x07 \x01(\x04\x12\x0c\n\x04size\x18\x08 \x01(\x04\"\xb3\x01\n\x11HeartbeatResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvpool.v1.Status\x12+\n\tcommitted\x18\x02 \x01(\x0b\x32\x18.kvpool.v1.ObjectRecords\x12\x14\n\x0cremoved_keys\x18\x03 \x03(\t\x12\x18\n\x10removed_versions\x18\x04 \x03(\x04\x12\x1e\n\x05moves\x18\x05 \x03(\x0b\x32\x0f.kvpool.v1.Move\"\x98\x01\n\rObjectRecords\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x13\n\x0bsegment_ids\x18\x02 \x03(\t\x12\x0f\n\x07offsets\x18\x03 \x03(\x04\x12\r\n\x05sizes\x18\x04 \x03(\x04\x12\x11\n\tchecksums\x18\x05 \x03(\x04\x12\x10\n\x08versions\x18\x06 \x03(\x04\x12\x0f\n\x07parents\x18\x07 \x03(\t\x12\x0e\n\x06pinned\x18\x08 \x03(\x08\"\'\n\x14WatchManifestRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\xa6\x01\n\x0fManifestChanges\x12+\n\tcommitted\x18\x01 \x01(\x0b\x32\x18.kvpool.v1.ObjectRecords\x12\x14\n\x0cremoved_keys\x18\x02 \x03(\t\x12\x18\n\x10removed_versions\x18\x03 \x03(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12)\n\x08reserved\x18\x05 \x01(\x0b\x32\x17.kvpool.v1.Reservations\"b\n\x0cReservations\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x13\n\x0bsegment_ids\x18\x02 \x03(\t\x12\x0f\n\x07offsets\x18\x03 \x03(\x04\x12\r\n\x05sizes\x18\x04 \x03(\x04\x12\x0f\n\x07seconds\x18\x05 \x03(\x01\"2\n\x12\x41\x63kManifestRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\"\x15\n\x13\x41\x63kManifestResponse\"\x8d\x01\n\x16\x41nnounceObjectsRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12)\n\x07objects\x18\x02 \x01(\x0b\x32\x18.kvpool.v1.ObjectRecords\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12)\n\x08reserved\x18\x04 \x01(\x0b\x32\x17.kvpool.v1.Reservations\">\n\x17\x41nnounceObjectsResponse\x12#\n\x08statuses\x18\x01 \x03(\x0e\x32\x11.kvpool.v1.Status\"K\n\x14ReportCorruptRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x10\n\x08versions\x18\x02 \x03(\x04\x12\x13\n\x0bsegment_ids\x18\x03 \x03(\t\"@\n\rPutEndRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x11\n\tchecksums\x18\x02 \x03(\x04\x12\x0e\n\x06sealed\x18\x03 \x01(\x08\"a\n\x0fPutStartRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\r\n\x05sizes\x18\x02 \x03(\x04\x12\x10\n\x08replicas\x18\x03 \x01(\r\x12\x0f\n\x07parents\x18\x04 \x03(\t\x12\x0e\n\x06\x66\x65nced\x18\x05 \x01(\x08\"z\n\x0eReplicaColumns\x12%\n\tlocations\x18\x01 \x03(\x0b\x32\x12.kvpool.v1.Replica\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\r\x12\x10\n\x08location\x18\x03 \x03(\r\x12\x0f\n\x07offsets\x18\x04 \x03(\x04\x12\x0e\n\x06grants\x18\x05 \x03(\x0c\"\xc9\x01\n\x10PutStartResponse\x12\x15\n\rput_timeout_s\x18\x02 \x01(\x01\x12#\n\x08statuses\x18\x03 \x03(\x0e\x32\x11.kvpool.v1.Status\x12+\n\x08replicas\x18\x04 \x01(\x0b\x32\x19.kvpool.v1.ReplicaColumns\x12\x15\n\rspace_summary\x18\x05 \x01(\t\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\x12\x10\n\x08versions\x18\x07 \x03(\x04\x12\x0e\n\x06hold_s\x18\x08 \x01(\x01J\x04\x08\x01\x10\x02\"\x1b\n\x0bKeysRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"7\n\x10StatusesResponse\x12#\n\x08statuses\x18\x01 \x03(\x0e\x32\x11.kvpool.v1.Status\"\xcb\x01\n\x13GetReplicasResponse\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\x01\x12#\n\x08statuses\x18\x03 \x03(\x0e\x32\x11.kvpool.v1.Status\x12\r\n\x05sizes\x18\x04 \x03(\x04\x12\x10\n\x08versions\x18\x05 \x03(\x04\x12+\n\x08replicas\x18\x06 \x01(\x0b\x32\x19.kvpool.v1.ReplicaColumns\x12\x11\n\tchecksums\x18\x07 \x03(\x04\x12\x13\n\x0blookup_port\x18\x08 \x01(\rJ\x04\x08\x01\x10\x02\"8\n\nPinRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\x12\r\n\x05unpin\x18\x03 \x01(\x08\"\x1d\n\x0cStatsRequest\x12\r\n\x05\x61udit\x18\x01 \x01(\x08\"\xc7\x01\n\x0cSegmentStats\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\'\n\x07segment\x18\x02 \x01(\x0b\x32\x16.kvpool.v1.SegmentInfo\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x19\n\x11quarantined_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07objects\x18\x05 \x01(\x04\x12&\n\x04node\x18\x06 \x01(\x0b\x32\x18.kvpool.v1.NodeEndpoints\x12\x15\n\rindexed_bytes\x18\x08 \x01(\x04\"\x8a\x02\n\rStatsResponse\x12)\n\x08segments\x18\x01 \x03(\x0b\x32\x17.kvpool.v1.SegmentStats\x12\x0f\n\x07objects\x18\x02 \x01(\x04\x12\x17\n\x0fpending_objects\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\r\n\x05nodes\x18\x07 \x01(\r\x12\x11\n\tdemotions\x18\x14 \x01(\x04\x12\x12\n\npromotions\x18\x15 \x01(\x04\x12\x11\n\thit_bytes\x18\x16 \x01(\x04\x12\x11\n\tcommitted\x18\x17 \x01(\x04\x12\x17\n\x0f\x63ommitted_bytes\x18\x18 \x01(\x04*\xd6\x01\n\x06Status\x12\r\n\tSTATUS_OK\x10\x00\x12\x14\n\x10STATUS_NOT_FOUND\x10\x01\x12\x19\n\x15STATUS_ALREADY_EXISTS\x10\x02\x12\x13\n\x0fSTATUS_NO_SPACE\x10\x03\x12\x14\n\x10STATUS_TOO_LARGE\x10\x04\x12\x1b\n\x17STATUS_INVALID_ARGUMENT\x10\x05\x12\x16\n\x12STATUS_NOT_PENDING\x10\x06\x12\x17\n\x13STATUS_UNKNOWN_NODE\x10\x07\x12\x13\n\x0fSTATUS_CONFLICT\x10\x08*2\n\x04Tier\x12\r\n\tTIER_DRAM\x10\x00\x12\x0c\n\x08TIER_HBM\x10\x01\x12\r\n\tTIER_DISK\x10\x02\x32\xc3\x08\n\x06Master\x12O\n\x0cMountSegment\x12\x1e.kvpool.v1.MountSegmentRequest\x1a\x1f.kvpool.v1.MountSegmentResponse\x12U\n\x0eUnmountSegment\x12 .kvpool.v1.UnmountSegmentRequest\x1a!.kvpool.v1.UnmountSegmentResponse\x12\x46\n\tHeartbeat\x12\x1b.kvpool.v1.HeartbeatRequest\x1a\x1c.kvpool.v1.HeartbeatResponse\x12X\n\x0f\x41nnounceObjects\x12!.kvpool.v1.AnnounceObjectsRequest\x1a\".kvpool.v1.AnnounceObjectsResponse\x12N\n\rWatchManifest\x12\x1f.kvpool.v1.WatchManifestRequest\x1a\x1a.kvpool.v1.ManifestChanges0\x01\x12L\n\x0b\x41\x63kManifest\x12\x1d.kvpool.v1.AckManifestRequest\x1a\x1e.kvpool.v1.AckManifestResponse\x12\x43\n\x08PutStart\x12\x1a.kvpool.v1.PutStartRequest\x1a\x1b.kvpool.v1.PutStartResponse\x12?\n\x06PutEnd\x12\x18.kvpool.v1.PutEndRequest\x1a\x1b.kvpool.v1.StatusesResponse\x12@\n\tPutRevoke\x12\x16.kvpool.v1.KeysRequest\x1a\x1b.kvpool.v1.StatusesResponse\x12\x45\n\x0bGetReplicas\x12\x16.kvpool.v1.KeysRequest\x1a\x1e.kvpool.v1.GetReplicasResponse\x12=\n\x06\x45xists\x12\x16.kvpool.v1.KeysRequest\x1a\x1b.kvpool.v1.StatusesResponse\x12=\n\x06Remove\x12\x16.kvpool.v1.KeysRequest\x1a\x1b.kvpool.v1.StatusesResponse\x12M\n\rReportCorrupt\x12\x1f.kvpool.v1.ReportCorruptRequest\x1a\x1b.kvpool.v1.StatusesResponse\x12:\n\x05Stats\x12\x17.kvpool.v1.StatsRequest\x1a\x18.kvpool.v1.StatsResponse\x12\x39\n\x03Pin\x12\x15.kvpool.v1.PinRequest\x1a\x1b.kvpool.v1.StatusesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$kvpool/protos/kvpool/v1/master.proto\x12\tkvpool.v1\"\x97\x01\n\rNodeEndpoints\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x02 \x01(\t\x12\x14\n\x0ctcp_endpoint\x18\x03 \x01(\t\x12\x14\n\x0cshm_endpoint\x18\x04 \x01(\t\x12\x13\n\x0brdma_device\x18\x05 \x01(\t\x12\x10\n\x08rdma_gid\x18\x06 \x01(\t\x12\x11\n\trdma_port\x18\x07 \x01(\r\"z\n\x0bSegmentInfo\x12\x12\n\nsegment_id\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x1d\n\x04tier\x18\x03 \x01(\x0e\x32\x0f.kvpool.v1.Tier\x12\x11\n\trdma_addr\x18\x04 \x01(\x04\x12\x11\n\trdma_rkey\x18\x05 \x01(\r\"\xbf\x01\n\x07Replica\x12&\n\x04node\x18\x01 \x01(\x0b\x32\x18.kvpool.v1.NodeEndpoints\x12\x12\n\nsegment_id\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x11\n\trdma_addr\x18\x05 \x01(\x04\x12\x11\n\trdma_rkey\x18\x06 \x01(\r\x12\x13\n\x0brdma_length\x18\x07 \x01(\x04\x12\x1d\n\x04tier\x18\x08 \x01(\x0e\x32\x0f.kvpool.v1.Tier\"\x92\x01\n\x13MountSegmentRequest\x12&\n\x04node\x18\x01 \x01(\x0b\x32\x18.kvpool.v1.NodeEndpoints\x12\'\n\x07segment\x18\x02 \x01(\x0b\x32\x16.kvpool.v1.SegmentInfo\x12\x16\n\x0ekeeps_manifest\x18\x03 \x01(\x08\x12\x12\n\nrecovering\x18\x04 \x01(\x08\"7\n\x14MountSegmentResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x10\n\x08\x64\x61ta_key\x18\x02 \x01(\x0c\"<\n\x15UnmountSegmentRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nsegment_id\x18\x02 \x01(\t\";\n\x16UnmountSegmentResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvpool.v1.Status\"M\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nmoves_done\x18\x02 \x03(\x04\x12\x14\n\x0cmoves_failed\x18\x03 \x03(\x04\"\x9b\x01\n\x04Move\x12\x0f\n\x07move_id\x18\x01 \x01(\x04\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x16\n\x0esrc_segment_id\x18\x04 \x01(\t\x12\x12\n\nsrc_offset\x18\x05 \x01(\x04\x12\x16\n\x0e\x64st_segment_id\x18\x06 \x01(\t\x12\x12\n\ndst_offset\x18\x07 \x01(\x04\x12\x0c\n\x04size\x18\x08 \x01(\x04\"\xfd\x01\n\x11HeartbeatResponse\x12!\n\x06status\x18\x01 \x01(\x0e\x32\x11.kvpool.v1.Status\x12+\n\tcommitted\x18\x02 \x01(\x0b\x32\x18.kvpool.v1.ObjectRecords\x12\x14\n\x0cremoved_keys\x18\x03 \x03(\t\x12\x18\n\x10removed_versions\x18\x04 \x03(\x04\x12\x1e\n\x05moves\x18\x05 \x03(\x0b\x32\x0f.kvpool.v1.Move\x12\x13\n\x0bverify_keys\x18\x06 \x03(\t\x12\x17\n\x0fverify_versions\x18\x07 \x03(\x04\x12\x1a\n\x12verify_segment_ids\x18\x08 \x03(\t\"\x98\x01\n\rObjectRecords\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x13\n\x0bsegment_ids\x18\x02 \x03(\t\x12\x0f\n\x07offsets\x18\x03 \x03(\x04\x12\r\n\x05sizes\x18\x04 \x03(\x04\x12\x11\n\tchecksums\x18\x05 \x03(\x04\x12\x10\n\x08versions\x18\x06 \x03(\x04\x12\x0f\n\x07parents\x18\x07 \x03(\t\x12\x0e\n\x06pinned\x18\x08 \x03(\x08\"\'\n\x14WatchManifestRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"\xa6\x01\n\x0fManifestChanges\x12+\n\tcommitted\x18\x01 \x01(\x0b\x32\x18.kvpool.v1.ObjectRecords\x12\x14\n\x0cremoved_keys\x18\x02 \x03(\t\x12\x18\n\x10removed_versions\x18\x03 \x03(\x04\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12)\n\x08reserved\x18\x05 \x01(\x0b\x32\x17.kvpool.v1.Reservations\"b\n\x0cReservations\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x13\n\x0bsegment_ids\x18\x02 \x03(\t\x12\x0f\n\x07offsets\x18\x03 \x03(\x04\x12\r\n\x05sizes\x18\x04 \x03(\x04\x12\x0f\n\x07seconds\x18\x05 \x03(\x01\"2\n\x12\x41\x63kManifestRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\"\x15\n\x13\x41\x63kManifestResponse\"\x8d\x01\n\x16\x41nnounceObjectsRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12)\n\x07objects\x18\x02 \x01(\x0b\x32\x18.kvpool.v1.ObjectRecords\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12)\n\x08reserved\x18\x04 \x01(\x0b\x32\x17.kvpool.v1.Reservations\">\n\x17\x41nnounceObjectsResponse\x12#\n\x08statuses\x18\x01 \x03(\x0e\x32\x11.kvpool.v1.Status\"\\\n\x14ReportCorruptRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x10\n\x08versions\x18\x02 \x03(\x04\x12\x13\n\x0bsegment_ids\x18\x03 \x03(\t\x12\x0f\n\x07node_id\x18\x04 \x01(\t\"@\n\rPutEndRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x11\n\tchecksums\x18\x02 \x03(\x04\x12\x0e\n\x06sealed\x18\x03 \x01(\x08\"a\n\x0fPutStartRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\r\n\x05sizes\x18\x02 \x03(\x04\x12\x10\n\x08replicas\x18\x03 \x01(\r\x12\x0f\n\x07parents\x18\x04 \x03(\t\x12\x0e\n\x06\x66\x65nced\x18\x05 \x01(\x08\"z\n\x0eReplicaColumns\x12%\n\tlocations\x18\x01 \x03(\x0b\x32\x12.kvpool.v1.Replica\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\r\x12\x10\n\x08location\x18\x03 \x03(\r\x12\x0f\n\x07offsets\x18\x04 \x03(\x04\x12\x0e\n\x06grants\x18\x05 \x03(\x0c\"\xc9\x01\n\x10PutStartResponse\x12\x15\n\rput_timeout_s\x18\x02 \x01(\x01\x12#\n\x08statuses\x18\x03 \x03(\x0e\x32\x11.kvpool.v1.Status\x12+\n\x08replicas\x18\x04 \x01(\x0b\x32\x19.kvpool.v1.ReplicaColumns\x12\x15\n\rspace_summary\x18\x05 \x01(\t\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\x12\x10\n\x08versions\x18\x07 \x03(\x04\x12\x0e\n\x06hold_s\x18\x08 \x01(\x01J\x04\x08\x01\x10\x02\"\x1b\n\x0bKeysRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"7\n\x10StatusesResponse\x12#\n\x08statuses\x18\x01 \x03(\x0e\x32\x11.kvpool.v1.Status\"\xcb\x01\n\x13GetReplicasResponse\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\x01\x12#\n\x08statuses\x18\x03 \x03(\x0e\x32\x11.kvpool.v1.Status\x12\r\n\x05sizes\x18\x04 \x03(\x04\x12\x10\n\x08versions\x18\x05 \x03(\x04\x12+\n\x08replicas\x18\x06 \x01(\x0b\x32\x19.kvpool.v1.ReplicaColumns\x12\x11\n\tchecksums\x18\x07 \x03(\x04\x12\x13\n\x0blookup_port\x18\x08 \x01(\rJ\x04\x08\x01\x10\x02\"8\n\nPinRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\x12\r\n\x05unpin\x18\x03 \x01(\x08\"\x1d\n\x0cStatsRequest\x12\r\n\x05\x61udit\x18\x01 \x01(\x08\"\xc7\x01\n\x0cSegmentStats\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\'\n\x07segment\x18\x02 \x01(\x0b\x32\x16.kvpool.v1.SegmentInfo\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x19\n\x11quarantined_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07objects\x18\x05 \x01(\x04\x12&\n\x04node\x18\x06 \x01(\x0b\x32\x18.kvpool.v1.NodeEndpoints\x12\x15\n\rindexed_bytes\x18\x08 \x01(\x04\"\x8a\x02\n\rStatsResponse\x12)\n\x08segments\x18\x01 \x03(\x0b\x32\x17.kvpool.v1.SegmentStats\x12\x0f\n\x07objects\x18\x02 \x01(\x04\x12\x17\n\x0fpending_objects\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x11\n\tevictions\x18\x06 \x01(\x04\x12\r\n\x05nodes\x18\x07 \x01(\r\x12\x11\n\tdemotions\x18\x14 \x01(\x04\x12\x12\n\npromotions\x18\x15 \x01(\x04\x12\x11\n\thit_bytes\x18\x16 \x01(\x04\x12\x11\n\tcommitted\x18\x17 \x01(\x04\x12\x17\n\x0f\x63ommitted_bytes\x18\x18 \x01(\x04*\xd6\x01\n\x06Status\x12\r\n\tSTATUS_OK\x10\x00\x12\x14\n\x10STATUS_NOT_FOUND\x10\x01\x12\x19\n\x15STATUS_ALREADY_EXISTS\x10\x02\x12\x13\n\x0fSTATUS_NO_SPACE\x10\x03\x12\x14\n\x10STATUS_TOO_LARGE\x10\x04\x12\x1b\n\x17STATUS_INVALID_ARGUMENT\x10\x05\x12\x16\n\x12STATUS_NOT_PENDING\x10\x06\x12\x17\n\x13STATUS_UNKNOWN_NODE\x10\x07\x12\x13\n\x0fSTATUS_CONFLICT\x10\x08*2\n\x04Tier\x12\r\n\tTIER_DRAM\x10\x00\x12\x0c\n\x08TIER_HBM\x10\x01\x12\r\n\tTIER_DISK\x10\x02\x32\xc3\x08\n\x06Master\x12O\n\x0cMountSegment\x12\x1e.kvpool.v1.MountSegmentRequest\x1a\x1f.kvpool.v1.MountSegmentResponse\x12U\n\x0eUnmountSegment\x12 .kvpool.v1.UnmountSegmentRequest\x1a!.kvpool.v1.UnmountSegmentResponse\x12\x46\n\tHeartbeat\x12\x1b.kvpool.v1.HeartbeatRequest\x1a\x1c.kvpool.v1.HeartbeatResponse\x12X\n\x0f\x41nnounceObjects\x12!.kvpool.v1.AnnounceObjectsRequest\x1a\".kvpool.v1.AnnounceObjectsResponse\x12N\n\rWatchManifest\x12\x1f.kvpool.v1.WatchManifestRequest\x1a\x1a.kvpool.v1.ManifestChanges0\x01\x12L\n\x0b\x41\x63kManifest\x12\x1d.kvpool.v1.AckManifestRequest\x1a\x1e.kvpool.v1.AckManifestResponse\x12\x43\n\x08PutStart\x12\x1a.kvpool.v1.PutStartRequest\x1a\x1b.kvpool.v1.PutStartResponse\x12?\n\x06PutEnd\x12\x18.kvpool.v1.PutEndRequest\x1a\x1b.kvpool.v1.StatusesResponse\x12@\n\tPutRevoke\x12\x16.kvpool.v1.KeysRequest\x1a\x1b.kvpool.v1.StatusesResponse\x12\x45\n\x0bGetReplicas\x12\x16.kvpool.v1.KeysRequest\x1a\x1e.kvpool.v1.GetReplicasResponse\x12=\n\x06\x45xists\x12\x16.kvpool.v1.KeysRequest\x1a\x1b.kvpool.v1.StatusesResponse\x12=\n\x06Remove\x12\x16.kvpool.v1.KeysRequest\x1a\x1b.kvpool.v1.StatusesResponse\x12M\n\rReportCorrupt\x12\x1f.kvpool.v1.ReportCorruptRequest\x1a\x1b.kvpool.v1.StatusesResponse\x12:\n\x05Stats\x12\x17.kvpool.v1.StatsRequest\x1a\x18.kvpool.v1.StatsResponse\x12\x39\n\x03Pin\x12\x15.kvpool.v1.PinRequest\x1a\x1b.kvpool.v1.StatusesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvpool.protos.kvpool.v1.master_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STATUS']._serialized_start=3442
-  _globals['_STATUS']._serialized_end=3656
-  _globals['_TIER']._serialized_start=3658
-  _globals['_TIER']._serialized_end=3708
+  _globals['_STATUS']._serialized_start=3533
+  _globals['_STATUS']._serialized_end=3747
+  _globals['_TIER']._serialized_start=3749
+  _globals['_TIER']._serialized_end=3799
   _globals['_NODEENDPOINTS']._serialized_start=52
   _globals['_NODEENDPOINTS']._serialized_end=203
   _globals['_SEGMENTINFO']._serialized_start=205
@@ -54,47 +54,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MOVE']._serialized_start=932
   _globals['_MOVE']._serialized_end=1087
   _globals['_HEARTBEATRESPONSE']._serialized_start=1090
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1269
-  _globals['_OBJECTRECORDS']._serialized_start=1272
-  _globals['_OBJECTRECORDS']._serialized_end=1424
-  _globals['_WATCHMANIFESTREQUEST']._serialized_start=1426
-  _globals['_WATCHMANIFESTREQUEST']._serialized_end=1465
-  _globals['_MANIFESTCHANGES']._serialized_start=1468
-  _globals['_MANIFESTCHANGES']._serialized_end=1634
-  _globals['_RESERVATIONS']._serialized_start=1636
-  _globals['_RESERVATIONS']._serialized_end=1734
-  _globals['_ACKMANIFESTREQUEST']._serialized_start=1736
-  _globals['_ACKMANIFESTREQUEST']._serialized_end=1786
-  _globals['_ACKMANIFESTRESPONSE']._serialized_start=1788
-  _globals['_ACKMANIFESTRESPONSE']._serialized_end=1809
-  _globals['_ANNOUNCEOBJECTSREQUEST']._serialized_start=1812
-  _globals['_ANNOUNCEOBJECTSREQUEST']._serialized_end=1953
-  _globals['_ANNOUNCEOBJECTSRESPONSE']._serialized_start=1955
-  _globals['_ANNOUNCEOBJECTSRESPONSE']._serialized_end=2017
-  _globals['_REPORTCORRUPTREQUEST']._serialized_start=2019
-  _globals['_REPORTCORRUPTREQUEST']._serialized_end=2094
-  _globals['_PUTENDREQUEST']._serialized_start=2096
-  _globals['_PUTENDREQUEST']._serialized_end=2160
-  _globals['_PUTSTARTREQUEST']._serialized_start=2162
-  _globals['_PUTSTARTREQUEST']._serialized_end=2259
-  _globals['_REPLICACOLUMNS']._serialized_start=2261
-  _globals['_REPLICACOLUMNS']._serialized_end=2383
-  _globals['_PUTSTARTRESPONSE']._serialized_start=2386
-  _globals['_PUTSTARTRESPONSE']._serialized_end=2587
-  _globals['_KEYSREQUEST']._serialized_start=2589
-  _globals['_KEYSREQUEST']._serialized_end=2616
-  _globals['_STATUSESRESPONSE']._serialized_start=2618
-  _globals['_STATUSESRESPONSE']._serialized_end=2673
-  _globals['_GETREPLICASRESPONSE']._serialized_start=2676
-  _globals['_GETREPLICASRESPONSE']._serialized_end=2879
-  _globals['_PINREQUEST']._serialized_start=2881
-  _globals['_PINREQUEST']._serialized_end=2937
-  _globals['_STATSREQUEST']._serialized_start=2939
-  _globals['_STATSREQUEST']._serialized_end=2968
-  _globals['_SEGMENTSTATS']._serialized_start=2971
-  _globals['_SEGMENTSTATS']._serialized_end=3170
-  _globals['_STATSRESPONSE']._serialized_start=3173
-  _globals['_STATSRESPONSE']._serialized_end=3439
-  _globals['_MASTER']._serialized_start=3711
-  _globals['_MASTER']._serialized_end=4802
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1343
+  _globals['_OBJECTRECORDS']._serialized_start=1346
+  _globals['_OBJECTRECORDS']._serialized_end=1498
+  _globals['_WATCHMANIFESTREQUEST']._serialized_start=1500
+  _globals['_WATCHMANIFESTREQUEST']._serialized_end=1539
+  _globals['_MANIFESTCHANGES']._serialized_start=1542
+  _globals['_MANIFESTCHANGES']._serialized_end=1708
+  _globals['_RESERVATIONS']._serialized_start=1710
+  _globals['_RESERVATIONS']._serialized_end=1808
+  _globals['_ACKMANIFESTREQUEST']._serialized_start=1810
+  _globals['_ACKMANIFESTREQUEST']._serialized_end=1860
+  _globals['_ACKMANIFESTRESPONSE']._serialized_start=1862
+  _globals['_ACKMANIFESTRESPONSE']._serialized_end=1883
+  _globals['_ANNOUNCEOBJECTSREQUEST']._serialized_start=1886
+  _globals['_ANNOUNCEOBJECTSREQUEST']._serialized_end=2027
+  _globals['_ANNOUNCEOBJECTSRESPONSE']._serialized_start=2029
+  _globals['_ANNOUNCEOBJECTSRESPONSE']._serialized_end=2091
+  _globals['_REPORTCORRUPTREQUEST']._serialized_start=2093
+  _globals['_REPORTCORRUPTREQUEST']._serialized_end=2185
+  _globals['_PUTENDREQUEST']._serialized_start=2187
+  _globals['_PUTENDREQUEST']._serialized_end=2251
+  _globals['_PUTSTARTREQUEST']._serialized_start=2253
+  _globals['_PUTSTARTREQUEST']._serialized_end=2350
+  _globals['_REPLICACOLUMNS']._serialized_start=2352
+  _globals['_REPLICACOLUMNS']._serialized_end=2474
+  _globals['_PUTSTARTRESPONSE']._serialized_start=2477
+  _globals['_PUTSTARTRESPONSE']._serialized_end=2678
+  _globals['_KEYSREQUEST']._serialized_start=2680
+  _globals['_KEYSREQUEST']._serialized_end=2707
+  _globals['_STATUSESRESPONSE']._serialized_start=2709
+  _globals['_STATUSESRESPONSE']._serialized_end=2764
+  _globals['_GETREPLICASRESPONSE']._serialized_start=2767
+  _globals['_GETREPLICASRESPONSE']._serialized_end=2970
+  _globals['_PINREQUEST']._serialized_start=2972
+  _globals['_PINREQUEST']._serialized_end=3028
+  _globals['_STATSREQUEST']._serialized_start=3030
+  _globals['_STATSREQUEST']._serialized_end=3059
+  _globals['_SEGMENTSTATS']._serialized_start=3062
+  _globals['_SEGMENTSTATS']._serialized_end=3261
+  _globals['_STATSRESPONSE']._serialized_start=3264
+  _globals['_STATSRESPONSE']._serialized_end=3530
+  _globals['_MASTER']._serialized_start=3802
+  _globals['_MASTER']._serialized_end=4893
 # @@protoc_insertion_point(module_scope)

@@ -154,18 +154,24 @@ class Move(_message.Message):
     def __init__(self, move_id: _Optional[int] = ..., key: _Optional[str] = ..., version: _Optional[int] = ..., src_segment_id: _Optional[str] = ..., src_offset: _Optional[int] = ..., dst_segment_id: _Optional[str] = ..., dst_offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("status", "committed", "removed_keys", "removed_versions", "moves")
+    __slots__ = ("status", "committed", "removed_keys", "removed_versions", "moves", "verify_keys", "verify_versions", "verify_segment_ids")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_KEYS_FIELD_NUMBER: _ClassVar[int]
     REMOVED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     MOVES_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_KEYS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_SEGMENT_IDS_FIELD_NUMBER: _ClassVar[int]
     status: Status
     committed: ObjectRecords
     removed_keys: _containers.RepeatedScalarFieldContainer[str]
     removed_versions: _containers.RepeatedScalarFieldContainer[int]
     moves: _containers.RepeatedCompositeFieldContainer[Move]
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., committed: _Optional[_Union[ObjectRecords, _Mapping]] = ..., removed_keys: _Optional[_Iterable[str]] = ..., removed_versions: _Optional[_Iterable[int]] = ..., moves: _Optional[_Iterable[_Union[Move, _Mapping]]] = ...) -> None: ...
+    verify_keys: _containers.RepeatedScalarFieldContainer[str]
+    verify_versions: _containers.RepeatedScalarFieldContainer[int]
+    verify_segment_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., committed: _Optional[_Union[ObjectRecords, _Mapping]] = ..., removed_keys: _Optional[_Iterable[str]] = ..., removed_versions: _Optional[_Iterable[int]] = ..., moves: _Optional[_Iterable[_Union[Move, _Mapping]]] = ..., verify_keys: _Optional[_Iterable[str]] = ..., verify_versions: _Optional[_Iterable[int]] = ..., verify_segment_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ObjectRecords(_message.Message):
     __slots__ = ("keys", "segment_ids", "offsets", "sizes", "checksums", "versions", "parents", "pinned")
@@ -252,14 +258,16 @@ class AnnounceObjectsResponse(_message.Message):
     def __init__(self, statuses: _Optional[_Iterable[_Union[Status, str]]] = ...) -> None: ...
 
 class ReportCorruptRequest(_message.Message):
-    __slots__ = ("keys", "versions", "segment_ids")
+    __slots__ = ("keys", "versions", "segment_ids", "node_id")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[str]
     versions: _containers.RepeatedScalarFieldContainer[int]
     segment_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, keys: _Optional[_Iterable[str]] = ..., versions: _Optional[_Iterable[int]] = ..., segment_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    node_id: str
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., versions: _Optional[_Iterable[int]] = ..., segment_ids: _Optional[_Iterable[str]] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class PutEndRequest(_message.Message):
     __slots__ = ("keys", "checksums", "sealed")

@@ -1,0 +1,143 @@
+"""What each role may call on the master (SECURITY.md), checked on the gRPC port by an
+interceptor and on the lookup port by master/lookup_server.py, with one table.
+
+- node RPCs (MountSegment, UnmountSegment, Heartbeat, AnnounceObjects, WatchManifest,
+  AckManifest): store nodes only, each only as itself (the request's node id is the one its
+  certificate names);
+- a ReportCorrupt naming a node (its own re-check, which drops the replicas): that node only
+  (master/rechecks.py); a reader's (no node) only asks the node to re-check;
+- admin RPCs: ``Stats`` with ``audit`` (it walks every indexed object) for admins only;
+- everything else (puts, gets, removes, pins, ReportCorrupt, Stats, the Router service):
+  clients and admins; a GetReplicas of no keys (how a peer learns the lookup port) anyone. A store node is not a client: its certificate lets it serve its own
+  segments, not read or write the cache through the master.
+
+The peer's identity comes from its verified certificate (common/security.py); a master
+serving without credentials (loopback, or ``--insecure``) checks nothing.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import grpc
+from kvpool.common.logging import RateLimited, get_logger
+from kvpool.common.security import Identity, Tokens, identity_from_pem
+
+log = get_logger(__name__)
+
+NODE_METHODS = frozenset({"MountSegment", "UnmountSegment", "Heartbeat", "AnnounceObjects",
+                          "WatchManifest", "AckManifest"})
+CLIENT_ROLES = frozenset({"client", "admin"})
+
+
+class Refused(Exception):
+    """A call this identity may not make: ``code`` is PERMISSION_DENIED or UNAUTHENTICATED."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _node_of(method: str, request) -> str | None:
+    """The node a node RPC acts for (None: the request is malformed; its guard answers)."""
+    if method == "MountSegment":
+        node = getattr(request, "node", None)
+        return getattr(node, "node_id", None)
+    return getattr(request, "node_id", None)
+
+
+def check(method: str, identity: Identity | None, request=None) -> None:
+    """Refused unless ``identity`` may call ``method`` (a gRPC method's short name) with
+    ``request`` (None: the role alone, for a stream whose requests come later)."""
+    if identity is None:
+        raise Refused(grpc.StatusCode.UNAUTHENTICATED,
+                      f"{method}: no verified client certificate (see SECURITY.md)")
+    if method in NODE_METHODS or (method == "ReportCorrupt" and getattr(request, "node_id", "")):
+        if identity.role != "node":
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED,
+                          f"{method} is for store nodes; the caller is {identity}")
+        node = _node_of(method, request) if request is not None else identity.name
+        if node is not None and node != identity.name:
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED,
+                          f"{method} for node {node!r} from {identity}: a node acts only as "
+                          f"itself")
+        return
+    if method == "GetReplicas" and request is not None and not getattr(request, "keys", True):
+        return   # no keys: how any peer (a store node too) learns the lookup port
+    if identity.role not in CLIENT_ROLES:
+        raise Refused(grpc.StatusCode.PERMISSION_DENIED,
+                      f"{method} is for clients; the caller is {identity}")
+    if method == "Stats" and getattr(request, "audit", False) and identity.role != "admin":
+        raise Refused(grpc.StatusCode.PERMISSION_DENIED,
+                      f"Stats with audit is for admins; the caller is {identity}")
+
+
+def grpc_identity(context, tokens: Tokens | None = None) -> Identity | None:
+    """The identity a gRPC call's verified peer certificate names, else (on the token port,
+    which requests no certificate) the one its bearer token is bound to, if any."""
+    certs = context.auth_context().get("x509_pem_cert")
+    if not certs:
+        if tokens is None:
+            return None
+        metadata = context.invocation_metadata() or ()
+        return tokens.identify(next((v for k, v in metadata if k == "authorization"), None))
+    try:
+        return identity_from_pem(certs[0])
+    except ValueError:
+        return None
+
+
+class Authorizer(grpc.aio.ServerInterceptor):
+    """Refuses every call :func:`check` refuses, before its handler runs. ``tokens``: the
+    bearer tokens accepted from peers without a certificate (the token port)."""
+
+    def __init__(self, limit: RateLimited | None = None, tokens: Tokens | None = None) -> None:
+        self.limit = limit or RateLimited(log)
+        self.tokens = tokens
+
+    def _refuse(self, method: str, context, error: Refused) -> str:
+        self.limit.warning("call_refused", kind=(method, str(error.code)), method=method,
+                           peer=context.peer(), reason=str(error))
+        return str(error)
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        method = details.method.rpartition("/")[2]
+        refuse, tokens = self._refuse, self.tokens
+
+        async def checked(request, context) -> None:
+            try:
+                check(method, grpc_identity(context, tokens), request)
+            except Refused as e:
+                await context.abort(e.code, refuse(method, context, e))
+
+        def wrap(kind: str, make: Callable):
+            inner = getattr(handler, kind)
+            streaming_in = handler.request_streaming
+
+            if kind == "unary_unary" or kind == "stream_unary":
+                async def call(request, context):
+                    await checked(None if streaming_in else request, context)
+                    return await inner(request, context)
+            else:
+                async def call(request, context):
+                    await checked(None if streaming_in else request, context)
+                    result = inner(request, context)
+                    if inspect.isasyncgen(result):   # a generator of messages
+                        async for message in result:
+                            await context.write(message)
+                    else:                            # a coroutine writing its own
+                        await result
+            return make(call, request_deserializer=handler.request_deserializer,
+                        response_serializer=handler.response_serializer)
+
+        for kind, make in (("unary_unary", grpc.unary_unary_rpc_method_handler),
+                           ("unary_stream", grpc.unary_stream_rpc_method_handler),
+                           ("stream_unary", grpc.stream_unary_rpc_method_handler),
+                           ("stream_stream", grpc.stream_stream_rpc_method_handler)):
+            if getattr(handler, kind) is not None:
+                return wrap(kind, make)
+        return handler

@@ -1,0 +1,300 @@
+"""Identities and roles (issue 15; SECURITY.md): one test per row of the attack table this
+covers, each against a real master and store nodes started with their own CA (LocalCluster's
+default), each refused where before it succeeded. The attackers hold certificates of the same
+CA (a tenant's client, another node) or none at all."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from kvpool.client import KVClient
+from kvpool.client.router import RouterClient
+from kvpool.common import pki, security
+from kvpool.common.errors import (
+    KVPoolError,
+    MasterUnavailable,
+    PermissionDenied,
+    Unauthenticated,
+)
+from kvpool.common.types import ObjectRecord
+from kvpool.net import lookup_port
+from kvpool.protos.kvpool.v1 import master_pb2 as pb
+from kvpool.protos.kvpool.v1 import routing_pb2 as routing_pb
+from kvpool.rpc.grpc_client import map_status
+from kvpool.rpc.lookup import LookupChannel, LookupLost
+from kvpool.rpc.master_client import MasterClient
+
+from .conftest import run_cluster
+
+VALUE = b"v" * 4096
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A secure cluster (2 nodes) shared by the module; a few objects on each node."""
+    tmp = tmp_path_factory.mktemp("auth")
+    for c in run_cluster(tmp):
+        with KVClient(c.master) as kv:
+            for i in range(8):
+                kv.put(f"owned/{i}", VALUE)
+        yield c
+
+
+def _as(cluster, role: str, name: str, **kw) -> MasterClient:
+    """A master client holding a certificate of the cluster's CA for ``role``/``name``."""
+    return MasterClient(cluster.master, timeout_s=5.0, retries=0,
+                        credentials=str(cluster.credentials(role, name)), **kw)
+
+
+def _all_there(cluster) -> None:
+    """Every object the fixture put is still readable, unchanged (the attack changed nothing)."""
+    with KVClient(cluster.master) as kv:
+        assert all(kv.get(f"owned/{i}") == VALUE for i in range(8))
+        assert kv.stats().nodes == 2
+
+
+def _segment_of(cluster, node: str) -> str:
+    with _as(cluster, "admin", "ops") as admin:
+        return next(s.segment.segment_id for s in admin.stats().segments if s.node_id == node)
+
+
+def test_put_get_remove_pin_without_credentials_are_refused(cluster):
+    with MasterClient(cluster.master, timeout_s=2.0, retries=0, credentials=False) as anon:
+        for call in (lambda: anon.put_start(["owned/new"], [len(VALUE)]),
+                     lambda: anon.locate(["owned/0"]),
+                     lambda: anon.remove(["owned/0"]),
+                     lambda: anon.pin(["owned/0"])):
+            with pytest.raises((MasterUnavailable, Unauthenticated)):
+                call()
+    _all_there(cluster)
+
+
+def test_a_client_of_another_ca_is_refused(cluster, tmp_path):
+    pki.make_ca(tmp_path / "other")
+    creds = pki.issue(tmp_path / "other", "client", "default")
+    with pytest.raises((MasterUnavailable, Unauthenticated)), \
+            KVClient(cluster.master, timeout_s=2.0, credentials=str(creds)) as kv:
+        kv.remove("owned/0")
+    _all_there(cluster)
+
+
+def test_mount_segment_with_another_nodes_id_is_refused(cluster):
+    fake = pb.MountSegmentRequest(node=pb.NodeEndpoints(node_id="node0",
+                                                        tcp_endpoint="127.0.0.1:9"),
+                                  segment=pb.SegmentInfo(segment_id="evil/0",
+                                                         size_bytes=1 << 40))
+    with _as(cluster, "node", "node1") as node1, \
+            pytest.raises(PermissionDenied, match="acts only as itself"):
+        node1._call("MountSegment", fake)
+    _all_there(cluster)
+
+
+def test_a_client_cannot_mount_a_fake_node(cluster):
+    fake = pb.MountSegmentRequest(node=pb.NodeEndpoints(node_id="mallory",
+                                                        tcp_endpoint="127.0.0.1:9"),
+                                  segment=pb.SegmentInfo(segment_id="mallory/0",
+                                                         size_bytes=1 << 40, tier=pb.TIER_HBM))
+    with _as(cluster, "client", "mallory") as client, \
+            pytest.raises(PermissionDenied, match="for store nodes"):
+        client._call("MountSegment", fake)
+    _all_there(cluster)
+
+
+def test_unmount_of_a_live_nodes_segment_by_a_client_or_another_node_is_refused(cluster):
+    segment = _segment_of(cluster, "node0")
+    with _as(cluster, "client", "mallory") as client, pytest.raises(PermissionDenied):
+        client.unmount_segment("node0", segment)
+    with _as(cluster, "node", "node1") as node1:
+        with pytest.raises(PermissionDenied):
+            node1.unmount_segment("node0", segment)
+        # As itself, naming node0's segment: the master's own ownership check refuses it.
+        with pytest.raises(KVPoolError):
+            node1.unmount_segment("node1", segment)
+    _all_there(cluster)
+
+
+def test_announce_objects_pinned_by_a_client_is_refused(cluster):
+    segment = _segment_of(cluster, "node0")
+    record = ObjectRecord("pinned/forever", segment, 60 << 20, 1 << 20, None, 1, pinned=True)
+    with _as(cluster, "client", "mallory") as client, pytest.raises(PermissionDenied):
+        client.announce_objects("node0", [record], done=False)
+    _all_there(cluster)
+
+
+def test_watch_and_ack_manifest_as_node0_from_another_identity_are_refused(cluster):
+    for role, name in (("client", "mallory"), ("node", "node1")):
+        with _as(cluster, role, name) as other:
+            with pytest.raises(PermissionDenied):
+                other._call("AckManifest", pb.AckManifestRequest(node_id="node0", seq=1 << 40))
+            with pytest.raises(PermissionDenied):
+                next(iter(other.watch_manifest("node0", 2.0)))
+    _all_there(cluster)
+
+
+def _lookup_channel(cluster, role: str, name: str) -> LookupChannel:
+    with MasterClient(cluster.master, retries=0) as mc:
+        port = mc._call("GetReplicas", pb.KeysRequest()).lookup_port
+    creds = security.load(cluster.credentials(role, name))
+    return LookupChannel(cluster.master, port, 5.0, map_status, tls=creds.ssl_client)
+
+
+def test_on_the_lookup_port_a_client_cannot_open_a_nodes_stream_nor_a_node_read(cluster):
+    client = _lookup_channel(cluster, "client", "mallory")
+    sock = client.open_stream(lookup_port.WATCH_MANIFEST, pb.WatchManifestRequest(node_id="node0"))
+    with pytest.raises(PermissionDenied):
+        client.read_stream_frame(sock, pb.ManifestChanges)
+    sock.close()
+    node = _lookup_channel(cluster, "node", "node1")
+    with pytest.raises(PermissionDenied):
+        node.call(lookup_port.GET_REPLICAS, pb.KeysRequest(keys=["owned/0"]),
+                  pb.GetReplicasResponse)
+    # The client's own calls are answered there.
+    assert client.call(lookup_port.GET_REPLICAS, pb.KeysRequest(keys=["owned/0"]),
+                       pb.GetReplicasResponse).statuses == [pb.STATUS_OK]
+    client.close()
+    node.close()
+
+
+def test_the_lookup_port_refuses_a_peer_without_a_certificate(cluster):
+    with MasterClient(cluster.master, retries=0) as mc:
+        port = mc._call("GetReplicas", pb.KeysRequest()).lookup_port
+    plain = LookupChannel(cluster.master, port, 2.0, map_status)
+    with pytest.raises((LookupLost, KVPoolError)):
+        plain.call(lookup_port.PUT_REVOKE, pb.KeysRequest(keys=["owned/0"]), pb.StatusesResponse)
+    plain.close()
+    _all_there(cluster)
+
+
+def test_register_client_from_a_non_client_is_refused(cluster):
+    creds = str(cluster.credentials("node", "node1"))
+    with RouterClient(cluster.master, timeout_s=5.0, credentials=creds) as router, \
+            pytest.raises(PermissionDenied, match="for clients"):
+        router._call("RegisterClient", routing_pb.RegisterClientRequest(
+            client_id="x", spec=routing_pb.HashSpec(block_size=3)))
+
+
+def test_admin_calls_from_a_client_are_refused_and_an_admin_makes_them(cluster):
+    with _as(cluster, "client", "mallory") as client:
+        with pytest.raises(PermissionDenied, match="admins"):
+            client.stats(audit=True)
+        assert client.stats().nodes == 2   # the plain figures are a client's
+    with _as(cluster, "admin", "ops") as admin:
+        assert admin.stats(audit=True).objects >= 8
+
+
+def _kvpool(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kvpool", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def test_a_cluster_from_kvpool_up_works_with_no_flags(tmp_path):
+    env = {**os.environ, "KVPOOL_CLUSTERS_DIR": str(tmp_path / "clusters")}
+    env.pop(security.ENV, None)
+    up = _kvpool("up", "--nodes", "1", "--segment-size", "64MiB", env=env)
+    try:
+        lines = []
+        while not any(line.startswith("master:") for line in lines):
+            line = up.stdout.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        master = lines[-1].split(":", 1)[1].strip()
+        creds = next(line for line in iter(up.stdout.readline, "")
+                     if line.startswith(security.ENV))
+        assert security.load(creds.split("=", 1)[1].strip()).identity.role == "client"
+        stat = subprocess.run([sys.executable, "-m", "kvpool", "stat", "--master", master],
+                              capture_output=True, text=True, env=env, timeout=60, check=False)
+        assert stat.returncode == 0, stat.stdout + stat.stderr
+        # A process of another user finds nothing: here, one without the registry.
+        other = subprocess.run(
+            [sys.executable, "-m", "kvpool", "stat", "--master", master],
+            capture_output=True, text=True, timeout=60, check=False,
+            env={**env, "KVPOOL_CLUSTERS_DIR": str(tmp_path / "elsewhere")})
+        assert other.returncode != 0
+    finally:
+        up.terminate()
+        up.wait(30)
+
+
+def test_a_master_reachable_from_other_hosts_needs_credentials_or_insecure():
+    refused = subprocess.run([sys.executable, "-m", "kvpool", "master", "--host", "0.0.0.0",
+                              "--port", "0"], capture_output=True, text=True, timeout=60,
+                             check=False)
+    assert refused.returncode != 0
+    assert "--insecure" in refused.stderr and "Traceback" not in refused.stderr
+    insecure = _kvpool("master", "--host", "0.0.0.0", "--port", "0", "--insecure")
+    try:
+        out = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(l.startswith("master:") for l in out):
+            out.append(insecure.stdout.readline())
+        assert any("insecure_master" in line for line in out), out
+    finally:
+        insecure.terminate()
+        insecure.wait(30)
+
+
+def test_report_corrupt_of_good_bytes_drops_nothing_and_a_node_confirms_only_its_own(cluster):
+    """A reader's ReportCorrupt on a good, hard-pinned, 2-replica object only asks each node to
+    re-check: the bytes are good, so nothing is dropped. A node may confirm only replicas in
+    its own segments."""
+    with KVClient(cluster.master, replicas=2) as kv:
+        kv.put("pinned/good", VALUE)
+        kv.pin("pinned/good")
+        located = kv._master.locate(["pinned/good"])
+        view = located.views()[0]
+        segments = [r.extent.segment_id for r in view.replicas]
+        assert len(segments) == 2
+        with _as(cluster, "client", "mallory") as client:
+            for _ in range(3):
+                client.report_corrupt(["pinned/good"] * 2, [view.version] * 2, segments)
+        time.sleep(1.0)   # several heartbeats: each node re-checked and found the bytes good
+        assert len(kv._master.locate(["pinned/good"]).views()[0].replicas) == 2
+        assert kv.get("pinned/good", verify=True) == VALUE
+        # A node "confirming" damage in another node's segment is refused.
+        owner = {s.segment.segment_id: s.node_id for s in kv.stats().segments}
+        other = next(s for s in segments if owner[s] != "node1")
+        with _as(cluster, "node", "node1") as node1:
+            assert isinstance(node1.report_corrupt(["pinned/good"], [view.version], [other],
+                                                   node_id="node1")[0], KVPoolError)
+            with pytest.raises(PermissionDenied):
+                node1.report_corrupt(["pinned/good"], [view.version], [other],
+                                     node_id=owner[other])
+        assert len(kv._master.locate(["pinned/good"]).views()[0].replicas) == 2
+
+
+def test_bearer_tokens_on_the_token_port(tmp_path):
+    """A client that cannot hold a certificate: a bearer token bound to its role and name, on
+    the master's token port (TLS without client certificates). A wrong token or none is
+    UNAUTHENTICATED; a token of a client is still only a client."""
+    creds = tmp_path / "creds"
+    pki.make_ca(creds)
+    token = pki.make_token(creds, "client", "tenant-t")
+    cluster = run_cluster(tmp_path, nodes=1, credentials_dir=creds,
+                          master_args=["--tokens", str(creds / "tokens.yaml")])
+    c = next(cluster)
+    try:
+        address = c.master_proc.wait_ready("tokens")
+        with KVClient(address, timeout_s=5.0, credentials=str(token)) as kv:
+            kv.put("by-token", VALUE)
+            assert kv.get("by-token", verify=True) == VALUE
+            with pytest.raises(PermissionDenied):
+                kv._master.stats(audit=True)
+        forged = tmp_path / "forged.yaml"
+        forged.write_text(f"ca: {creds / 'ca.pem'}\ntoken: not-the-token\n")
+        with pytest.raises(Unauthenticated), \
+                MasterClient(address, retries=0, credentials=str(forged)) as mc:
+            mc.locate(["by-token"])
+        with grpc.secure_channel(address, grpc.ssl_channel_credentials(
+                (creds / "ca.pem").read_bytes()), options=security.GRPC_CHANNEL_OPTIONS) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                ch.unary_unary("/kvpool.v1.Master/Remove")(
+                    pb.KeysRequest(keys=["by-token"]).SerializeToString(), timeout=5)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        with pytest.raises(StopIteration):   # stops it; fails on a traceback in a log
+            next(cluster)
