@@ -167,12 +167,12 @@ class CrashOnceDataServer(DataServer):
 
     crashed = False
 
-    def _spawn(self, conn, addr, handler):
+    def _accept(self, listener):
         if not self.crashed:
             self.crashed = True
-            conn.close()
+            listener.accept()[0].close()
             raise RuntimeError("injected")
-        super()._spawn(conn, addr, handler)
+        super()._accept(listener)
 
 
 def test_a_crashed_acceptor_accepts_again():
