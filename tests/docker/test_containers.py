@@ -23,7 +23,8 @@ DRAM = 4 << 20            # a node's DRAM segment: 16 blocks, demoting past 3/4 
 DISK_PATH = "/var/lib/kvpool/disk"
 MASTER = ["master", "--host", "0.0.0.0", "--port", "50051", "--lookup-port", "50052",
           "--metrics-port", "9400", "--high-watermark", "0.75", "--low-watermark", "0.5",
-          "--node-ttl", "3s", "--lease-ttl", "1s", "--put-timeout", "10s"]
+          "--node-ttl", "3s", "--lease-ttl", "1s", "--put-timeout", "10s",
+          "--insecure"]   # as deploy/'s compose file: containers on their own network, no CA
 NODES = {"node-1": (50060, 9401), "node-2": (50061, 9411)}   # data port, metrics port
 
 
