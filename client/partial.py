@@ -55,6 +55,7 @@ class PartialPut:
                  parents: Sequence[str | None] | None = None, replicas: int | None = None):
         kv._check_open()
         self._kv, self.keys, self.sizes = kv, list(keys), list(sizes)
+        self._started = time.perf_counter()
         sent = time.monotonic()
         placed, put_timeout_s, _ = kv._master.put_start_grant(
             self.keys, self.sizes, kv._replicas if replicas is None else replicas,
@@ -92,7 +93,7 @@ class PartialPut:
             for i in {i for i, _, _ in ops}:
                 self.results[i] = TransportError(f"{self.keys[i]!r}: put timed out")
             return
-        for i, err in _run(ops, write=True):
+        for i, err in _run(ops, write=True, metrics=self._kv._metrics):
             if err is not None and self.results[i] is None:
                 self.results[i] = err
 
@@ -132,6 +133,8 @@ class PartialPut:
             for i, err in zip(ok, ends):
                 self.results[i] = TransportError(f"{self.keys[i]!r}: put timed out") \
                     if isinstance(err, NotPending) else err
+        if self._kv._metrics is not None:
+            self._kv._metrics.done("put", self.results, self._started)
 
 
 class PartialGet:
@@ -145,6 +148,7 @@ class PartialGet:
     def __init__(self, kv: KVClient, keys: Sequence[str], *, verify: bool = False):
         kv._check_open()
         self._kv, self.keys, self._verify = kv, list(keys), verify
+        self._started = time.perf_counter()
         self._sent = time.monotonic()
         located = kv._master.locate(self.keys) if self.keys else None
         self._lease_ttl_s = located.lease_ttl_s if located is not None else 0.0
@@ -195,7 +199,7 @@ class PartialGet:
                     continue
                 t, r = ranges.pop(0)
                 ops.append((i, t, IoOp(r, view)))
-            for i, err in _run(ops, write=False):
+            for i, err in _run(ops, write=False, metrics=self._kv._metrics):
                 if err is None:
                     view = pending.pop(i)[0]
                     if self._read[i] >= 0 and self._verify:
@@ -232,12 +236,15 @@ class PartialGet:
                 if isinstance(view, KVPoolError) or view.version != self.objects[i].version:
                     self.results[i] = TransportError(
                         f"{self.keys[i]!r}: the object changed during the read")
+        if self._kv._metrics is not None:
+            self._kv._metrics.done("get", self.results, self._started)
         return self.results
 
 
-def _run(ops: list[tuple[int, Transport | None, IoOp]], *, write: bool
+def _run(ops: list[tuple[int, Transport | None, IoOp]], *, write: bool, metrics=None
          ) -> list[tuple[int, KVPoolError | None]]:
-    """Each op through its transport (grouped, one call per transport): (index, error)."""
+    """Each op through its transport (grouped, one call per transport): (index, error);
+    the bytes moved counted in ``metrics`` (client/metrics.py), if given."""
     groups: dict[Transport | None, list[tuple[int, IoOp]]] = defaultdict(list)
     for i, t, op in ops:
         groups[t].append((i, op))
@@ -253,4 +260,7 @@ def _run(ops: list[tuple[int, Transport | None, IoOp]], *, write: bool
         except KVPoolError as e:
             errs = [e] * len(batch)
         out += [(i, e) for (i, _), e in zip(group, errs)]
+        if metrics is not None:
+            metrics.moved("put" if write else "get", t.scheme,
+                          sum(op.buffer.nbytes for op, e in zip(batch, errs) if e is None))
     return out
