@@ -18,7 +18,8 @@ it when engines load the same weights from different paths), ``metrics`` (count 
 connector's keys, bytes and call times as ``kvpool_client_*`` in prometheus-client's default
 registry, which vLLM's ``/metrics`` serves, its worker processes' too through its
 multiprocess collector; default true), ``load_wait_s`` (a ``kv_consumer``'s bound on waiting for
-KV its prefill engine is still committing; default 5).
+KV its prefill engine is still committing; default 5), ``key_scheme`` (``vllm2``, the default, or
+``vllm1``), ``layerwise`` (default true), ``load_timeout_s`` (default 10): see below.
 
 ``kv_role`` (vLLM's ``KVTransferConfig``): ``kv_both`` loads and stores, ``kv_producer`` (a
 prefill engine of a disaggregated pair) only stores, ``kv_consumer`` (a decode engine) only
@@ -32,16 +33,28 @@ again" meanwhile, so the engine's other requests run on), then loads what is the
 recomputes the rest. A request without ``kvpool_blocks`` never waits.
 
 Scheduler side: for a new request, the longest prefix of its blocks (``request.block_hashes``,
-beyond what the engine's own cache holds) whose every layer is in kvpool, found with one
-``batch_exists``; never the prompt's last token. Worker side: ``register_kv_caches`` keeps the
-paged KV tensors (and registers them with the client's transports); a load is one
-``batch_get_into`` straight into the paged blocks before the forward pass; the blocks each step
-completes are stored with one ``batch_put`` on a background thread, and a finished request's
-blocks are held until that put is done. A block that fails to load (missing, node down, checksum
-mismatch) is reported through ``get_block_ids_with_load_errors`` and vLLM recomputes it (with
-``kv_load_failure_policy: recompute``; vLLM's default ``fail`` fails the request instead). If the
-master cannot be reached, requests run as if the store were empty. Logs go to ``vllm.kvpool``.
-Key scheme: ``kvpool.client.connectors.vllm_keys``.
+beyond what the engine's own cache holds) whose every object is in kvpool, found with one
+``batch_exists``; never the prompt's last token. Worker side, key scheme ``vllm2`` (the
+default: one object per block and TP rank, all layers in it): ``register_kv_caches`` reads
+each layer's paged layout from its tensor (CPU or CUDA; ``(num_blocks, ...)`` or ``(2,
+num_blocks, ...)``, any strides) and bytes move through host staging buffers registered with
+the client (pinned for CUDA), copied on a CUDA stream of the connector's own (on CPU the same
+code, the copies run by the load and save threads). A load: ``start_load_kv`` hands the step's
+blocks to a load thread (one GetReplicas, then layer by layer a ranged read of each object's
+slice and a copy into the paged blocks); ``wait_for_layer_load(layer)`` waits for that layer
+only, up to ``load_timeout_s`` (default 10) from the start, after which the load is cancelled
+and its blocks count as failed. A save: at a step's first ``save_kv_layer`` the save thread
+reserves every object the step completes (one PutStart); each layer's blocks are copied out as
+``save_kv_layer`` is called for it and written at its offset in each object; one PutEnd
+commits them after the last layer; a finished request's blocks are held until that is done.
+``layerwise: false`` loads every layer before the forward pass and saves after it (the same
+code, for comparison). ``key_scheme: vllm1`` keeps the old scheme (one object per layer, CPU
+caches only, one ``batch_get_into`` before the forward pass and one ``batch_put`` after it).
+A block that fails to load (missing, node down, checksum mismatch, too slow) is reported
+through ``get_block_ids_with_load_errors`` and vLLM recomputes it (with
+``kv_load_failure_policy: recompute``; vLLM's default ``fail`` fails the request instead). If
+the master cannot be reached, requests run as if the store were empty. Logs go to
+``vllm.kvpool``. Key scheme: ``kvpool.client.connectors.vllm_keys``.
 """
 
 from __future__ import annotations
@@ -216,6 +229,13 @@ class KVPoolConnector(KVConnectorBase_V1):
                  role_config.kv_role, self._options.master, self._options.verify,
                  self._scheme.namespace, len(self._scheme.layer_names), self._scheme.version,
                  self._options.layerwise)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # wait_for_layer_load and save_kv_layer run between the layers: a full CUDA graph
+        # would replay the layers without them (vLLM then captures piecewise).
+        return str(extra_config.get("key_scheme", "vllm2")) == "vllm2" \
+            and _as_bool(extra_config.get("layerwise", True))
 
     @property
     def requires_kv_delivery(self) -> bool:

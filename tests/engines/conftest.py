@@ -152,12 +152,12 @@ def engine(vllm_python, tiny_model, tmp_path):
 
 @pytest.fixture
 def kv_cluster(tmp_path):
-    """``kv_cluster(nodes=1, master_args=...)``: a real master and store nodes, stopped after
-    the test, which fails if any of them logged a traceback."""
+    """``kv_cluster(nodes=1, master_args=..., segment_size=...)``: a real master and store
+    nodes, stopped after the test, which fails if any of them logged a traceback."""
     made: list[LocalCluster] = []
 
-    def start(nodes: int = 1, master_args=()) -> LocalCluster:
-        c = LocalCluster(nodes=nodes, segment_size="64MiB", master_args=list(master_args),
+    def start(nodes: int = 1, master_args=(), segment_size: str = "64MiB") -> LocalCluster:
+        c = LocalCluster(nodes=nodes, segment_size=segment_size, master_args=list(master_args),
                          node_args=["--heartbeat-interval", "200ms"],
                          log_dir=tmp_path / f"cluster{len(made)}")
         made.append(c)

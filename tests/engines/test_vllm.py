@@ -20,6 +20,7 @@ from kvpool.client.router import Candidate, RouterClient
 from kvpool.client.transport.base import IoOp
 from kvpool.client.transport.tcp import TCPTransport
 from kvpool.client.vllm_events import ZMQEventBridge
+from kvpool.common.errors import NoSpace
 from kvpool.common.hashing import HashSpec
 from kvpool.rpc.master_client import MasterClient
 
@@ -181,6 +182,42 @@ def test_store_node_killed_between_save_and_load(engine, kv_cluster, cold):
     assert out["tokens"] == cold(PROMPT_A)["tokens"]
     assert after["tokens"] == cold(PROMPT_B)["tokens"]
 
+
+def test_engine_runs_when_the_store_is_full(engine, kv_cluster, cold):
+    # Every byte hard-pinned (pins may take it all): no put finds room, none can evict.
+    c = kv_cluster(master_args=["--pin-quota", "1"], segment_size="4MiB")
+    with KVClient(c.master) as kv:
+        for i in range(1000):
+            try:
+                kv.put(f"filler/{i}", bytes(256 << 10), pin=True)
+            except NoSpace:
+                break
+        else:
+            raise AssertionError("the cluster never filled up")
+    e = engine(master=c.master, prefix_caching=False)
+    out = e.generate(PROMPT_A)
+    again = e.generate(PROMPT_A)
+    bye = e.close()
+    assert out["tokens"] == again["tokens"] == cold(PROMPT_A)["tokens"]
+    assert loaded_blocks(again) == (0, 0)
+    reasons = {r["reasons"] for r in log_fields(out["logs"] + again["logs"] + bye["logs"],
+                                                "kvpool_save_failed")}
+    assert reasons == {"NoSpace"}
+
+
+def test_the_per_layer_scheme_is_never_matched_by_the_per_block_one(engine, kv_cluster, cold):
+    c = kv_cluster()
+    old = engine(master=c.master, extra=("--key-scheme", "vllm1"))
+    assert old.generate(PROMPT_A)["tokens"] == cold(PROMPT_A)["tokens"]
+    keys = old.keys(PROMPT_A)
+    assert len(keys) == 14 * 2 and all(k.startswith("kvpool/vllm1/") for k in keys)
+    old.close()
+    wait_stored(c.master, keys)
+    new = engine(master=c.master)
+    out = new.generate(PROMPT_A)
+    new.close()
+    assert out["cached_tokens"] == 0 and loaded_blocks(out) == (0, 0)
+    assert out["tokens"] == cold(PROMPT_A)["tokens"]
 
 # A CUDA build of vLLM (vllm-env.sh builds the CPU one): the Python of an environment with it
 # and this checkout's kvpool, e.g. `pip install vllm==0.32.0 -e .` in a venv on a GPU host.
