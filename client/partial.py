@@ -69,6 +69,12 @@ class PartialPut:
         self._crc = [0] * len(self.keys)
         self._done = False
 
+    @property
+    def expired(self) -> bool:
+        """Whether the put's deadline has passed: no piece is written any more (the master
+        reclaims the reservation at its put timeout)."""
+        return time.monotonic() > self._deadline
+
     def write(self, offset: int, pieces: Sequence) -> None:
         """Write ``pieces[i]`` (a buffer; None to skip the key) at ``offset`` of key i's
         object, on every replica. ``offset`` must be where key i's last piece ended."""
@@ -89,7 +95,7 @@ class PartialPut:
             for r in self._replicas[i]:
                 ops.append((i, self._kv._transport_for(r),
                             IoOp(r.at(r.extent.offset + offset, view.nbytes), view)))
-        if time.monotonic() > self._deadline:
+        if self.expired:
             for i in {i for i, _, _ in ops}:
                 self.results[i] = TransportError(f"{self.keys[i]!r}: put timed out")
             return

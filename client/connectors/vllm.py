@@ -511,8 +511,9 @@ class KVPoolConnector(KVConnectorBase_V1):
                         ",".join(sorted({type(e).__name__ for e in job.errors})))
             return
         log.info("kvpool_kv_saved req=%s blocks=%d bytes=%d seconds=%.4f "
-                 "layers_in_forward=%d", ",".join(reqs), len(job.keys), job.stored,
-                 time.perf_counter() - t0, job.staged_in_forward)
+                 "layers_in_forward=%d reserved_again=%s", ",".join(reqs), len(job.keys),
+                 job.stored, time.perf_counter() - t0, job.staged_in_forward,
+                 job.reserved_again)
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata

@@ -166,11 +166,10 @@ class StagingPool:
         """A uint8 host tensor of at least ``nbytes`` bytes."""
         import torch
         with self._lock:
-            fits = [b for b in self._free if b.numel() >= nbytes]
+            # By position: tensors compare element-wise, so list.remove would not do.
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
             if fits:
-                best = min(fits, key=lambda b: b.numel())
-                self._free.remove(best)
-                return best
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
         size = max(self._GRAIN, -(-nbytes // self._GRAIN) * self._GRAIN)
         buf = torch.empty(size, dtype=torch.uint8, pin_memory=self._stream.pinned)
         self._register(buf)

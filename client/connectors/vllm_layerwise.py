@@ -196,6 +196,7 @@ class SaveJob:
         self.stored = 0
         self.errors: list[KVPoolError] = []
         self.staged_in_forward = 0   # layers handed over by save_kv_layer, not wait_for_save
+        self.reserved_again = False  # the first reservation lapsed during the forward pass
 
     def stage(self, layer: int, *, in_forward: bool = False) -> None:
         """Copy ``layer``'s blocks out of the paged cache (the forward pass has written them):
@@ -225,13 +226,27 @@ class SaveJob:
                 except KVPoolError as e:
                     store.failed(e)
             n = len(self.keys)
+            again = False
             for layer in range(len(self._ready)):
                 if not self._ready[layer].wait(_STAGE_WAIT_S):
                     raise TimeoutError(f"layer {layer} never staged")
                 self._events[layer].synchronize()
+                if put is not None and put.expired:
+                    # A forward pass longer than the master's put timeout (a long prompt on
+                    # a CPU): the reservation lapses. Staging holds every layer, so the
+                    # objects are reserved again and written at once after the last layer.
+                    put.abort()
+                    put, again = None, True
                 if put is not None and any(r is None for r in put.results):
                     rows = self._layers.rows(self._staging, n, layer)
                     put.write(self._layers.offsets[layer], [rows[j] for j in range(n)])
+            if again and (kv := store.client()) is not None:
+                put = PartialPut(kv, self.keys, [self._layers.block_bytes] * n,
+                                 parents=self.parents)
+                for layer in range(len(self._ready)):
+                    rows = self._layers.rows(self._staging, n, layer)
+                    put.write(self._layers.offsets[layer], [rows[j] for j in range(n)])
+                self.reserved_again = True
             if put is not None:
                 results = put.commit()
                 self.errors = [r for r in results

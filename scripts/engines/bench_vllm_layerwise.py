@@ -158,30 +158,28 @@ def main() -> int:
 
 
 def report(lengths: list[int], results: dict) -> None:
+    def load(row: dict, field: str) -> float:
+        return float(row.get("load", {}).get(field, "nan"))
+
     print(f"{'scheme':<7} {'prefix':>6}  {'cold s':>7}  {'loaded s':>8}  {'speed-up':>8}  "
-          f"{'loaded':>6}  {'load s':>7}  {'waited s':>8}  {'all-first s':>11}")
+          f"{'loaded':>6}  {'load s':>7}  {'added s':>7}  {'all-first s':>11}  {'added s':>7}")
     for scheme in sorted({k[0] for k in results}, reverse=True):
         cold, hit = results[scheme, "store", "on"], results[scheme, "load", "on"]
         before = results.get((scheme, "load", "off"), {})
         for n in lengths:
-            load = hit[n].get("load", {})
-            first = f"{before[n]['seconds']:.3f}" if n in before else "-"
+            first = f"{before[n]['seconds']:>11.3f}  {load(before[n], 'waited_s'):>7.3f}" \
+                if n in before else f"{'-':>11}  {'-':>7}"
+            added = load(hit[n], "waited_s") if scheme == "vllm2" else load(hit[n], "seconds")
             print(f"{scheme:<7} {n:>6}  {cold[n]['seconds']:>7.3f}  {hit[n]['seconds']:>8.3f}  "
-                  f"{cold[n]['seconds'] / hit[n]['seconds']:>7.1f}x  "
-                  f"{hit[n]['cached']:>6}  {float(load.get('seconds', 'nan')):>7.3f}  "
-                  f"{float(load.get('waited_s', 'nan')):>8.3f}  {first:>11}")
+                  f"{cold[n]['seconds'] / hit[n]['seconds']:>7.1f}x  {hit[n]['cached']:>6}  "
+                  f"{load(hit[n], 'seconds'):>7.3f}  {added:>7.3f}  {first}")
         print(f"{scheme}: break-even prefix length {break_even(lengths, cold, hit)}")
-    if ("vllm2", "load", "off") in results:
-        on, off = results["vllm2", "load", "on"], results["vllm2", "load", "off"]
-        n = lengths[-1]
-        print(f"vllm2 overlap at {n} tokens: loaded layer by layer {on[n]['seconds']:.3f} s, "
-              f"every layer before the forward pass {off[n]['seconds']:.3f} s; the forward "
-              f"pass waited {float(on[n].get('load', {}).get('waited_s', 'nan')):.3f} s for a "
-              f"load that took {float(on[n].get('load', {}).get('seconds', 'nan')):.3f} s")
-    print("(cold: the storing engine's own prefill, connector on; loaded: another process "
-          "loading the prefix; load s: the connector's load, start to last layer; waited s: "
-          "what wait_for_layer_load held the forward pass; all-first: vllm2 with every layer "
-          "loaded before the forward pass)")
+    print("cold: the storing engine's own prefill of the prompt (connector on, nothing to load);"
+          " loaded: another engine process, the prefix loaded from kvpool; loaded: tokens "
+          "loaded; load s: the connector's load, first lookup to last layer in place; added s: "
+          "what the load held the forward pass (vllm2: wait_for_layer_load, all layers "
+          "together; vllm1: the whole load, before the forward pass); all-first: vllm2 with "
+          "layerwise off (every layer loaded before the forward pass) and what that added")
 
 
 if __name__ == "__main__":

@@ -164,3 +164,41 @@ def test_gpu_to_store_to_gpu_throughput_against_torch_device_to_host(kv_cluster)
           f"{nbytes / load_s / 1e9:.2f} GB/s")
     del host
     store.close()
+
+
+def test_staging_buffers_are_reused_and_pinned_only_for_a_gpu():
+    registered = []
+    pool = StagingPool(CopyStream(torch.device("cpu")), registered.append)
+    a, b = pool.take(3 << 20), pool.take(1 << 20)
+    assert a.numel() == 3 << 20 and b.numel() == 1 << 20 and not a.is_pinned()
+    pool.give_back(a)
+    pool.give_back(b)
+    assert pool.take(1 << 20) is b      # the smallest that fits
+    assert pool.take(2 << 20) is a
+    assert len(registered) == 2         # each registered with the store once
+
+
+def test_a_forward_pass_longer_than_the_put_timeout_is_saved_after_it(kv_cluster):
+    # The reservation made at the first layer lapses while the (slow) layers run: the
+    # objects are reserved again once every layer is staged, and written from staging.
+    c = kv_cluster(master_args=["--put-timeout", "1s"])
+    src = caches("cpu", "cpu")
+    store, layers, stream, pool = _stack("cpu", src, c.master)
+    keys = [f"kvpool/vllm2/slow/{i}/0" for i in range(4)]
+    job = SaveJob(keys, [None] * 4, [1, 2, 3, 4], layers, stream, pool)
+    saver = threading.Thread(target=job.run, args=(store,))
+    saver.start()
+    job.stage(0, in_forward=True)
+    time.sleep(1.5)
+    for layer in range(1, LAYERS):
+        job.stage(layer, in_forward=True)
+    saver.join(30)
+    assert job.errors == [] and job.reserved_again
+    dst = [torch.zeros_like(t) for t in src]
+    store2, layers2, stream2, pool2 = _stack("cpu", dst, c.master)
+    load = LoadJob(keys, [1, 2, 3, 4], layers2, stream2, pool2, verify=True, timeout_s=10.0)
+    load.run(store2)
+    assert load.failed_blocks() == set()
+    assert all(torch.equal(s[1:5], d[1:5]) for s, d in zip(src, dst))
+    store.close()
+    store2.close()
