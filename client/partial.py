@@ -14,7 +14,9 @@ layer by layer as the forward pass writes each layer, and loaded layer by layer 
 The two-phase put already separates reserve from commit (DESIGN.md, Put): the master hands
 out extents at PutStart and makes nothing readable before PutEnd, so the pieces are written
 straight into the reserved extents, in any number of data-path writes, within the master's put
-timeout. Pieces must be written in order (each offset the end of the last) so the CRC-32C of
+timeout. Byte ranges are for replicas reached through shm (``piecewise``): a node serves tcp
+and RDMA only for the whole extent the master granted (a write once), so there the caller
+writes and reads each object as one piece. Pieces must be written in order (each offset the end of the last) so the CRC-32C of
 the whole object is chained piece by piece, as read does when it verifies. These use the
 client's master connection and transports (a ``KVClient``'s internals, this package's own);
 the lease, version and checksum rules are ``KVClient``'s, applied to pieces.
@@ -68,6 +70,7 @@ class PartialPut:
         self._written = [0] * len(self.keys)   # bytes written so far, from offset 0
         self._crc = [0] * len(self.keys)
         self._done = False
+        self.piecewise = _piecewise(kv, self._replicas)
 
     @property
     def expired(self) -> bool:
@@ -166,6 +169,7 @@ class PartialGet:
             self.results.append(view if isinstance(view, KVPoolError) else None)
         self._read = [0] * len(self.keys)
         self._crc = [0] * len(self.keys)
+        self.piecewise = _piecewise(kv, [o.replicas for o in self.objects if o is not None])
 
     def size(self, i: int) -> int:
         """Key i's size in bytes (0 if it was not found)."""
@@ -245,6 +249,15 @@ class PartialGet:
         if self._kv._metrics is not None:
             self._kv._metrics.done("get", self.results, self._started)
         return self.results
+
+
+def _piecewise(kv: KVClient, replicas: Sequence[Sequence[Replica]]) -> bool:
+    """Whether every replica is reached through a mapping of its segment (shm), where any
+    byte range is a copy. Store nodes serve tcp (and RDMA) reads and writes of exactly the
+    extents the master granted, a write once (common/capabilities.py): there the caller
+    moves whole objects (one piece from offset 0)."""
+    return all((t := kv._transport_for(r)) is not None and t.scheme == "shm"
+               for reps in replicas for r in reps)
 
 
 def _run(ops: list[tuple[int, Transport | None, IoOp]], *, write: bool, metrics=None

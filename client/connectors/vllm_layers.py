@@ -54,14 +54,14 @@ class LayerLayout:
 
     def gather(self, t, ids, out) -> None:
         """Copy blocks ``ids`` (a long tensor on ``t``'s device) of ``t`` into ``out``
-        (``(len(ids), block_bytes)`` uint8, host)."""
+        (``(len(ids), block_bytes)`` uint8, host; rows may be strided)."""
         picked = t.index_select(self.block_dim, ids).movedim(self.block_dim, 0)
-        out.view(self.dtype).view(len(ids), *self.row_shape).copy_(picked, non_blocking=True)
+        out.view(self.dtype).unflatten(1, self.row_shape).copy_(picked, non_blocking=True)
 
     def scatter(self, t, ids, src) -> None:
-        """Copy ``src`` (``(len(ids), block_bytes)`` uint8, host) into blocks ``ids`` of
-        ``t``."""
-        rows = src.view(self.dtype).view(len(ids), *self.row_shape)
+        """Copy ``src`` (``(len(ids), block_bytes)`` uint8, host; rows may be strided) into
+        blocks ``ids`` of ``t``."""
+        rows = src.view(self.dtype).unflatten(1, self.row_shape)
         if rows.device != t.device:
             rows = rows.to(t.device, non_blocking=True)
         t.index_copy_(self.block_dim, ids, rows.movedim(0, self.block_dim))

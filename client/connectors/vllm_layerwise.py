@@ -48,11 +48,16 @@ class LayerSet:
             total += lay.block_bytes
         self.block_bytes = total
 
+    def objects(self, staging, n: int):
+        """A staging buffer as ``n`` objects: ``(n, block_bytes)``, block-major, so an object
+        is one contiguous row (a whole-object read or write is one op)."""
+        return staging[:n * self.block_bytes].view(n, self.block_bytes)
+
     def rows(self, staging, n: int, layer: int):
-        """Layer ``layer``'s region of a staging buffer for ``n`` blocks: ``(n, bytes)``."""
-        lay = self.layouts[layer]
-        start = n * self.offsets[layer]
-        return staging[start:start + n * lay.block_bytes].view(n, lay.block_bytes)
+        """Layer ``layer``'s slice of each of ``n`` objects in staging: ``(n, bytes)``,
+        strided (each row contiguous)."""
+        start = self.offsets[layer]
+        return self.objects(staging, n)[:, start:start + self.layouts[layer].block_bytes]
 
 
 class LoadJob:
@@ -99,10 +104,18 @@ class LoadJob:
                                                  f"expected {size}")
             live = [j for j, r in enumerate(got.results) if r is None]
             staging = self._pool.take(max(1, len(live) * size))
+            def by_key(rows) -> list:   # got.read takes a buffer (or None) per key
+                out: list = [None] * len(self.keys)
+                for k, j in enumerate(live):
+                    out[j] = rows[k] if got.results[j] is None else None
+                return out
+
+            if not got.piecewise:   # whole objects (tcp, RDMA), then layer by layer in place
+                got.read(0, by_key(self._layers.objects(staging, len(live))))
             for layer, lay in enumerate(self._layers.layouts):
-                live = [j for j in live if got.results[j] is None]
                 rows = self._layers.rows(staging, len(live), layer)
-                got.read(self._layers.offsets[layer], [rows[k] for k in range(len(live))])
+                if got.piecewise:
+                    got.read(self._layers.offsets[layer], by_key(rows))
                 kept = [k for k, j in enumerate(live) if got.results[j] is None]
                 self._copy_in(layer, lay, rows, [live[k] for k in kept], kept)
                 self.bytes += len(kept) * lay.block_bytes
@@ -237,16 +250,17 @@ class SaveJob:
                     # objects are reserved again and written at once after the last layer.
                     put.abort()
                     put, again = None, True
-                if put is not None and any(r is None for r in put.results):
+                if put is not None and put.piecewise and any(r is None for r in put.results):
                     rows = self._layers.rows(self._staging, n, layer)
                     put.write(self._layers.offsets[layer], [rows[j] for j in range(n)])
             if again and (kv := store.client()) is not None:
                 put = PartialPut(kv, self.keys, [self._layers.block_bytes] * n,
                                  parents=self.parents)
-                for layer in range(len(self._ready)):
-                    rows = self._layers.rows(self._staging, n, layer)
-                    put.write(self._layers.offsets[layer], [rows[j] for j in range(n)])
                 self.reserved_again = True
+            if put is not None and (again or not put.piecewise):
+                # Whole objects, every layer staged (tcp, RDMA; or reserved again).
+                objects = self._layers.objects(self._staging, n)
+                put.write(0, [objects[j] for j in range(n)])
             if put is not None:
                 results = put.commit()
                 self.errors = [r for r in results

@@ -63,9 +63,11 @@ def test_an_unknown_layout_is_refused_by_shape():
         LayerLayout.of("model.layers.0.attn", torch.zeros(3, NUM_BLOCKS, 16), NUM_BLOCKS)
 
 
-def _stack(device: str, cs: list, master: str, num_blocks: int = NUM_BLOCKS
+def _stack(device: str, cs: list, master: str, num_blocks: int = NUM_BLOCKS,
+           transports: list[str] | None = None
            ) -> tuple[LazyStore, LayerSet, CopyStream, StagingPool]:
-    store = LazyStore(master, replicas=0, transports=None, timeout_s=2.0, retry_s=5.0, log=log)
+    store = LazyStore(master, replicas=0, transports=transports, timeout_s=2.0, retry_s=5.0,
+                      log=log)
     layouts = [LayerLayout.of(f"model.layers.{i}.attn", t, num_blocks) for i, t in enumerate(cs)]
     stream = CopyStream(torch.device(device))
     return store, LayerSet(layouts, cs), stream, StagingPool(stream, store.register)
@@ -81,27 +83,31 @@ def _save(store, layers, stream, pool, keys, block_ids) -> SaveJob:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("layout", ["cpu", "flash", "hnd"])
-def test_blocks_saved_layer_by_layer_load_layer_by_layer_elsewhere(kv_cluster, device, layout):
+@pytest.mark.parametrize(("layout", "transport"),
+                         [("cpu", "shm"), ("flash", "shm"), ("hnd", "shm"), ("cpu", "tcp")])
+def test_blocks_saved_layer_by_layer_load_layer_by_layer_elsewhere(kv_cluster, device, layout,
+                                                                   transport):
+    # shm: each layer written and read as a byte range of its objects; tcp: whole objects
+    # (a node serves exactly the extents the master granted), copied layer by layer.
     c = kv_cluster()
     src = caches(layout, device)
-    store, layers, stream, pool = _stack(device, src, c.master)
+    store, layers, stream, pool = _stack(device, src, c.master, transports=[transport])
     keys = [f"kvpool/vllm2/test/{layout}/{i}/0" for i in range(12)]
     saved_ids = list(range(10, 22))
     _save(store, layers, stream, pool, keys, saved_ids)
 
     # Another engine: other block ids, one key never stored (reported, nothing copied).
     dst = [torch.zeros_like(t) for t in src]
-    store2, layers2, stream2, pool2 = _stack(device, dst, c.master)
-    load_ids = list(range(40, 52)) + [60]
-    job = LoadJob([*keys, "kvpool/vllm2/test/missing/0"], load_ids, layers2, stream2, pool2,
+    store2, layers2, stream2, pool2 = _stack(device, dst, c.master, transports=[transport])
+    load_ids = [60] + list(range(40, 52))
+    job = LoadJob(["kvpool/vllm2/test/missing/0", *keys], load_ids, layers2, stream2, pool2,
                   verify=True, timeout_s=10.0)
     job.run(store2)     # the load thread's work, here inline
     for layer in range(LAYERS):
         job.wait_layer(layer)
     assert job.failed_blocks() == {60}
     for s, d, lay in zip(src, dst, layers.layouts):
-        got = d.index_select(lay.block_dim, torch.tensor(load_ids[:12], device=device))
+        got = d.index_select(lay.block_dim, torch.tensor(load_ids[1:], device=device))
         want = s.index_select(lay.block_dim, torch.tensor(saved_ids, device=device))
         assert torch.equal(got, want)
         assert not d.index_select(lay.block_dim, torch.tensor([60], device=device)).any()
