@@ -96,8 +96,7 @@ class PartialPut:
             self._crc[i] = checksum(view, self._crc[i])
             self._written[i] += view.nbytes
             for r in self._replicas[i]:
-                ops.append((i, self._kv._transport_for(r),
-                            IoOp(r.at(r.extent.offset + offset, view.nbytes), view)))
+                ops.append((i, self._kv._transport_for(r), IoOp(_range(r, offset, view), view)))
         if self.expired:
             for i in {i for i, _, _ in ops}:
                 self.results[i] = TransportError(f"{self.keys[i]!r}: put timed out")
@@ -190,7 +189,7 @@ class PartialGet:
                                                   f"{offset + view.nbytes}) is past its "
                                                   f"{obj.size} bytes")
                 continue
-            ranges = [(t, r.at(r.extent.offset + offset, view.nbytes)) for r in obj.replicas
+            ranges = [(t, _range(r, offset, view)) for r in obj.replicas
                       if (t := self._kv._transport_for(r)) is not None]
             pending[i] = (view, ranges)
             if self._verify and offset == self._read[i]:
@@ -249,6 +248,14 @@ class PartialGet:
         if self._kv._metrics is not None:
             self._kv._metrics.done("get", self.results, self._started)
         return self.results
+
+
+def _range(r: Replica, offset: int, view: memoryview) -> Replica:
+    """``r`` narrowed to ``view.nbytes`` bytes at ``offset`` of its extent; ``r`` itself for
+    the whole extent, which keeps what the master attached to it (its grant)."""
+    if offset == 0 and view.nbytes == r.extent.length:
+        return r
+    return r.at(r.extent.offset + offset, view.nbytes)
 
 
 def _piecewise(kv: KVClient, replicas: Sequence[Sequence[Replica]]) -> bool:
