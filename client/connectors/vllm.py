@@ -18,7 +18,8 @@ it when engines load the same weights from different paths), ``metrics`` (count 
 connector's keys, bytes and call times as ``kvpool_client_*`` in prometheus-client's default
 registry, which vLLM's ``/metrics`` serves, its worker processes' too through its
 multiprocess collector; default true), ``load_wait_s`` (a ``kv_consumer``'s bound on waiting for
-KV its prefill engine is still committing; default 5).
+KV its prefill engine is still committing; default 5), ``key_scheme`` (``vllm2``, the default, or
+``vllm1``), ``layerwise`` (default true), ``load_timeout_s`` (default 10): see below.
 
 ``kv_role`` (vLLM's ``KVTransferConfig``): ``kv_both`` loads and stores, ``kv_producer`` (a
 prefill engine of a disaggregated pair) only stores, ``kv_consumer`` (a decode engine) only
@@ -32,16 +33,28 @@ again" meanwhile, so the engine's other requests run on), then loads what is the
 recomputes the rest. A request without ``kvpool_blocks`` never waits.
 
 Scheduler side: for a new request, the longest prefix of its blocks (``request.block_hashes``,
-beyond what the engine's own cache holds) whose every layer is in kvpool, found with one
-``batch_exists``; never the prompt's last token. Worker side: ``register_kv_caches`` keeps the
-paged KV tensors (and registers them with the client's transports); a load is one
-``batch_get_into`` straight into the paged blocks before the forward pass; the blocks each step
-completes are stored with one ``batch_put`` on a background thread, and a finished request's
-blocks are held until that put is done. A block that fails to load (missing, node down, checksum
-mismatch) is reported through ``get_block_ids_with_load_errors`` and vLLM recomputes it (with
-``kv_load_failure_policy: recompute``; vLLM's default ``fail`` fails the request instead). If the
-master cannot be reached, requests run as if the store were empty. Logs go to ``vllm.kvpool``.
-Key scheme: ``kvpool.client.connectors.vllm_keys``.
+beyond what the engine's own cache holds) whose every object is in kvpool, found with one
+``batch_exists``; never the prompt's last token. Worker side, key scheme ``vllm2`` (the
+default: one object per block and TP rank, all layers in it): ``register_kv_caches`` reads
+each layer's paged layout from its tensor (CPU or CUDA; ``(num_blocks, ...)`` or ``(2,
+num_blocks, ...)``, any strides) and bytes move through host staging buffers registered with
+the client (pinned for CUDA), copied on a CUDA stream of the connector's own (on CPU the same
+code, the copies run by the load and save threads). A load: ``start_load_kv`` hands the step's
+blocks to a load thread (one GetReplicas, then layer by layer a ranged read of each object's
+slice and a copy into the paged blocks); ``wait_for_layer_load(layer)`` waits for that layer
+only, up to ``load_timeout_s`` (default 10) from the start, after which the load is cancelled
+and its blocks count as failed. A save: at a step's first ``save_kv_layer`` the save thread
+reserves every object the step completes (one PutStart); each layer's blocks are copied out as
+``save_kv_layer`` is called for it and written at its offset in each object; one PutEnd
+commits them after the last layer; a finished request's blocks are held until that is done.
+``layerwise: false`` loads every layer before the forward pass and saves after it (the same
+code, for comparison). ``key_scheme: vllm1`` keeps the old scheme (one object per layer, CPU
+caches only, one ``batch_get_into`` before the forward pass and one ``batch_put`` after it).
+A block that fails to load (missing, node down, checksum mismatch, too slow) is reported
+through ``get_block_ids_with_load_errors`` and vLLM recomputes it (with
+``kv_load_failure_policy: recompute``; vLLM's default ``fail`` fails the request instead). If
+the master cannot be reached, requests run as if the store were empty. Logs go to
+``vllm.kvpool``. Key scheme: ``kvpool.client.connectors.vllm_keys``.
 """
 
 from __future__ import annotations
@@ -49,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -56,6 +70,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.client.connectors.store import LazyStore
 from kvpool.client.connectors.vllm_keys import VLLMKeyScheme, loadable_blocks, present_prefix
+from kvpool.client.connectors.vllm_layers import CopyStream, LayerLayout, StagingPool
+from kvpool.client.connectors.vllm_layerwise import LayerSet, LoadJob, SaveJob
 from kvpool.common.errors import AlreadyExists, KVPoolError
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -121,6 +137,9 @@ class _Options:
     model_id: str | None
     metrics: bool = True
     load_wait_s: float = 5.0
+    key_scheme: int = 2
+    layerwise: bool = True
+    load_timeout_s: float = 10.0
 
     @classmethod
     def read(cls, kv_transfer_config) -> _Options:
@@ -132,11 +151,18 @@ class _Options:
         transports = get("transports", None)
         if isinstance(transports, str):
             transports = [t.strip() for t in transports.split(",") if t.strip()]
+        scheme = str(get("key_scheme", "vllm2"))
+        if scheme not in ("vllm1", "vllm2"):
+            raise ValueError(f"KVPoolConnector: kv_connector_extra_config.key_scheme must be "
+                             f"vllm2 (one object per block) or vllm1 (one per layer); got "
+                             f"{scheme!r}")
         return cls(master=str(master), transports=transports,
                    verify=_as_bool(get("verify", True)), replicas=int(get("replicas", 0)),
                    timeout_s=float(get("timeout_s", 5.0)), retry_s=float(get("retry_s", 10.0)),
                    model_id=get("model_id", None), metrics=_as_bool(get("metrics", True)),
-                   load_wait_s=_non_negative("load_wait_s", get("load_wait_s", 5.0)))
+                   load_wait_s=_non_negative("load_wait_s", get("load_wait_s", 5.0)),
+                   key_scheme=int(scheme[-1]), layerwise=_as_bool(get("layerwise", True)),
+                   load_timeout_s=_non_negative("load_timeout_s", get("load_timeout_s", 10.0)))
 
 
 def _non_negative(name: str, value: Any) -> float:
@@ -169,7 +195,8 @@ class KVPoolConnector(KVConnectorBase_V1):
                                 retry_s=self._options.retry_s, log=log,
                                 metrics=_registry() if self._options.metrics else None)
         self._block_size = vllm_config.cache_config.block_size
-        self._scheme = _key_scheme(vllm_config, kv_cache_config, self._options.model_id)
+        self._scheme = _key_scheme(vllm_config, kv_cache_config, self._options.model_id,
+                                   self._options.key_scheme)
         role_config = self._kv_transfer_config
         self._loads = role_config.is_kv_consumer    # kv_consumer or kv_both
         self._stores = role_config.is_kv_producer   # kv_producer or kv_both
@@ -182,6 +209,15 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvpool-save") \
             if role == KVConnectorRole.WORKER else None
         self._saves: dict[str, list[Future]] = {}      # req_id -> its puts in flight
+        # worker side, key scheme vllm2: layer by layer through staging (vllm_layerwise.py)
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvpool-load") \
+            if role == KVConnectorRole.WORKER and self._scheme.version == 2 else None
+        self._by_layer: LayerSet | None = None
+        self._layer_index: dict[str, int] = {}
+        self._stream: CopyStream | None = None
+        self._pool: StagingPool | None = None
+        self._load_job: LoadJob | None = None
+        self._save_job: SaveJob | None = None
         self._finished_waiting: set[str] = set()      # finished, saves still in flight
         if role == KVConnectorRole.SCHEDULER and \
                 getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail") != "recompute":
@@ -189,8 +225,17 @@ class KVPoolConnector(KVConnectorBase_V1):
                         "request; set kv_load_failure_policy=recompute in --kv-transfer-config "
                         "to recompute it instead")
         log.info("kvpool_connector_started role=%s kv_role=%s master=%s verify=%s namespace=%s "
-                 "layers=%d", role.name.lower(), role_config.kv_role, self._options.master,
-                 self._options.verify, self._scheme.namespace, len(self._scheme.layer_names))
+                 "layers=%d key_scheme=vllm%d layerwise=%s", role.name.lower(),
+                 role_config.kv_role, self._options.master, self._options.verify,
+                 self._scheme.namespace, len(self._scheme.layer_names), self._scheme.version,
+                 self._options.layerwise)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # wait_for_layer_load and save_kv_layer run between the layers: a full CUDA graph
+        # would replay the layers without them (vLLM then captures piecewise).
+        return str(extra_config.get("key_scheme", "vllm2")) == "vllm2" \
+            and _as_bool(extra_config.get("layerwise", True))
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -320,6 +365,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         if missing:
             raise ValueError(f"KVPoolConnector: no KV cache for layers {missing}")
         layers = [kv_caches[n] for n in self._scheme.layer_names]
+        if self._scheme.version == 2:
+            self._register_layerwise(layers)
+            return
         for name, t in zip(self._scheme.layer_names, layers):
             if t.device.type != "cpu":
                 raise ValueError(f"KVPoolConnector moves KV between the store and CPU memory; "
@@ -330,15 +378,34 @@ class KVPoolConnector(KVConnectorBase_V1):
                                  f"contiguous (block-major layout); got shape {tuple(t.shape)} "
                                  f"strides {t.stride()}")
         self._layers = layers
-        try:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-            self._tp_rank = get_tensor_model_parallel_rank()
-        except (AssertionError, ImportError):   # no parallel group: a single process
-            self._tp_rank = 0
+        self._tp_rank = _tp_rank()
         for t in layers:
             self._store.register(t)
         log.info("kvpool_kv_caches_registered layers=%d block_bytes=%d tp_rank=%d",
                  len(layers), sum(t[0].numel() * t.element_size() for t in layers), self._tp_rank)
+
+    def _register_layerwise(self, layers: list[torch.Tensor]) -> None:
+        """Key scheme vllm2: each layer's layout read from its tensor; the caches stay where
+        they are (CPU or CUDA) and bytes stage through pinned host buffers."""
+        names = self._scheme.layer_names
+        devices = {t.device for t in layers}
+        if len(devices) != 1 or next(iter(devices)).type not in ("cpu", "cuda"):
+            raise ValueError(f"KVPoolConnector needs every layer's KV cache on one CPU or CUDA "
+                             f"device; got {sorted(map(str, devices))}")
+        num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config else None
+        if not num_blocks:
+            raise ValueError("KVPoolConnector needs vLLM's kv_cache_config.num_blocks")
+        layouts = [LayerLayout.of(n, t, num_blocks) for n, t in zip(names, layers)]
+        self._layers = layers
+        self._by_layer = LayerSet(layouts, layers)
+        self._layer_index = {n: i for i, n in enumerate(names)}
+        self._stream = CopyStream(next(iter(devices)))
+        self._pool = StagingPool(self._stream, self._store.register)
+        self._tp_rank = _tp_rank()
+        log.info("kvpool_kv_caches_registered layers=%d block_bytes=%d tp_rank=%d device=%s "
+                 "layout=%s", len(layers), self._by_layer.block_bytes, self._tp_rank,
+                 self._stream.device, ",".join(sorted({f"dim{lay.block_dim}:{lay.row_shape}"
+                                                       for lay in layouts})))
 
     def _views(self, move: BlockMove) -> tuple[list[str], list, list[int]]:
         """Keys, paged-block views and the block id of each, for every layer of every block."""
@@ -352,6 +419,9 @@ class KVPoolConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata
         if not isinstance(meta, KVPoolConnectorMetadata) or not meta.loads:
+            return
+        if self._by_layer is not None:
+            self._start_load_layerwise(meta)
             return
         t0 = time.perf_counter()
         keys, views, owners = [], [], []
@@ -380,15 +450,80 @@ class KVPoolConnector(KVConnectorBase_V1):
                  len(meta.loads), len(set(owners)) - len(failed), len(failed), moved,
                  time.perf_counter() - t0)
 
+    def _start_load_layerwise(self, meta: KVPoolConnectorMetadata) -> None:
+        keys, block_ids = [], []
+        for move in meta.loads:
+            for h, b in zip(move.hashes, move.block_ids):
+                keys += self._scheme.block_keys(h, self._tp_rank)
+                block_ids.append(b)
+        job = LoadJob(keys, block_ids, self._by_layer, self._stream, self._pool,
+                      verify=self._options.verify, timeout_s=self._options.load_timeout_s,
+                      requests=len(meta.loads))
+        self._load_job = job
+        self._loader.submit(job.run, self._store)
+        if not self._options.layerwise:
+            job.wait_all()   # every layer in place before the forward pass starts
+
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv loads every layer before the forward pass
+        # vllm1: start_load_kv loaded every layer before the forward pass.
+        if self._load_job is not None and (i := self._layer_index.get(layer_name)) is not None:
+            self._load_job.wait_layer(i)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata,
                       **kwargs: Any) -> None:
-        return  # all layers at once, after the forward pass (wait_for_save)
+        # vllm1: all layers at once, after the forward pass (wait_for_save).
+        if self._by_layer is None or not self._options.layerwise \
+                or (i := self._layer_index.get(layer_name)) is None:
+            return
+        if (job := self._save_job or self._start_save()) is not None:
+            job.stage(i, in_forward=True)
+
+    def _start_save(self) -> SaveJob | None:
+        """This step's SaveJob, handed to the save thread (which reserves every object while
+        the forward pass goes on); None when the step saves nothing."""
+        meta = self._connector_metadata
+        if not isinstance(meta, KVPoolConnectorMetadata) or not meta.saves:
+            return None
+        keys, parents, block_ids = [], [], []
+        for move in meta.saves:
+            prev = None if move.parent is None else \
+                self._scheme.block_keys(move.parent, self._tp_rank)[0]
+            for h, b in zip(move.hashes, move.block_ids):
+                [key] = self._scheme.block_keys(h, self._tp_rank)
+                keys.append(key)
+                parents.append(prev)
+                block_ids.append(b)
+                prev = key
+        job = self._save_job = SaveJob(keys, parents, block_ids, self._by_layer, self._stream,
+                                       self._pool)
+        reqs = [m.req_id for m in meta.saves]
+        future = self._saver.submit(self._run_save, job, reqs)
+        for r in reqs:
+            self._saves.setdefault(r, []).append(future)
+        return job
+
+    def _run_save(self, job: SaveJob, reqs: list[str]) -> None:
+        t0 = time.perf_counter()
+        job.run(self._store)
+        if job.errors:
+            log.warning("kvpool_save_failed req=%s objects=%d of=%d reasons=%s", ",".join(reqs),
+                        len(job.errors), len(job.keys),
+                        ",".join(sorted({type(e).__name__ for e in job.errors})))
+            return
+        log.info("kvpool_kv_saved req=%s blocks=%d bytes=%d seconds=%.4f "
+                 "layers_in_forward=%d reserved_again=%s", ",".join(reqs), len(job.keys),
+                 job.stored, time.perf_counter() - t0, job.staged_in_forward,
+                 job.reserved_again)
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
+        if self._by_layer is not None:
+            # Layers the forward pass did not hand to save_kv_layer (or all of them, without
+            # layerwise) are copied now; the save thread finishes the put.
+            if (job := self._save_job or self._start_save()) is not None:
+                job.stage_all()
+            self._save_job = None
+            return
         if not isinstance(meta, KVPoolConnectorMetadata) or not meta.saves or not self._layers:
             return
         for move in meta.saves:
@@ -445,6 +580,16 @@ class KVPoolConnector(KVConnectorBase_V1):
         return (done or None), None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        if (job := self._load_job) is not None:
+            self._load_job = None
+            failed = job.failed_blocks()
+            self._load_errors |= failed
+            if failed:
+                log.warning("kvpool_load_failed blocks=%d of=%d reasons=%s", len(failed),
+                            len(job.keys), ",".join(sorted(job.reasons)))
+            log.info("kvpool_kv_loaded requests=%d blocks=%d failed_blocks=%d bytes=%d "
+                     "seconds=%.4f waited_s=%.4f", job.requests, len(job.keys) - len(failed),
+                     len(failed), job.bytes, job.seconds, job.waited_s)
         failed, self._load_errors = self._load_errors, set()
         return failed
 
@@ -455,6 +600,8 @@ class KVPoolConnector(KVConnectorBase_V1):
                 f.result(timeout=timeout_s)
 
     def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=False, cancel_futures=True)
         if self._saver is not None:
             self._wait_saves(timeout_s=30.0)
             self._saver.shutdown(wait=True)
@@ -474,13 +621,28 @@ def _expected_blocks(request: Request) -> int:
         return 0
 
 
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        return get_tensor_model_parallel_rank()
+    except (AssertionError, ImportError):   # no parallel group: a single process
+        return 0
+
+
+def _natural(name: str) -> list:
+    """A sort key putting ``layers.2`` before ``layers.10``: the forward pass's order, so a
+    vllm2 object's layers are written and read in the order the engine reaches them."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
 def _key_scheme(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
-                model_id: str | None) -> VLLMKeyScheme:
+                model_id: str | None, version: int = 2) -> VLLMKeyScheme:
     """The key namespace and layer order, the same in the scheduler and in every worker."""
     if kv_cache_config is None:
         raise ValueError("KVPoolConnector needs vLLM's kv_cache_config (vLLM >= 0.11)")
     groups = kv_cache_config.kv_cache_groups
-    layer_names = tuple(sorted(n for g in groups for n in g.layer_names))
+    layer_names = tuple(sorted((n for g in groups for n in g.layer_names),
+                               key=_natural if version == 2 else None))
     dtype = str(groups[0].kv_cache_spec.dtype).removeprefix("torch.") if groups else "none"
     model_config = vllm_config.model_config
     model = model_id or getattr(model_config, "served_model_name", None) or model_config.model
@@ -490,7 +652,7 @@ def _key_scheme(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
                          block_size=vllm_config.cache_config.block_size,
                          tp_size=vllm_config.parallel_config.tensor_parallel_size,
                          hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
-                         layer_names=layer_names)
+                         layer_names=layer_names, version=version)
 
 
 def _registry():

@@ -54,7 +54,8 @@ class Engine:
 
     def __init__(self, python: str, model: str, log_path: Path, *, master: str | None = None,
                  verify: bool = True, prefix_caching: bool = True,
-                 transports: str | None = None, kv_events: str | None = None):
+                 transports: str | None = None, kv_events: str | None = None,
+                 extra: tuple[str, ...] = ()):
         argv = [python, str(HERE / "vllm_driver.py"), "--model", model,
                 "--verify", "on" if verify else "off",
                 "--prefix-caching", "on" if prefix_caching else "off"]
@@ -64,6 +65,7 @@ class Engine:
             argv += ["--transports", transports]
         if kv_events:
             argv += ["--kv-events", kv_events]
+        argv += extra   # more vllm_driver.py flags (--key-scheme, --layerwise)
         self.log_path = log_path
         self._log = open(log_path, "a")   # noqa: SIM115  (closed by kill())
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -137,8 +139,9 @@ def engine(vllm_python, tiny_model, tmp_path):
     the test."""
     started: list[Engine] = []
 
-    def start(**kw) -> Engine:
-        e = Engine(vllm_python, tiny_model, tmp_path / f"engine{len(started)}.log", **kw)
+    def start(python: str | None = None, **kw) -> Engine:
+        e = Engine(python or vllm_python, tiny_model, tmp_path / f"engine{len(started)}.log",
+                   **kw)
         started.append(e)
         return e
 
@@ -149,12 +152,12 @@ def engine(vllm_python, tiny_model, tmp_path):
 
 @pytest.fixture
 def kv_cluster(tmp_path):
-    """``kv_cluster(nodes=1, master_args=...)``: a real master and store nodes, stopped after
-    the test, which fails if any of them logged a traceback."""
+    """``kv_cluster(nodes=1, master_args=..., segment_size=...)``: a real master and store
+    nodes, stopped after the test, which fails if any of them logged a traceback."""
     made: list[LocalCluster] = []
 
-    def start(nodes: int = 1, master_args=()) -> LocalCluster:
-        c = LocalCluster(nodes=nodes, segment_size="64MiB", master_args=list(master_args),
+    def start(nodes: int = 1, master_args=(), segment_size: str = "64MiB") -> LocalCluster:
+        c = LocalCluster(nodes=nodes, segment_size=segment_size, master_args=list(master_args),
                          node_args=["--heartbeat-interval", "200ms"],
                          log_dir=tmp_path / f"cluster{len(made)}")
         made.append(c)

@@ -8,6 +8,7 @@ without any connector (and without vLLM's own prefix cache), once per session.
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import time
@@ -19,6 +20,7 @@ from kvpool.client.router import Candidate, RouterClient
 from kvpool.client.transport.base import IoOp
 from kvpool.client.transport.shm import SHMTransport
 from kvpool.client.vllm_events import ZMQEventBridge
+from kvpool.common.errors import NoSpace
 from kvpool.common.hashing import HashSpec
 from kvpool.rpc.master_client import MasterClient
 
@@ -104,7 +106,7 @@ def test_prefix_kv_is_shared_across_engine_processes(engine, kv_cluster, cold):
     a.close()
     assert first["tokens"] == cold(PROMPT_A)["tokens"]
     assert first["cached_tokens"] == 0 and loaded_blocks(first) == (0, 0)
-    assert len(keys_a) == 14 * 2
+    assert len(keys_a) == 14   # key scheme vllm2: one object per block
     wait_stored(c.master, keys_a)
 
     # B shares A's first 12 blocks: another process loads them, and computes the same tokens
@@ -120,7 +122,7 @@ def test_prefix_kv_is_shared_across_engine_processes(engine, kv_cluster, cold):
     a2 = engine(master=c.master)
     again = a2.generate(PROMPT_A)
     # The connector counts in the engine's registry (what vLLM's /metrics serves).
-    assert a2.metrics("kvpool_client_keys_total", op="get", result="hit") == 14 * 2
+    assert a2.metrics("kvpool_client_keys_total", op="get", result="hit") == 14
     assert a2.metrics("kvpool_client_bytes_total", op="get", transport="shm") \
         == 14 * 2 * 2 * 32 * 128 * 4
     a2.close()
@@ -179,3 +181,67 @@ def test_store_node_killed_between_save_and_load(engine, kv_cluster, cold):
     assert loaded_blocks(out) == (0, 14)
     assert out["tokens"] == cold(PROMPT_A)["tokens"]
     assert after["tokens"] == cold(PROMPT_B)["tokens"]
+
+
+def test_engine_runs_when_the_store_is_full(engine, kv_cluster, cold):
+    # Every byte hard-pinned (pins may take it all): no put finds room, none can evict.
+    c = kv_cluster(master_args=["--pin-quota", "1"], segment_size="4MiB")
+    with KVClient(c.master) as kv:
+        for i in range(1000):
+            try:
+                kv.put(f"filler/{i}", bytes(256 << 10), pin=True)
+            except NoSpace:
+                break
+        else:
+            raise AssertionError("the cluster never filled up")
+    e = engine(master=c.master, prefix_caching=False)
+    out = e.generate(PROMPT_A)
+    again = e.generate(PROMPT_A)
+    bye = e.close()
+    assert out["tokens"] == again["tokens"] == cold(PROMPT_A)["tokens"]
+    assert loaded_blocks(again) == (0, 0)
+    reasons = {r["reasons"] for r in log_fields(out["logs"] + again["logs"] + bye["logs"],
+                                                "kvpool_save_failed")}
+    assert reasons == {"NoSpace"}
+
+
+def test_the_per_layer_scheme_is_never_matched_by_the_per_block_one(engine, kv_cluster, cold):
+    c = kv_cluster()
+    old = engine(master=c.master, extra=("--key-scheme", "vllm1"))
+    assert old.generate(PROMPT_A)["tokens"] == cold(PROMPT_A)["tokens"]
+    keys = old.keys(PROMPT_A)
+    assert len(keys) == 14 * 2 and all(k.startswith("kvpool/vllm1/") for k in keys)
+    old.close()
+    wait_stored(c.master, keys)
+    new = engine(master=c.master)
+    out = new.generate(PROMPT_A)
+    new.close()
+    assert out["cached_tokens"] == 0 and loaded_blocks(out) == (0, 0)
+    assert out["tokens"] == cold(PROMPT_A)["tokens"]
+
+# A CUDA build of vLLM (vllm-env.sh builds the CPU one): the Python of an environment with it
+# and this checkout's kvpool, e.g. `pip install vllm==0.32.0 -e .` in a venv on a GPU host.
+CUDA_PYTHON = os.environ.get("KVPOOL_VLLM_CUDA_PYTHON", "")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA_PYTHON, reason="gpu: set KVPOOL_VLLM_CUDA_PYTHON to the Python of "
+                    "a CUDA build of vLLM 0.32 with this kvpool (none here: no CUDA device)")
+def test_gpu_engines_share_a_prefix_token_identical(engine, kv_cluster):
+    """Two vLLM engine processes on the GPU: the second loads the first's prefix from kvpool
+    (layer by layer, through pinned staging on the connector's stream) and answers the same
+    tokens as a cold GPU engine."""
+    c = kv_cluster()
+    cold = engine(python=CUDA_PYTHON, prefix_caching=False)
+    want_a, want_b = cold.generate(PROMPT_A)["tokens"], cold.generate(PROMPT_B)["tokens"]
+    cold.close()
+    a = engine(python=CUDA_PYTHON, master=c.master)
+    assert a.generate(PROMPT_A)["tokens"] == want_a
+    keys = a.keys(PROMPT_A)
+    a.close()
+    wait_stored(c.master, keys)
+    b = engine(python=CUDA_PYTHON, master=c.master)
+    hit = b.generate(PROMPT_B)
+    b.close()
+    assert loaded_blocks(hit) == (12, 0)
+    assert hit["tokens"] == want_b

@@ -65,3 +65,22 @@ def test_the_last_token_is_always_left_to_the_engine():
     assert loadable_blocks(num_tokens=65, num_hashes=2, block_size=32) == 2
     assert loadable_blocks(num_tokens=200, num_hashes=3, block_size=32) == 3   # hashes known
     assert loadable_blocks(num_tokens=1, num_hashes=0, block_size=32) == 0
+
+
+def test_version_2_is_one_object_per_block_and_rank_and_never_a_version_1_key():
+    s1, s2 = scheme(), scheme(version=2)
+    ns = hashlib.sha256(b'kvpool-vllm-v2\0{"block_size": 32, "hash_algo": "sha256", '
+                        b'"kv_dtype": "float32", "layers": ["model.layers.0.self_attn.attn", '
+                        b'"model.layers.1.self_attn.attn"], "model": "tiny", '
+                        b'"tp_size": 1}').hexdigest()[:32]
+    assert s2.namespace == ns
+    assert s2.block_keys(h(0), 1) == [f"kvpool/vllm2/{ns}/{h(0).hex()}/1"]
+    assert s2.objects_per_block == 1 and scheme(version=2, tp_size=4).objects_per_block == 4
+    assert not set(s1.prefix_keys([h(0), h(1)])) & set(s2.prefix_keys([h(0), h(1)]))
+    # The layers fix each one's offset in the object: other layers, another namespace.
+    assert scheme(version=2, layer_names=LAYERS[:1]).namespace != ns
+    # 32 layers x 256 blocks: 8,192 objects a request in version 1, 256 in version 2.
+    many = tuple(f"model.layers.{i}.self_attn.attn" for i in range(32))
+    blocks = [h(i) for i in range(256)]
+    assert len(scheme(layer_names=many).prefix_keys(blocks)) == 8192
+    assert len(scheme(layer_names=many, version=2).prefix_keys(blocks)) == 256

@@ -27,10 +27,11 @@ def _say(obj: dict) -> None:
     print(MARK + json.dumps(obj), flush=True)
 
 
-def block_keys(model: str, prompt: list[int]) -> list[str]:
+def block_keys(model: str, prompt: list[int], version: int = 2) -> list[str]:
     """The store keys of ``prompt``'s full blocks as the key scheme documents them, computed
     here from vLLM's own block hash (sha256, default seed) rather than taken from the connector:
-    block-major, each block's layers in order (the tiny Llama: 2 layers, float32, TP 1)."""
+    block-major (version 1: each block's layers in order; the tiny Llama: 2 layers, float32,
+    TP 1)."""
     from kvpool.client.connectors.vllm_keys import VLLMKeyScheme
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_utils
@@ -39,7 +40,8 @@ def block_keys(model: str, prompt: list[int]) -> list[str]:
     kv_cache_utils.init_none_hash(fn)
     scheme = VLLMKeyScheme(model=model, kv_dtype="float32", block_size=BLOCK_SIZE, tp_size=1,
                            hash_algo="sha256",
-                           layer_names=tuple(f"model.layers.{i}.self_attn.attn" for i in range(2)))
+                           layer_names=tuple(f"model.layers.{i}.self_attn.attn" for i in range(2)),
+                           version=version)
     hashes, parent = [], None
     for start in range(0, len(prompt) - BLOCK_SIZE + 1, BLOCK_SIZE):
         parent = kv_cache_utils.hash_block_tokens(fn, parent, prompt[start:start + BLOCK_SIZE])
@@ -55,6 +57,8 @@ def main() -> int:
     p.add_argument("--prefix-caching", choices=["on", "off"], default="on")
     p.add_argument("--timeout-s", type=float, default=2.0)
     p.add_argument("--transports", help="kvpool transports, e.g. tcp (default: all)")
+    p.add_argument("--key-scheme", choices=["vllm1", "vllm2"], default="vllm2")
+    p.add_argument("--layerwise", choices=["on", "off"], default="on")
     p.add_argument("--kv-events", metavar="ENDPOINT",
                    help="publish vLLM's KV events on this ZMQ endpoint (e.g. tcp://*:5557)")
     args = p.parse_args()
@@ -73,7 +77,9 @@ def main() -> int:
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"master": args.master, "verify": args.verify == "on",
-                                          "timeout_s": args.timeout_s, "retry_s": 5},
+                                          "timeout_s": args.timeout_s, "retry_s": 5,
+                                          "key_scheme": args.key_scheme,
+                                          "layerwise": args.layerwise == "on"},
         }
         if args.transports:
             kw["kv_transfer_config"]["kv_connector_extra_config"]["transports"] = args.transports
@@ -90,7 +96,7 @@ def main() -> int:
             break
         req = json.loads(line)
         if "keys" in req:
-            _say({"keys": block_keys(args.model, req["keys"])})
+            _say({"keys": block_keys(args.model, req["keys"], int(args.key_scheme[-1]))})
             continue
         if "metrics" in req:   # what the connector counted in this process's registry
             from prometheus_client import REGISTRY
