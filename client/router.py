@@ -22,9 +22,9 @@ import grpc
 from kvpool.common.errors import ClientClosed, MasterUnavailable
 from kvpool.common.hashing import HashSpec
 from kvpool.common.kv_events import KVEvent
+from kvpool.net import lookup_port
 from kvpool.protos.kvpool.v1 import routing_pb2 as pb
 from kvpool.protos.kvpool.v1 import routing_pb2_grpc
-from kvpool.net import lookup_port
 from kvpool.rpc.grpc_client import GrpcClient, map_rpc_error, map_status
 from kvpool.rpc.lookup import Lookups
 from kvpool.rpc.routing_wire import batch_to_pb

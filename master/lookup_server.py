@@ -39,7 +39,7 @@ class Stream:
     ``on_reply`` (decoded as ``reply_type``), unanswered."""
 
     def __init__(self, request_type: type[Message],
-                 open: Callable[[Message], AsyncIterator[Message]],   # noqa: A002
+                 open: Callable[[Message], AsyncIterator[Message]],
                  reply_method: int, reply_type: type[Message],
                  on_reply: Callable[[Message], None]) -> None:
         self.request_type, self.open = request_type, open
