@@ -30,6 +30,7 @@ requests at once (prefills then land between other requests' decode steps).
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import contextlib
 import http.client
@@ -218,6 +219,10 @@ def colocated(a: argparse.Namespace, name: str) -> int:
         if values:
             print(f"gateway {what}: p50 {statistics.median(values) * 1e3:.2f} ms "
                   f"(its log, {len(values)} requests)")
+    policies = collections.Counter(row.get("policy", "?") for row in served)
+    print("gateway policies: " + ", ".join(f"{p} {n}" for p, n in policies.most_common())
+          + ("  (fallback: Route was not asked; see the gateway's route_unavailable line)"
+             if "fallback_least_loaded" in policies else ""))
     paired = [g - d for g, d in zip(ttft["gateway"], ttft["direct"])]
     print(f"added TTFT p50: {(g50 - d50) * 1e3:.2f} ms (p50 through the gateway - p50 direct); "
           f"median of the paired differences {statistics.median(paired) * 1e3:.2f} ms")
