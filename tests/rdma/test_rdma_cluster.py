@@ -6,6 +6,7 @@ The node-killing test comes last: the cluster fixture is shared by the module.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -33,8 +34,11 @@ def test_nodes_offer_rdma_and_stat_says_so(cluster):
     assert len(stats.segments) == 2
     for g in stats.segments:
         assert g.segment.rdma_rkey != 0 and g.node.rdma_device and g.node.rdma_gid
+    # The cluster's client credentials named explicitly: in the soft-RoCE VM a subprocess did
+    # not find them through the per-user registry (common/security.py), the host's does.
+    env = {**os.environ, "KVPOOL_CREDENTIALS": str(cluster.client_credentials)}
     out = subprocess.run([sys.executable, "-m", "kvpool", "stat", "--master", cluster.master],
-                         capture_output=True, text=True, timeout=120, check=False)
+                         capture_output=True, text=True, timeout=120, check=False, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("rdma rxe0") == 2, out.stdout
 
