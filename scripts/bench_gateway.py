@@ -220,7 +220,7 @@ def colocated(a: argparse.Namespace, name: str) -> int:
             print(f"gateway {what}: p50 {statistics.median(values) * 1e3:.2f} ms "
                   f"(its log, {len(values)} requests)")
     policies = collections.Counter(row.get("policy", "?") for row in served)
-    print("gateway policies: " + ", ".join(f"{p} {n}" for p, n in policies.most_common())
+    print("policies that chose the engine: " + ", ".join(f"{p} {n}" for p, n in policies.most_common())
           + ("  (fallback: Route was not asked; see the gateway's route_unavailable line)"
              if "fallback_least_loaded" in policies else ""))
     paired = [g - d for g, d in zip(ttft["gateway"], ttft["direct"])]
