@@ -17,12 +17,12 @@ serving without credentials (loopback, or ``--insecure``) checks nothing.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 
 import grpc
 from kvpool.common.logging import RateLimited, get_logger
 from kvpool.common.security import Identity, Tokens, identity_from_pem
+from kvpool.master.request_guard import relay
 
 log = get_logger(__name__)
 
@@ -125,12 +125,7 @@ class Authorizer(grpc.aio.ServerInterceptor):
             else:
                 async def call(request, context):
                     await checked(None if streaming_in else request, context)
-                    result = inner(request, context)
-                    if inspect.isasyncgen(result):   # a generator of messages
-                        async for message in result:
-                            await context.write(message)
-                    else:                            # a coroutine writing its own
-                        await result
+                    await relay(inner(request, context), context)
             return make(call, request_deserializer=handler.request_deserializer,
                         response_serializer=handler.response_serializer)
 

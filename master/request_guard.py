@@ -20,6 +20,16 @@ from kvpool.common.logging import RateLimited, get_logger
 log = get_logger(__name__)
 
 
+
+async def relay(result, context) -> None:
+    """Serve a streaming handler's ``result``: a generator of messages, each written to the
+    stream, or a coroutine that writes its own (both are handler styles grpc.aio takes)."""
+    if inspect.isasyncgen(result):
+        async for message in result:
+            await context.write(message)
+    else:
+        await result
+
 class _Malformed:
     __slots__ = ("error",)
 
@@ -82,12 +92,7 @@ class RequestGuard(grpc.aio.ServerInterceptor):
             async def stream(request, context):
                 await refuse(request, context)
                 try:
-                    result = inner_stream(request, context)
-                    if inspect.isasyncgen(result):   # a generator of messages
-                        async for response in result:
-                            await context.write(response)
-                    else:                            # a coroutine writing its own
-                        await result
+                    await relay(inner_stream(request, context), context)
                 except (grpc.aio.AbortError, grpc.aio.UsageError):
                     raise
                 except Exception as e:  # noqa: BLE001
