@@ -290,7 +290,7 @@ class KVClient:
         error, _, wrote = t.write_sealed_then(op, record, commit)
         if not ended:   # not committed: the reservation or the copy failed, or was too late
             self._master.put_revoke([key])
-            return error or late if wrote else error
+            return (error or late) if wrote else error   # wrote, not committed: too late
         if ended[0] is not None:
             return ended[0]
         if error is not None:   # committed, but the node did not take the record
