@@ -127,3 +127,38 @@ def test_write_summed_streams_long_runs_while_a_helper_checksums(node, monkeypat
         assert np.array_equal(dst, src)
     finally:
         transport.close()
+
+
+def _mapped_kib(size: int) -> list[int]:
+    """Rss (KiB) of each of this process's shared-memory (memfd) mappings of ``size`` bytes."""
+    found, current = [], None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:    # a mapping's first line: range, perms...
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                current = hi - lo == size and "memfd:" in line
+            elif current and head[0] == "Rss:":
+                found.append(int(head[1]))
+    return found
+
+
+def test_a_client_maps_a_segment_but_faults_in_only_what_it_copies(fresh_node):
+    """A client's mapping of a segment has no page tables but for what it wrote: populating a
+    whole segment at its first touch cost a vLLM worker seconds (on a 64 MiB segment) and
+    would cost every client page tables for every segment of a large pool."""
+    size = fresh_node.segments[0].size_bytes
+    transport = SHMTransport()
+    try:
+        assert transport.write([IoOp(fresh_node.replica(0, 0, BLOCK),
+                                     memoryview(bytes(range(256)) * 16))]) == [None]
+        [rss] = _mapped_kib(size)
+        assert rss <= 256, f"{rss} KiB of a {size >> 10} KiB segment faulted in for 4 KiB"
+        # A large copy faults its range in at once (one madvise), and only its range.
+        big = np.ones(2 << 20, dtype=np.uint8)
+        assert transport.write([IoOp(fresh_node.replica(0, 1 << 20, big.nbytes),
+                                     memoryview(big))]) == [None]
+        [rss] = _mapped_kib(size)
+        assert 2048 <= rss <= 2048 + 512, rss
+    finally:
+        transport.close()
