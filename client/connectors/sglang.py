@@ -174,6 +174,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         if self._zero_copy:
             for buffer in _pool_buffers(mem_pool_host):
                 self._store.register(buffer)
+        self._store.connect_soon()
         log.info("kvpool_hicache_pool layout=%s page_size=%d part_bytes=%s zero_copy=%s "
                  "namespace=%s", mem_pool_host.layout, mem_pool_host.page_size, part_bytes,
                  self._zero_copy, self._scheme.namespace)

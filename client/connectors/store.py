@@ -40,6 +40,13 @@ class LazyStore:
             if self._client is not None:
                 self._register(self._client, buffer)
 
+    def connect_soon(self) -> None:
+        """Make the client now, on a daemon thread, so the engine's first request does not
+        pay for it (TLS handshakes, the cluster map, node connections: seconds on a busy
+        host, longer than a decode engine waits for a prefill's blocks). A failure is logged
+        and left to the first real use, as any outage is."""
+        threading.Thread(target=self.client, name="kvpool-connect", daemon=True).start()
+
     def client(self) -> KVClient | None:
         """The KVClient, or None while the store counts as unreachable."""
         if time.monotonic() < self._down_until:
@@ -47,6 +54,7 @@ class LazyStore:
         with self._lock:
             if self._client is None:
                 from kvpool.client.kv_client import KVClient
+                t0 = time.perf_counter()
                 try:
                     client = KVClient(self._master, replicas=self._replicas,
                                       transports=self._transports, timeout_s=self._timeout_s,
@@ -57,6 +65,8 @@ class LazyStore:
                 for buffer in self._buffers:
                     self._register(client, buffer)
                 self._client = client
+                self._log.info("kvpool_store_connected master=%s seconds=%.3f", self._master,
+                               time.perf_counter() - t0)
             return self._client
 
     def _register(self, client: KVClient, buffer) -> None:

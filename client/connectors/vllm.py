@@ -224,6 +224,8 @@ class KVPoolConnector(KVConnectorBase_V1):
             log.warning("kvpool_failure_policy_fail: a block kvpool cannot load fails its "
                         "request; set kv_load_failure_policy=recompute in --kv-transfer-config "
                         "to recompute it instead")
+        if role == KVConnectorRole.SCHEDULER and self._loads:
+            self._store.connect_soon()      # its first look up needs the client
         log.info("kvpool_connector_started role=%s kv_role=%s master=%s verify=%s namespace=%s "
                  "layers=%d key_scheme=vllm%d layerwise=%s", role.name.lower(),
                  role_config.kv_role, self._options.master, self._options.verify,
@@ -381,6 +383,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._tp_rank = _tp_rank()
         for t in layers:
             self._store.register(t)
+        self._store.connect_soon()
         log.info("kvpool_kv_caches_registered layers=%d block_bytes=%d tp_rank=%d",
                  len(layers), sum(t[0].numel() * t.element_size() for t in layers), self._tp_rank)
 
@@ -402,6 +405,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._stream = CopyStream(next(iter(devices)))
         self._pool = StagingPool(self._stream, self._store.register)
         self._tp_rank = _tp_rank()
+        self._store.connect_soon()
         log.info("kvpool_kv_caches_registered layers=%d block_bytes=%d tp_rank=%d device=%s "
                  "layout=%s", len(layers), self._by_layer.block_bytes, self._tp_rank,
                  self._stream.device, ",".join(sorted({f"dim{lay.block_dim}:{lay.row_shape}"
@@ -511,9 +515,9 @@ class KVPoolConnector(KVConnectorBase_V1):
                         ",".join(sorted({type(e).__name__ for e in job.errors})))
             return
         log.info("kvpool_kv_saved req=%s blocks=%d bytes=%d seconds=%.4f "
-                 "layers_in_forward=%d reserved_again=%s", ",".join(reqs), len(job.keys),
+                 "layers_in_forward=%d reserved_again=%s %s", ",".join(reqs), len(job.keys),
                  job.stored, time.perf_counter() - t0, job.staged_in_forward,
-                 job.reserved_again)
+                 job.reserved_again, " ".join(f"{k}_s={v:.4f}" for k, v in job.phases.items()))
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata

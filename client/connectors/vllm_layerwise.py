@@ -210,6 +210,9 @@ class SaveJob:
         self.errors: list[KVPoolError] = []
         self.staged_in_forward = 0   # layers handed over by save_kv_layer, not wait_for_save
         self.reserved_again = False  # the first reservation lapsed during the forward pass
+        # seconds spent reserving; waiting for the forward pass's layers and writing each;
+        # committing
+        self.phases = {"reserve": 0.0, "layers": 0.0, "commit": 0.0}
 
     def stage(self, layer: int, *, in_forward: bool = False) -> None:
         """Copy ``layer``'s blocks out of the paged cache (the forward pass has written them):
@@ -230,6 +233,7 @@ class SaveJob:
     def run(self, store: LazyStore) -> None:
         """The save thread's work: reserve, write each layer as it is staged, commit."""
         put = None
+        t0 = time.perf_counter()
         try:
             kv = store.client()
             if kv is not None:
@@ -240,6 +244,8 @@ class SaveJob:
                     store.failed(e)
             n = len(self.keys)
             again = False
+            t1 = time.perf_counter()
+            self.phases["reserve"] = t1 - t0
             for layer in range(len(self._ready)):
                 if not self._ready[layer].wait(_STAGE_WAIT_S):
                     raise TimeoutError(f"layer {layer} never staged")
@@ -261,8 +267,11 @@ class SaveJob:
                 # Whole objects, every layer staged (tcp, RDMA; or reserved again).
                 objects = self._layers.objects(self._staging, n)
                 put.write(0, [objects[j] for j in range(n)])
+            t2 = time.perf_counter()
+            self.phases["layers"] = t2 - t1
             if put is not None:
                 results = put.commit()
+                self.phases["commit"] = time.perf_counter() - t2
                 self.errors = [r for r in results
                                if r is not None and not isinstance(r, AlreadyExists)]
                 self.stored = sum(r is None for r in results) * self._layers.block_bytes

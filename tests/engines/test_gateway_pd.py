@@ -64,6 +64,11 @@ def pd(vllm_python, tiny_model, tmp_path_factory):
                                     kv_role="kv_consumer", load_wait_s=LOAD_WAIT_S))
         for e in engines:
             wait_healthy(e)
+        # Each engine connects to kvpool as it starts, not on its first request (that cost
+        # a producer's first save seconds under load, past the consumer's wait for it).
+        # The producer's worker; the consumer's worker and scheduler (which looks blocks up).
+        for e, count in zip(engines, (1, 2)):
+            wait_logged(e, "kvpool_store_connected", count)
         # Both bridged, announcing their servers and roles (for the --discover test); Route
         # sees P's prefixes.
         for name, port, engine, role in (("p", events, engines[0], "prefill"),
@@ -103,6 +108,13 @@ class LogWatch:
         text = self.server.log.read_bytes()[self._offset:].decode(errors="replace")
         return [dict(kv.split("=", 1) for kv in line.split(event, 1)[1].split() if "=" in kv)
                 for line in text.splitlines() if f"{event} " in line]
+
+
+def wait_logged(server: Server, event: str, count: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (n := server.log.read_text(errors="replace").count(f"{event} ")) < count:
+        assert time.monotonic() < deadline, f"{server.name} logged {event} {n} times"
+        time.sleep(0.2)
 
 
 def loadable(prompt_tokens: int) -> int:
