@@ -65,6 +65,10 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
                    help="objects indexed for the master figures (default: 1000000)")
     b.add_argument("--master-batch", type=count_type, default=256, metavar="N",
                    help="keys per master RPC (default: 256, one prompt's blocks)")
+    b.add_argument("--master-clients", type=count_type, default=2, metavar="N",
+                   help="client processes that also look up and put at once, keeping the "
+                        "master busy (its capacity, beside one client's call-after-call "
+                        "rate; default: 2; 1: only the one client)")
     b.add_argument("--no-master-bench", action="store_true", help="skip the master figures")
     b.add_argument("--no-redis", action="store_true", help="skip the Redis baseline")
     b.add_argument("--metrics", action="store_true",
@@ -117,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         master_objects=0 if args.no_master_bench else
         (args.master_objects or preset["master_objects"]),
         master_batch=args.master_batch, master_lookups=preset["master_lookups"],
+        master_clients=args.master_clients,
         redis=not args.no_redis,
         peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()),
         metrics=args.metrics, insecure=args.insecure)

@@ -193,12 +193,17 @@ def _check(results: Sequence, what: str) -> None:
 
 def master_figures(address: str, master_pid: int | None, objects: int, batch: int,
                    lookups: int, repeats: int, value_bytes: int = 64,
-                   virtual_segment: bool = False) -> dict:
+                   virtual_segment: bool = False, clients: int = 1) -> dict:
     """Batched PutStart+PutEnd and GetReplicas rates, and RSS growth per indexed object.
 
     Keys are 64 hex characters (a sha256 block hash, as engines use). ``objects`` are indexed in
     ``repeats`` equal chunks; each chunk's rate is one repeat. RSS is the master process's
     (``master_pid``; None when the master is not ours to inspect).
+
+    These rates are one client's, each call waiting for the last: the master idles while
+    that client encodes and decodes. With ``clients`` > 1, ``clients`` processes then also
+    look up ``lookups`` keys and put ``lookups`` new ones at once (``*_concurrent``): what
+    the master serves when it is kept busy, as a fleet keeps it.
 
     ``virtual_segment`` (only for a master of our own: placement would put anyone's objects
     there): mount a segment that no store node backs, large enough for every object at its
@@ -236,8 +241,20 @@ def master_figures(address: str, master_pid: int | None, objects: int, batch: in
                 if not located.found().all():
                     raise BenchError("master GetReplicas did not find every indexed key")
             lookup_rates.append(len(sample) / (time.perf_counter() - t0))
+        concurrent = {}
+        if clients > 1:
+            sample = rng.sample(keys, min(lookups, len(keys)))
+            fresh = [os.urandom(32).hex() for _ in range(len(sample))]
+            concurrent = {
+                "clients": clients,
+                "lookup_objects_per_s_concurrent": round(_concurrently(
+                    address, "lookup", sample, batch, value_bytes, clients, keep_alive)),
+                "put_objects_per_s_concurrent": round(_concurrently(
+                    address, "put", fresh, batch, value_bytes, clients, keep_alive))}
+            if master_pid is None:
+                keys += fresh
         if master_pid is None:   # not our master: leave it as we found it
-            for i in range(0, objects, batch):
+            for i in range(0, len(keys), batch):
                 mc.remove(keys[i:i + batch])
     per_object = None
     if rss_before is not None and rss_after is not None:
@@ -245,7 +262,70 @@ def master_figures(address: str, master_pid: int | None, objects: int, batch: in
     return {"objects": objects, "batch": batch, "value_bytes": value_bytes,
             "put_objects_per_s": round(_median(put_rates)),
             "lookup_objects_per_s": round(_median(lookup_rates)),
-            "bytes_per_object": per_object}
+            "bytes_per_object": per_object, **concurrent}
+
+
+def _concurrently(address: str, op: str, keys: list[str], batch: int, value_bytes: int,
+                  clients: int, keep_alive: Callable[[], None]) -> float:
+    """Objects per second of ``op`` ("put" or "lookup") over ``keys``, shared out among
+    ``clients`` processes (spawned: a forked gRPC channel is not safe) that start together,
+    each with its own connection; timed from the start to the last one's end."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("spawn")
+    ready, go = ctx.Barrier(clients + 1), ctx.Event()
+    results = ctx.Queue()
+    share = -(-len(keys) // clients)
+    procs = [ctx.Process(target=_master_client, daemon=True,
+                         args=(address, op, keys[i * share:(i + 1) * share], batch,
+                               value_bytes, ready, go, results))
+             for i in range(clients)]
+    for p in procs:
+        p.start()
+    try:
+        ready.wait(timeout=120)
+        t0 = time.perf_counter()
+        go.set()
+        outcomes = []
+        while len(outcomes) < clients:
+            keep_alive()
+            with contextlib.suppress(Exception):   # queue.Empty: nothing yet
+                outcomes.append(results.get(timeout=0.5))
+            if len(outcomes) < clients and not any(p.is_alive() for p in procs):
+                raise BenchError(f"master {op} clients died: {outcomes}")
+        elapsed = time.perf_counter() - t0
+        failed = [o for o in outcomes if o is not None]
+        if failed:
+            raise BenchError(f"master {op} from {clients} clients: {failed[0]}")
+        return len(keys) / elapsed
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+def _master_client(address: str, op: str, keys: list[str], batch: int, value_bytes: int,
+                   ready, go, results) -> None:
+    """One of :func:`_concurrently`'s processes: connect, wait for the others, run, report
+    None or what went wrong."""
+    from kvpool.rpc.master_client import MasterClient
+    try:
+        with MasterClient(address, timeout_s=60.0) as mc:
+            mc.exists(keys[:1])   # connected (and the lookup port learnt) before the start
+            ready.wait(timeout=120)
+            go.wait(timeout=120)
+            sizes = [value_bytes] * batch
+            for i in range(0, len(keys), batch):
+                ks = keys[i:i + batch]
+                if op == "put":
+                    placed, _ = mc.put_start(ks, sizes[:len(ks)])
+                    _check(placed, "master PutStart")
+                    _check(mc.put_end(ks), "master PutEnd")
+                elif not mc.locate(ks).found().all():
+                    raise BenchError("master GetReplicas did not find every indexed key")
+        results.put(None)
+    except Exception as e:   # noqa: BLE001  (reported to the parent, which raises it)
+        results.put(f"{type(e).__name__}: {e}")
 
 
 @contextlib.contextmanager

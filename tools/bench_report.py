@@ -177,7 +177,12 @@ def format_table(report: dict) -> str:
                   if m["bytes_per_object"] is not None else "bytes/object not measured")
         lines.append(f"master: {m['objects']:,} objects indexed in batches of {m['batch']}: "
                      f"put {m['put_objects_per_s']:,.0f} objects/s, lookup "
-                     f"{m['lookup_objects_per_s']:,.0f} objects/s, {memory}")
+                     f"{m['lookup_objects_per_s']:,.0f} objects/s (one client, call after call), "
+                     f"{memory}")
+        if m.get("clients"):
+            lines.append(f"master kept busy by {m['clients']} clients at once: put "
+                         f"{m['put_objects_per_s_concurrent']:,.0f} objects/s, lookup "
+                         f"{m['lookup_objects_per_s_concurrent']:,.0f} objects/s")
     for what, why in report["skipped"].items():
         lines.append(f"skipped {what}: {why}")
     lines.append("")

@@ -52,6 +52,7 @@ class BenchConfig:
     master_objects: int          # 0 = skip the master figures
     master_batch: int
     master_lookups: int
+    master_clients: int = 2      # processes calling at once for the *_concurrent figures
     redis: bool = True
     peers: tuple[str, ...] = ()
     metrics: bool = False        # kvpool's processes serve /metrics (their cost measured)
@@ -242,7 +243,8 @@ def _master(config: BenchConfig, master: str | None) -> dict:
         _say(f"master: indexing {config.master_objects:,} objects of "
              f"{_SMALL_MASTER_VALUE_BYTES} bytes in batches of {config.master_batch}")
         return w.master_figures(master, None, config.master_objects, config.master_batch,
-                                lookups, config.repeats, _SMALL_MASTER_VALUE_BYTES)
+                                lookups, config.repeats, _SMALL_MASTER_VALUE_BYTES,
+                                clients=config.master_clients)
     # A fresh master without store nodes, so its RSS growth is the index alone; the objects are
     # prompt blocks of their real size in a segment that no node has to back.
     _say(f"master: indexing {config.master_objects:,} objects of "
@@ -254,7 +256,8 @@ def _master(config: BenchConfig, master: str | None) -> dict:
             address = cluster.start()
             return w.master_figures(address, cluster.master_proc.popen.pid,
                                     config.master_objects, config.master_batch, lookups,
-                                    config.repeats, config.block_bytes, virtual_segment=True)
+                                    config.repeats, config.block_bytes, virtual_segment=True,
+                                    clients=config.master_clients)
         finally:
             cluster.stop()
 

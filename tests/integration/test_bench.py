@@ -82,6 +82,11 @@ def test_quick_smoke_run_writes_a_valid_report(tmp_path):
     master = ratios["master"]
     assert master["put_objects_per_s"] > 0 and master["lookup_objects_per_s"] > 0
     assert master["bytes_per_object"] is not None
+    # Two client processes at once (--master-clients' default), each with its connection.
+    busy = report["master"]
+    assert busy["clients"] == 2 and busy["put_objects_per_s_concurrent"] > 0 \
+        and busy["lookup_objects_per_s_concurrent"] > 0
+    assert "master kept busy by 2 clients at once" in stdout
     if NO_MOONCAKE:
         assert report["skipped"]["mooncake"] == NO_MOONCAKE
     else:
