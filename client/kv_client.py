@@ -25,6 +25,7 @@ from kvpool.common.errors import (
     CorruptObject,
     InvalidArgument,
     KVPoolError,
+    NodeRefused,
     NodeUnavailable,
     NotPending,
     TransportError,
@@ -464,8 +465,10 @@ class KVClient:
             bufs[i] = buffer_for(i, size)
         except InvalidArgument:
             return None
-        if t.read([IoOp(replica, bufs[i])])[0] is not None:
-            self._unreachable[node_id] = time.monotonic() + _UNREACHABLE_S
+        error = t.read([IoOp(replica, bufs[i])])[0]
+        if error is not None:
+            if not isinstance(error, NodeRefused):
+                self._unreachable[node_id] = time.monotonic() + _UNREACHABLE_S
             return None
         if self._metrics is not None:
             self._metrics.moved("get", t.scheme, size)
@@ -512,7 +515,8 @@ class KVClient:
             failed = t.read_at(segments, where[positions], located.replicas.offsets[first],
                                located.sizes[positions], addresses,
                                [grants[j] for j in first.tolist()] if grants else ())
-            for loc in {int(where[positions[k]]) for k in failed}:
+            for loc in {int(where[positions[k]]) for k, e in failed.items()
+                        if not isinstance(e, NodeRefused)}:
                 self._unreachable[segments[loc].node.node_id] = time.monotonic() + _UNREACHABLE_S
             read = np.delete(positions, list(failed)) if failed else positions
             if self._metrics is not None:
@@ -590,7 +594,7 @@ class KVClient:
                 else:
                     last_error[i] = err
                     pending.append(i)
-                    if isinstance(err, TransportError):
+                    if isinstance(err, TransportError) and not isinstance(err, NodeRefused):
                         self._unreachable[node_of[i]] = time.monotonic() + _UNREACHABLE_S
             if verify:
                 pending += self._check_sums(items, ops, results, last_error)

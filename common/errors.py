@@ -89,8 +89,15 @@ class TransportError(KVPoolError, OSError):
     """Moving bytes to or from a store node failed (connection lost, refused, malformed reply)."""
 
 
-class SegmentBoundsError(TransportError):
-    """A store node refused a request outside its mounted segments."""
+class NodeRefused(TransportError):
+    """A store node answered and refused the operation (no grant for it, an extent outside
+    its segments, a peer it does not trust): it is reachable, so a client does not route
+    around it as it does around a node that did not answer."""
+
+
+class SegmentBoundsError(NodeRefused):
+    """A store node refused a request outside its mounted segments (or, on the tcp data
+    port, without a grant for it)."""
 
 
 _STATUS_TO_ERROR: dict[int, type[KVPoolError]] = {

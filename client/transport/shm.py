@@ -32,7 +32,7 @@ import numpy as np
 from kvpool.client.buffers import address_of, view_at
 from kvpool.client.transport.base import IoOp, Transport, byte_views, group_by
 from kvpool.common.checksum import Checksums, checksum
-from kvpool.common.errors import ClientClosed, SegmentBoundsError, TransportError
+from kvpool.common.errors import ClientClosed, NodeRefused, SegmentBoundsError, TransportError
 from kvpool.common.host import local_boot_id
 from kvpool.common.logging import get_logger
 from kvpool.common.types import NodeEndpoints, Replica
@@ -108,7 +108,7 @@ class _Mapping:
             pass
 
 
-class HandoffDenied(TransportError):
+class HandoffDenied(NodeRefused):
     """The node does not trust this process's uid/gid with that hand-off (net/data_port.py)."""
 
 

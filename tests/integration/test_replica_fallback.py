@@ -45,3 +45,43 @@ def test_unreachable_node_is_tried_last_after_it_failed(cluster):
         for key in first_there:
             assert kv.get(key) == bytes([int(key[1:])]) * 4096
         assert dead not in cut.tried           # the next ones go to the live replica first
+
+
+class _Forged(TCPTransport):
+    """tcp, with the grants of the first ``read_at`` (a get's fast path) spoilt: the node
+    answers DENIED, as it does to a grant that expired; counts each path's calls."""
+
+    def __init__(self):
+        super().__init__(timeout_s=2.0)
+        self.fast = self.ops = 0      # read_at calls; ops read one by one (the generic path)
+        self._in_fast = False
+
+    def read_at(self, segments, which, offsets, lengths, addresses, grants=()):
+        self.fast += 1
+        if self.fast == 1:
+            grants = [bytes(len(g)) for g in grants]
+        self._in_fast = True          # tcp's read_at reads through read
+        try:
+            return super().read_at(segments, which, offsets, lengths, addresses, grants)
+        finally:
+            self._in_fast = False
+
+    def read(self, ops):
+        if not self._in_fast:
+            self.ops += len(ops)
+        return super().read(ops)
+
+
+def test_a_node_that_refuses_a_read_is_not_routed_around(cluster):
+    """A refusal (here DENIED for a bad grant) comes from a node that answered: the read is
+    retried op by op at once, and the node is not taken for unreachable, so the next call
+    reads it by the fast path again (it used to be skipped for _UNREACHABLE_S)."""
+    keys = [f"refused{i}" for i in range(4)]
+    with KVClient(cluster.master, transports=["tcp"]) as kv:
+        kv.batch_put(keys, [bytes([i]) * 4096 for i in range(4)])
+    forged = _Forged()
+    with KVClient(cluster.master, transports=[forged]) as kv:
+        assert kv.batch_get(keys) == [bytes([i]) * 4096 for i in range(4)]
+        assert forged.fast == 1 and forged.ops == 4     # refused, then read op by op
+        assert kv.batch_get(keys) == [bytes([i]) * 4096 for i in range(4)]
+        assert forged.fast >= 2 and forged.ops == 4, (forged.fast, forged.ops)
