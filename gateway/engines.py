@@ -7,10 +7,13 @@ the command line as ``ID=URL``, or ``URL`` alone, whose id is then the URL's ``h
 
 Load, per engine, as Route's ``Candidate`` takes it:
 
-- ``queue_depth``: requests ahead of a new one there. The gateway's own requests still waiting
-  for their first token, or what the engine reported at its last scrape (``running + waiting``,
-  which also counts requests other clients sent it), whichever is larger. Either alone is
-  wrong: the scrape is up to a poll interval old, and the gateway does not see other clients.
+- ``queue_depth``: requests there, waiting or running (a running one takes its share of every
+  step a new one's prefill runs in). The gateway's own requests in flight there, or what the
+  engine reported at its last scrape (``running + waiting``, which also counts requests other
+  clients sent it), whichever is larger. Either alone is wrong: the scrape is up to a poll
+  interval old, and the gateway does not see other clients. (Counting only the gateway's
+  requests still waiting for a first token made every engine that had prefilled look idle
+  between scrapes, and Route's tie-break then sent request after request to the first one.)
 - ``inflight_prefill_tokens``: prompt tokens the gateway sent there that are still to be
   prefilled, i.e. its requests without a first token yet, each counted as its prompt less the
   prefix Route expected it to reuse.
@@ -131,7 +134,7 @@ class EngineState:
     def candidate(self, calibrator: CostCalibrator | None = None) -> Candidate:
         rates = calibrator.measured(self.spec.instance_id) if calibrator else None
         return Candidate(self.spec.instance_id,
-                         max(len(self.waiting_first_token), self.reported_queue),
+                         max(self.inflight, self.reported_queue),
                          sum(self.waiting_first_token.values()),
                          *((rates.prefill_tokens_per_s, rates.store_tokens_per_s)
                            if rates else ()))

@@ -109,7 +109,7 @@ class Candidate:
     """An instance a request may go to, with its load as the caller sees it."""
 
     instance_id: str
-    queue_depth: int = 0                # requests waiting or prefilling there
+    queue_depth: int = 0                # requests waiting or running there
     inflight_prefill_tokens: int = 0    # tokens still to prefill there, after cache hits
     # The instance's own rates, as the caller measured them (master/calibration.py); 0: the
     # index's cost model's.

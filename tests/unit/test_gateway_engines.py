@@ -13,6 +13,7 @@ from kvpool.gateway.engines import (
     parse_engines,
 )
 from kvpool.gateway.probes import reported_queue
+from kvpool.gateway.routing import least_loaded
 
 
 def test_engines_are_named_by_their_id_or_their_host_and_port():
@@ -80,13 +81,13 @@ def pool(clock, n=2):
                       backoff_s=1.0, max_backoff_s=4.0, clock=clock)
 
 
-def test_load_counts_requests_until_their_first_token(clock):
+def test_load_counts_requests_in_flight_and_prompt_tokens_until_their_first_token(clock):
     p = pool(clock)
     t1 = p.sent("e0", 300)
     t2 = p.sent("e0", 100)
     assert p.candidates() == [Candidate("e0", 2, 400), Candidate("e1", 0, 0)]
-    p.first_token("e0", t1)            # prefilled: no longer ahead of a new request
-    assert p.candidates()[0] == Candidate("e0", 1, 100)
+    p.first_token("e0", t1)            # prefilled: its prompt is done, it still runs there
+    assert p.candidates()[0] == Candidate("e0", 2, 100)
     assert p["e0"].inflight == 2
     p.done("e0", t1)
     p.done("e0", t2)                   # ended before a first token (an error): gone too
@@ -100,6 +101,15 @@ def test_the_engines_own_report_counts_when_it_sees_more(clock):
     assert p.candidates()[0].queue_depth == 5
     p.reported("e0", 0)        # a scrape older than the gateway's own request
     assert p.candidates()[0].queue_depth == 1
+
+
+def test_requests_generating_on_one_engine_send_the_next_to_another(clock):
+    """Both engines done prefilling: the one with a request still generating is the busier
+    (they tied before, and Route's tie-break sent every request to the first engine)."""
+    p = pool(clock)
+    t = p.sent("e0", 50)
+    p.first_token("e0", t)
+    assert least_loaded(p.candidates()).instance_id == "e1"
 
 
 def test_a_failed_engine_is_offered_to_no_request_until_a_probe_finds_it_healthy(clock):
