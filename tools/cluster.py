@@ -31,6 +31,8 @@ _prctl = ctypes.CDLL(None, use_errno=True).prctl
 # a launcher with live gRPC channels can block for good (seen: a test hung in restart_master);
 # without one, subprocess uses vfork, which runs no handlers.
 _DIE_WITH_PARENT_ENV = "KVPOOL_DIE_WITH_PARENT"
+_ORPHAN_POLL_S = 0.2
+_ORPHAN_GRACE_S = 3.0
 
 
 def _die_with_parent() -> None:
@@ -39,9 +41,20 @@ def _die_with_parent() -> None:
 
 
 def die_with_launcher() -> None:
-    """In a kvpool process: if Proc started it, end with the process that did."""
+    """In a kvpool process: if Proc started it, end with the process that did: SIGTERM (a
+    clean stop) when the launcher dies, and an exit ``_ORPHAN_GRACE_S`` later if the clean
+    stop has not ended the process (a node unmounting from a master that died with the same
+    launcher waits on RPCs: a CI run under load saw one outlive its launcher by 10 s)."""
     if os.environ.pop(_DIE_WITH_PARENT_ENV, None):
         _die_with_parent()
+        launcher = os.getppid()
+
+        def watch() -> None:
+            while os.getppid() == launcher:
+                time.sleep(_ORPHAN_POLL_S)
+            time.sleep(_ORPHAN_GRACE_S)
+            os._exit(1)
+        threading.Thread(target=watch, name="kvpool-orphan-watch", daemon=True).start()
 
 
 def wait_for_signal() -> None:

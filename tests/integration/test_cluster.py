@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -199,13 +200,44 @@ def test_cluster_processes_end_with_a_killed_launcher():
         launcher.kill()
         launcher.wait()
         launcher.stdout.close()
-    def running(pid: int) -> bool:
-        try:   # a zombie (exited, not reaped yet by whoever adopted it) counts as ended
-            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return False
-
     deadline = time.monotonic() + 10.0
-    while alive := [p for p in pids if running(p)]:
+    while alive := [p for p in pids if _running(p)]:
         assert time.monotonic() < deadline, f"still running after their launcher: {alive}"
         time.sleep(0.1)
+
+
+def test_a_child_whose_clean_stop_hangs_still_ends_soon_after_its_launcher():
+    """The launcher's death asks a child to stop cleanly (SIGTERM); one whose stop hangs (here:
+    it ignores SIGTERM; in a CI run, a node outlived its launcher by 10 s) exits on its own
+    a few seconds later."""
+    child = ("from kvpool.tools.cluster import die_with_launcher\ndie_with_launcher()\n"
+             "import signal, time\nsignal.signal(signal.SIGTERM, lambda *_: None)\n"
+             "print('ready', flush=True)\ntime.sleep(120)\n")
+    script = ("import subprocess, sys, time\n"
+              f"p = subprocess.Popen([sys.executable, '-c', {child!r}], stdout=subprocess.PIPE, "
+              "env={**__import__('os').environ, 'KVPOOL_DIE_WITH_PARENT': '1'}, text=True)\n"
+              "assert p.stdout.readline() == 'ready\\n'\n"
+              "print(p.pid, flush=True)\ntime.sleep(120)\n")
+    launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)
+    try:
+        pid = int(launcher.stdout.readline())
+    finally:
+        launcher.kill()
+        launcher.wait()
+        launcher.stdout.close()
+    t0 = time.monotonic()
+    try:
+        while _running(pid):
+            assert time.monotonic() - t0 < 8.0, "the child outlived its launcher"
+            time.sleep(0.05)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:   # a zombie (exited, not reaped yet by whoever adopted it) counts as ended
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
