@@ -191,15 +191,8 @@ def test_cluster_processes_end_with_a_killed_launcher():
               "c = LocalCluster(nodes=1, segment_size='8MiB')\nc.start()\n"
               "print(c.master_proc.popen.pid, c.nodes[0].popen.pid, flush=True)\n"
               "time.sleep(120)\n")
-    launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True)
-    try:
-        pids = [int(p) for p in launcher.stdout.readline().split()]
-        assert len(pids) == 2
-    finally:
-        launcher.kill()
-        launcher.wait()
-        launcher.stdout.close()
+    pids = _kill_launcher(script)
+    assert len(pids) == 2
     deadline = time.monotonic() + 10.0
     while alive := [p for p in pids if _running(p)]:
         assert time.monotonic() < deadline, f"still running after their launcher: {alive}"
@@ -218,14 +211,7 @@ def test_a_child_whose_clean_stop_hangs_still_ends_soon_after_its_launcher():
               "env={**__import__('os').environ, 'KVPOOL_DIE_WITH_PARENT': '1'}, text=True)\n"
               "assert p.stdout.readline() == 'ready\\n'\n"
               "print(p.pid, flush=True)\ntime.sleep(120)\n")
-    launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True)
-    try:
-        pid = int(launcher.stdout.readline())
-    finally:
-        launcher.kill()
-        launcher.wait()
-        launcher.stdout.close()
+    [pid] = _kill_launcher(script)
     t0 = time.monotonic()
     try:
         while _running(pid):
@@ -234,6 +220,18 @@ def test_a_child_whose_clean_stop_hangs_still_ends_soon_after_its_launcher():
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def _kill_launcher(script: str) -> list[int]:
+    """Run ``script`` (it prints its children's pids on one line), then kill it -9."""
+    launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)
+    try:
+        return [int(p) for p in launcher.stdout.readline().split()]
+    finally:
+        launcher.kill()
+        launcher.wait()
+        launcher.stdout.close()
 
 
 def _running(pid: int) -> bool:
