@@ -467,8 +467,7 @@ class KVClient:
             return None
         error = t.read([IoOp(replica, bufs[i])])[0]
         if error is not None:
-            if not isinstance(error, NodeRefused):
-                self._unreachable[node_id] = time.monotonic() + _UNREACHABLE_S
+            self._read_failed(node_id, error)
             return None
         if self._metrics is not None:
             self._metrics.moved("get", t.scheme, size)
@@ -515,9 +514,8 @@ class KVClient:
             failed = t.read_at(segments, where[positions], located.replicas.offsets[first],
                                located.sizes[positions], addresses,
                                [grants[j] for j in first.tolist()] if grants else ())
-            for loc in {int(where[positions[k]]) for k, e in failed.items()
-                        if not isinstance(e, NodeRefused)}:
-                self._unreachable[segments[loc].node.node_id] = time.monotonic() + _UNREACHABLE_S
+            for k, error in failed.items():
+                self._read_failed(segments[int(where[positions[k]])].node.node_id, error)
             read = np.delete(positions, list(failed)) if failed else positions
             if self._metrics is not None:
                 self._metrics.moved("get", t.scheme, int(located.sizes[read].sum()))
@@ -594,11 +592,17 @@ class KVClient:
                 else:
                     last_error[i] = err
                     pending.append(i)
-                    if isinstance(err, TransportError) and not isinstance(err, NodeRefused):
-                        self._unreachable[node_of[i]] = time.monotonic() + _UNREACHABLE_S
+                    self._read_failed(node_of[i], err)
             if verify:
                 pending += self._check_sums(items, ops, results, last_error)
         return results
+
+    def _read_failed(self, node_id: str, error: KVPoolError) -> None:
+        """A read from ``node_id`` failed: a node that did not answer is tried after the other
+        replicas for ``_UNREACHABLE_S``; one that answered and refused (NodeRefused: no
+        grant, outside its segments, an untrusted peer) is not."""
+        if isinstance(error, TransportError) and not isinstance(error, NodeRefused):
+            self._unreachable[node_id] = time.monotonic() + _UNREACHABLE_S
 
     def _check_sums(self, items, ops, results, last_error) -> list[int]:
         """Checksum what ``ops`` just read; a mismatch drops that replica on the master and
