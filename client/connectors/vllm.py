@@ -367,6 +367,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         if missing:
             raise ValueError(f"KVPoolConnector: no KV cache for layers {missing}")
         layers = [kv_caches[n] for n in self._scheme.layer_names]
+        # Connected while vLLM finishes starting, not on the first request (buffers registered
+        # below reach the client whenever it is made).
+        self._store.connect_soon()
         if self._scheme.version == 2:
             self._register_layerwise(layers)
             return
@@ -383,7 +386,6 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._tp_rank = _tp_rank()
         for t in layers:
             self._store.register(t)
-        self._store.connect_soon()
         log.info("kvpool_kv_caches_registered layers=%d block_bytes=%d tp_rank=%d",
                  len(layers), sum(t[0].numel() * t.element_size() for t in layers), self._tp_rank)
 
@@ -405,7 +407,6 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._stream = CopyStream(next(iter(devices)))
         self._pool = StagingPool(self._stream, self._store.register)
         self._tp_rank = _tp_rank()
-        self._store.connect_soon()
         log.info("kvpool_kv_caches_registered layers=%d block_bytes=%d tp_rank=%d device=%s "
                  "layout=%s", len(layers), self._by_layer.block_bytes, self._tp_rank,
                  self._stream.device, ",".join(sorted({f"dim{lay.block_dim}:{lay.row_shape}"
