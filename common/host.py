@@ -28,8 +28,8 @@ def local_boot_id() -> str:
 def map_populated(fd: int, length: int) -> mmap.mmap:
     """A shared, writable mapping of ``fd`` with its page tables filled in now, rather than a
     fault per 4 KiB page on first use: a store node's own segments (a client faults in only
-    the ranges it copies: client/transport/shm.py, _Mapping). MAP_POPULATE alone maps the pages read-only, so the
-    first write to each still faults (a 512 MiB put into a part of a segment not written yet
+    the ranges it copies: client/transport/shm.py, _Mapping). MAP_POPULATE alone maps the
+    pages read-only, so the first write to each still faults (a 512 MiB put into a part of a segment not written yet
     took up to twice as long, through the client's mapping over shm as through the node's over
     tcp); MADV_POPULATE_WRITE (Linux 5.14+) does both at MAP_POPULATE's cost. Older kernels
     get MAP_POPULATE, the best there is."""

@@ -20,7 +20,6 @@ from kvpool.common.logging import RateLimited, get_logger
 log = get_logger(__name__)
 
 
-
 async def relay(result, context) -> None:
     """Serve a streaming handler's ``result``: a generator of messages, each written to the
     stream, or a coroutine that writes its own (both are handler styles grpc.aio takes)."""
@@ -29,6 +28,7 @@ async def relay(result, context) -> None:
             await context.write(message)
     else:
         await result
+
 
 class _Malformed:
     __slots__ = ("error",)
