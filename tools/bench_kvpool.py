@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -288,7 +289,7 @@ def _concurrently(address: str, op: str, keys: list[str], batch: int, value_byte
         outcomes = []
         while len(outcomes) < clients:
             keep_alive()
-            with contextlib.suppress(Exception):   # queue.Empty: nothing yet
+            with contextlib.suppress(queue.Empty):
                 outcomes.append(results.get(timeout=0.5))
             if len(outcomes) < clients and not any(p.is_alive() for p in procs):
                 raise BenchError(f"master {op} clients died: {outcomes}")
