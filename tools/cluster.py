@@ -43,8 +43,9 @@ def _die_with_parent() -> None:
 def die_with_launcher() -> None:
     """In a kvpool process: if Proc started it, end with the process that did: SIGTERM (a
     clean stop) when the launcher dies, and an exit ``_ORPHAN_GRACE_S`` later if the clean
-    stop has not ended the process (a node unmounting from a master that died with the same
-    launcher waits on RPCs: a CI run under load saw one outlive its launcher by 10 s)."""
+    stop has not ended the process. The kernel's PDEATHSIG sends the SIGTERM, and a watcher
+    thread sends it too once the parent pid changes: in a CI run under load a node of a
+    killed launcher got no signal and ran on, idle, 35 minutes later."""
     if os.environ.pop(_DIE_WITH_PARENT_ENV, None):
         _die_with_parent()
         launcher = os.getppid()
@@ -52,6 +53,7 @@ def die_with_launcher() -> None:
         def watch() -> None:
             while os.getppid() == launcher:
                 time.sleep(_ORPHAN_POLL_S)
+            os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(_ORPHAN_GRACE_S)
             os._exit(1)
         threading.Thread(target=watch, name="kvpool-orphan-watch", daemon=True).start()
