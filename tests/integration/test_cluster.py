@@ -201,11 +201,26 @@ def test_cluster_processes_end_with_a_killed_launcher():
 
 def test_a_child_whose_clean_stop_hangs_still_ends_soon_after_its_launcher():
     """The launcher's death asks a child to stop cleanly (SIGTERM); one whose stop hangs (here:
-    it ignores SIGTERM; in a CI run, a node outlived its launcher by 10 s) exits on its own
-    a few seconds later."""
+    it ignores SIGTERM) exits on its own a few seconds later."""
+    _orphan_ends("signal.signal(signal.SIGTERM, lambda *_: None)\n")
+
+
+def test_a_child_the_kernel_does_not_signal_is_still_stopped_cleanly(tmp_path):
+    """PDEATHSIG once failed to reach a node of a killed launcher (it ran on, idle): the
+    watcher sends the SIGTERM itself, so the child still stops cleanly (its handler runs)."""
+    marker = tmp_path / "stopped"
+    _orphan_ends("from kvpool.tools.cluster import _prctl, _PR_SET_PDEATHSIG\n"
+                 "_prctl(_PR_SET_PDEATHSIG, 0)   # as if it never came\n"
+                 f"signal.signal(signal.SIGTERM, lambda *_: (open({str(marker)!r}, 'w').close(), "
+                 "sys.exit(0)))\n")
+    assert marker.exists(), "ended without its clean stop"
+
+
+def _orphan_ends(setup: str) -> None:
+    """A child of a launcher (Proc's environment: die_with_launcher) runs ``setup`` and waits;
+    the launcher is killed -9; the child must end within 8 s."""
     child = ("from kvpool.tools.cluster import die_with_launcher\ndie_with_launcher()\n"
-             "import signal, time\nsignal.signal(signal.SIGTERM, lambda *_: None)\n"
-             "print('ready', flush=True)\ntime.sleep(120)\n")
+             f"import signal, sys, time\n{setup}print('ready', flush=True)\ntime.sleep(120)\n")
     script = ("import subprocess, sys, time\n"
               f"p = subprocess.Popen([sys.executable, '-c', {child!r}], stdout=subprocess.PIPE, "
               "env={**__import__('os').environ, 'KVPOOL_DIE_WITH_PARENT': '1'}, text=True)\n"
@@ -239,3 +254,4 @@ def _running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
