@@ -41,6 +41,7 @@ class Candidate:
     # master's configured cost model.
     prefill_tokens_per_s: float = 0.0
     store_tokens_per_s: float = 0.0
+    decoding_requests: int = 0    # of queue_depth, those past their first token
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +117,8 @@ class RouterClient(GrpcClient):
             candidates=[pb.Candidate(instance_id=c.instance_id, queue_depth=c.queue_depth,
                                      inflight_prefill_tokens=c.inflight_prefill_tokens,
                                      prefill_tokens_per_s=c.prefill_tokens_per_s,
-                                     store_tokens_per_s=c.store_tokens_per_s)
+                                     store_tokens_per_s=c.store_tokens_per_s,
+                                     decoding_requests=c.decoding_requests)
                         for c in candidates])
         r = self._call_port(self._lookups, lookup_port.ROUTE, req, pb.RouteResponse)
         if r is None:

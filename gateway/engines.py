@@ -17,6 +17,11 @@ Load, per engine, as Route's ``Candidate`` takes it:
 - ``inflight_prefill_tokens``: prompt tokens the gateway sent there that are still to be
   prefilled, i.e. its requests without a first token yet, each counted as its prompt less the
   prefix Route expected it to reuse.
+- ``decoding_requests``: of ``queue_depth``, those not waiting for a first token from the
+  gateway (generating). The master's estimate of time to first token leaves them out, so among
+  engines it scores within its slack, fewer decides (two long generations sent one after the
+  other to the same engine while another idled, because one engine's measured prefill rate
+  was a little faster).
 - ``prefill_tokens_per_s``, ``store_tokens_per_s``: with a ``calibrator``
   (:class:`~kvpool.master.calibration.CostCalibrator`), the engine's rates as measured from
   its first tokens against what Route expected each request to recompute and load; 0 (the
@@ -133,11 +138,11 @@ class EngineState:
 
     def candidate(self, calibrator: CostCalibrator | None = None) -> Candidate:
         rates = calibrator.measured(self.spec.instance_id) if calibrator else None
-        return Candidate(self.spec.instance_id,
-                         max(self.inflight, self.reported_queue),
-                         sum(self.waiting_first_token.values()),
+        queue = max(self.inflight, self.reported_queue)
+        return Candidate(self.spec.instance_id, queue, sum(self.waiting_first_token.values()),
                          *((rates.prefill_tokens_per_s, rates.store_tokens_per_s)
-                           if rates else ()))
+                           if rates else (0.0, 0.0)),
+                         decoding_requests=max(0, queue - len(self.waiting_first_token)))
 
 
 class EnginePool:

@@ -39,9 +39,12 @@ Policies choose among candidates (instance id, queue depth, in-flight prefill to
   default 2/s); with one candidate idle the weight is ``recompute_weight``. Then affinity:
   among the candidates within ``affinity_slack_tokens * prefill_s_per_token`` of the best
   score, at most ``affinity_slack_max_s``, the one with the longest local (gpu + cpu) prefix
-  wins (then the lower score, then the lighter load). Scores that close are within their
-  estimates' error; keeping the request where its KV already is keeps that instance warm for
-  the conversation's next turn and leaves the store's bandwidth to requests that need it. The
+  wins (then the one with fewer requests generating there, then the lower score, then the
+  lighter load). Scores that close are within their estimates' error; the requests generating
+  on an instance are counted, not estimated (the estimate leaves them out, though each shares
+  every step with the new request's prefill), so they decide before the score does. Keeping
+  the request where its KV already is keeps that instance warm for the conversation's next
+  turn and leaves the store's bandwidth to requests that need it. The
   cap in seconds is for slow engines: on CPU engines prefilling ~500 tokens/s, 4,096 tokens are
   8 s, which held 18 of a live replay's first 24 requests on one engine while the other idled;
   a slack is what the router may add to a request's wait, so it is bounded in seconds.
@@ -115,6 +118,9 @@ class Candidate:
     # index's cost model's.
     prefill_tokens_per_s: float = 0.0
     store_tokens_per_s: float = 0.0
+    # Of queue_depth, the requests past their first token: generating, they share every step
+    # with a new request's prefill, and inflight_prefill_tokens does not count them.
+    decoding_requests: int = 0
 
     def __post_init__(self) -> None:
         if not all(0 <= r < math.inf for r in (self.prefill_tokens_per_s,
@@ -465,7 +471,10 @@ class KVPoolPolicy(RoutingPolicy):
         best = min(options, key=score_s)
         best_s = score_s(best)
         close = [o for o in options if score_s(o) <= best_s + best.cost.affinity_slack_s]
-        return min(close, key=lambda o: (-o.local_blocks, score_s(o), *_load_key(o)))
+        # Within the slack, scores are within their estimates' error; the requests generating
+        # there are counted, not estimated, and the estimate leaves them out: fewer decides.
+        return min(close, key=lambda o: (-o.local_blocks, o.candidate.decoding_requests,
+                                         score_s(o), *_load_key(o)))
 
 
 POLICIES: dict[str, Callable[[int], RoutingPolicy]] = {

@@ -88,7 +88,8 @@ class RouterServicer(routing_pb2_grpc.RouterServicer):
         request); InvalidArgument if the request is malformed."""
         query = self._query(request)
         candidates = [Candidate(c.instance_id, c.queue_depth, c.inflight_prefill_tokens,
-                                c.prefill_tokens_per_s, c.store_tokens_per_s)
+                                c.prefill_tokens_per_s, c.store_tokens_per_s,
+                                c.decoding_requests)
                       for c in request.candidates] or None
         decision = self.index.route(query, candidates, self._policy(request.policy))
         return pb.RouteResponse(

@@ -40,7 +40,8 @@ def test_without_a_calibrator_candidates_carry_no_rates(clock):
     t = pool.sent("e0", 100, store_tokens=50)
     clock.advance(1)
     pool.first_token("e0", t)
-    assert pool.candidates() == [Candidate("e0", 1, 0)]   # still running there
+    # still running there, generating
+    assert pool.candidates() == [Candidate("e0", 1, 0, decoding_requests=1)]
 
 
 def test_a_choice_names_the_tokens_it_expects_from_the_store():

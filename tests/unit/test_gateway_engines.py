@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from kvpool.client.router import Candidate
 from kvpool.gateway.engines import (
@@ -14,6 +16,9 @@ from kvpool.gateway.engines import (
 )
 from kvpool.gateway.probes import reported_queue
 from kvpool.gateway.routing import least_loaded
+from kvpool.master.calibration import CostCalibrator, Rates
+from kvpool.master.routing import Candidate as MasterCandidate
+from kvpool.master.routing import RouteQuery, RoutingIndex, make_policy
 
 
 def test_engines_are_named_by_their_id_or_their_host_and_port():
@@ -87,7 +92,7 @@ def test_load_counts_requests_in_flight_and_prompt_tokens_until_their_first_toke
     t2 = p.sent("e0", 100)
     assert p.candidates() == [Candidate("e0", 2, 400), Candidate("e1", 0, 0)]
     p.first_token("e0", t1)            # prefilled: its prompt is done, it still runs there
-    assert p.candidates()[0] == Candidate("e0", 2, 100)
+    assert p.candidates()[0] == Candidate("e0", 2, 100, decoding_requests=1)
     assert p["e0"].inflight == 2
     p.done("e0", t1)
     p.done("e0", t2)                   # ended before a first token (an error): gone too
@@ -97,8 +102,9 @@ def test_load_counts_requests_in_flight_and_prompt_tokens_until_their_first_toke
 def test_the_engines_own_report_counts_when_it_sees_more(clock):
     p = pool(clock)
     p.sent("e0", 10)
-    p.reported("e0", 5)        # other clients' requests too
+    p.reported("e0", 5)        # other clients' requests too (not waiting on the gateway)
     assert p.candidates()[0].queue_depth == 5
+    assert p.candidates()[0].decoding_requests == 4
     p.reported("e0", 0)        # a scrape older than the gateway's own request
     assert p.candidates()[0].queue_depth == 1
 
@@ -110,6 +116,28 @@ def test_requests_generating_on_one_engine_send_the_next_to_another(clock):
     t = p.sent("e0", 50)
     p.first_token("e0", t)
     assert least_loaded(p.candidates()).instance_id == "e1"
+
+
+def test_the_masters_policy_sends_the_next_request_past_one_generating(clock):
+    """e0 measured a little faster at prefill (calibration noise on two equal engines) and
+    busy generating: the master's default policy sends a short prompt to the idle e1 (it sent it
+    to e0 before: the faster score won among scores within the slack)."""
+    calibrator = CostCalibrator(Rates(8000.0, 80000.0), clock=clock)
+    p = EnginePool([EngineSpec(f"e{i}", f"http://h:{i + 1}") for i in range(2)], clock=clock,
+                   calibrator=calibrator)
+    for _ in range(20):                     # 500 tokens/s and 550 tokens/s
+        calibrator.observe("e0", 55, 0, 0.1)
+        calibrator.observe("e1", 50, 0, 0.1)
+    t = p.sent("e0", 50)
+    p.first_token("e0", t)
+    index = RoutingIndex(clock)
+    query = RouteQuery(tuple(range(3)), 40, 16)
+    candidates = [MasterCandidate(**dataclasses.asdict(c)) for c in p.candidates()]
+    assert candidates[0].prefill_tokens_per_s > candidates[1].prefill_tokens_per_s > 0
+    assert index.route(query, candidates, make_policy("kvpool")).instance_id == "e1"
+    # Without the generating request e0 wins on its score: what decides is the count.
+    idle = [dataclasses.replace(c, queue_depth=0, decoding_requests=0) for c in candidates]
+    assert index.route(query, idle, make_policy("kvpool")).instance_id == "e0"
 
 
 def test_a_failed_engine_is_offered_to_no_request_until_a_probe_finds_it_healthy(clock):

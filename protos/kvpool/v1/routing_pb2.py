@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%kvpool/protos/kvpool/v1/routing.proto\x12\tkvpool.v1\",\n\x08HashSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\"M\n\x15RegisterClientRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12!\n\x04spec\x18\x02 \x01(\x0b\x32\x13.kvpool.v1.HashSpec\"C\n\x16RegisterClientResponse\x12)\n\x0c\x63luster_spec\x18\x01 \x01(\x0b\x32\x13.kvpool.v1.HashSpec\"3\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x0e\n\x06medium\x18\x02 \x01(\t\"4\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x0e\n\x06medium\x18\x02 \x01(\t\"\x12\n\x10\x41llBlocksCleared\"\x98\x01\n\x07KVEvent\x12(\n\x06stored\x18\x01 \x01(\x0b\x32\x16.kvpool.v1.BlockStoredH\x00\x12*\n\x07removed\x18\x02 \x01(\x0b\x32\x17.kvpool.v1.BlockRemovedH\x00\x12.\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x1b.kvpool.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"n\n\x0cKVEventBatch\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\n\n\x02ts\x18\x02 \x01(\x01\x12\"\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x12.kvpool.v1.KVEvent\x12\x0b\n\x03url\x18\x04 \x01(\t\x12\x0c\n\x04role\x18\x05 \x01(\t\":\n\x17PublishKVEventsResponse\x12\x0f\n\x07\x62\x61tches\x18\x01 \x01(\x04\x12\x0e\n\x06\x65vents\x18\x02 \x01(\x04\"\x90\x01\n\tCandidate\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0bqueue_depth\x18\x02 \x01(\r\x12\x1f\n\x17inflight_prefill_tokens\x18\x03 \x01(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\x04 \x01(\x01\x12\x1a\n\x12store_tokens_per_s\x18\x05 \x01(\x01\"\'\n\x08\x45xtraKey\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"\xb1\x01\n\x0cRouteRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\'\n\nextra_keys\x18\x02 \x03(\x0b\x32\x13.kvpool.v1.ExtraKey\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12(\n\ncandidates\x18\x04 \x03(\x0b\x32\x14.kvpool.v1.Candidate\x12\x0e\n\x06policy\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\"(\n\x08TierHits\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\r\"\x96\x01\n\rRouteResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12!\n\x04hits\x18\x02 \x03(\x0b\x32\x13.kvpool.v1.TierHits\x12\x18\n\x10\x65stimated_ttft_s\x18\x03 \x01(\x01\x12\x0e\n\x06policy\x18\x04 \x01(\t\x12\x0e\n\x06\x62locks\x18\x05 \x01(\r\x12\x13\n\x0blookup_port\x18\x06 \x01(\r\"\x16\n\x14ListInstancesRequest\"z\n\x0cInstanceInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x12\n\ngpu_blocks\x18\x04 \x01(\x04\x12\x12\n\ncpu_blocks\x18\x05 \x01(\x04\x12\x12\n\nseen_s_ago\x18\x06 \x01(\x01\"C\n\x15ListInstancesResponse\x12*\n\tinstances\x18\x01 \x03(\x0b\x32\x17.kvpool.v1.InstanceInfo2\xc1\x02\n\x06Router\x12U\n\x0eRegisterClient\x12 .kvpool.v1.RegisterClientRequest\x1a!.kvpool.v1.RegisterClientResponse\x12P\n\x0fPublishKVEvents\x12\x17.kvpool.v1.KVEventBatch\x1a\".kvpool.v1.PublishKVEventsResponse(\x01\x12:\n\x05Route\x12\x17.kvpool.v1.RouteRequest\x1a\x18.kvpool.v1.RouteResponse\x12R\n\rListInstances\x12\x1f.kvpool.v1.ListInstancesRequest\x1a .kvpool.v1.ListInstancesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%kvpool/protos/kvpool/v1/routing.proto\x12\tkvpool.v1\",\n\x08HashSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\"M\n\x15RegisterClientRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12!\n\x04spec\x18\x02 \x01(\x0b\x32\x13.kvpool.v1.HashSpec\"C\n\x16RegisterClientResponse\x12)\n\x0c\x63luster_spec\x18\x01 \x01(\x0b\x32\x13.kvpool.v1.HashSpec\"3\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x0e\n\x06medium\x18\x02 \x01(\t\"4\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x0e\n\x06medium\x18\x02 \x01(\t\"\x12\n\x10\x41llBlocksCleared\"\x98\x01\n\x07KVEvent\x12(\n\x06stored\x18\x01 \x01(\x0b\x32\x16.kvpool.v1.BlockStoredH\x00\x12*\n\x07removed\x18\x02 \x01(\x0b\x32\x17.kvpool.v1.BlockRemovedH\x00\x12.\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x1b.kvpool.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"n\n\x0cKVEventBatch\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\n\n\x02ts\x18\x02 \x01(\x01\x12\"\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x12.kvpool.v1.KVEvent\x12\x0b\n\x03url\x18\x04 \x01(\t\x12\x0c\n\x04role\x18\x05 \x01(\t\":\n\x17PublishKVEventsResponse\x12\x0f\n\x07\x62\x61tches\x18\x01 \x01(\x04\x12\x0e\n\x06\x65vents\x18\x02 \x01(\x04\"\xab\x01\n\tCandidate\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0bqueue_depth\x18\x02 \x01(\r\x12\x1f\n\x17inflight_prefill_tokens\x18\x03 \x01(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\x04 \x01(\x01\x12\x1a\n\x12store_tokens_per_s\x18\x05 \x01(\x01\x12\x19\n\x11\x64\x65\x63oding_requests\x18\x06 \x01(\r\"\'\n\x08\x45xtraKey\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"\xb1\x01\n\x0cRouteRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\'\n\nextra_keys\x18\x02 \x03(\x0b\x32\x13.kvpool.v1.ExtraKey\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12(\n\ncandidates\x18\x04 \x03(\x0b\x32\x14.kvpool.v1.Candidate\x12\x0e\n\x06policy\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\"(\n\x08TierHits\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\r\"\x96\x01\n\rRouteResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12!\n\x04hits\x18\x02 \x03(\x0b\x32\x13.kvpool.v1.TierHits\x12\x18\n\x10\x65stimated_ttft_s\x18\x03 \x01(\x01\x12\x0e\n\x06policy\x18\x04 \x01(\t\x12\x0e\n\x06\x62locks\x18\x05 \x01(\r\x12\x13\n\x0blookup_port\x18\x06 \x01(\r\"\x16\n\x14ListInstancesRequest\"z\n\x0cInstanceInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x12\n\ngpu_blocks\x18\x04 \x01(\x04\x12\x12\n\ncpu_blocks\x18\x05 \x01(\x04\x12\x12\n\nseen_s_ago\x18\x06 \x01(\x01\"C\n\x15ListInstancesResponse\x12*\n\tinstances\x18\x01 \x03(\x0b\x32\x17.kvpool.v1.InstanceInfo2\xc1\x02\n\x06Router\x12U\n\x0eRegisterClient\x12 .kvpool.v1.RegisterClientRequest\x1a!.kvpool.v1.RegisterClientResponse\x12P\n\x0fPublishKVEvents\x12\x17.kvpool.v1.KVEventBatch\x1a\".kvpool.v1.PublishKVEventsResponse(\x01\x12:\n\x05Route\x12\x17.kvpool.v1.RouteRequest\x1a\x18.kvpool.v1.RouteResponse\x12R\n\rListInstances\x12\x1f.kvpool.v1.ListInstancesRequest\x1a .kvpool.v1.ListInstancesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -50,21 +50,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUBLISHKVEVENTSRESPONSE']._serialized_start=640
   _globals['_PUBLISHKVEVENTSRESPONSE']._serialized_end=698
   _globals['_CANDIDATE']._serialized_start=701
-  _globals['_CANDIDATE']._serialized_end=845
-  _globals['_EXTRAKEY']._serialized_start=847
-  _globals['_EXTRAKEY']._serialized_end=886
-  _globals['_ROUTEREQUEST']._serialized_start=889
-  _globals['_ROUTEREQUEST']._serialized_end=1066
-  _globals['_TIERHITS']._serialized_start=1068
-  _globals['_TIERHITS']._serialized_end=1108
-  _globals['_ROUTERESPONSE']._serialized_start=1111
-  _globals['_ROUTERESPONSE']._serialized_end=1261
-  _globals['_LISTINSTANCESREQUEST']._serialized_start=1263
-  _globals['_LISTINSTANCESREQUEST']._serialized_end=1285
-  _globals['_INSTANCEINFO']._serialized_start=1287
-  _globals['_INSTANCEINFO']._serialized_end=1409
-  _globals['_LISTINSTANCESRESPONSE']._serialized_start=1411
-  _globals['_LISTINSTANCESRESPONSE']._serialized_end=1478
-  _globals['_ROUTER']._serialized_start=1481
-  _globals['_ROUTER']._serialized_end=1802
+  _globals['_CANDIDATE']._serialized_end=872
+  _globals['_EXTRAKEY']._serialized_start=874
+  _globals['_EXTRAKEY']._serialized_end=913
+  _globals['_ROUTEREQUEST']._serialized_start=916
+  _globals['_ROUTEREQUEST']._serialized_end=1093
+  _globals['_TIERHITS']._serialized_start=1095
+  _globals['_TIERHITS']._serialized_end=1135
+  _globals['_ROUTERESPONSE']._serialized_start=1138
+  _globals['_ROUTERESPONSE']._serialized_end=1288
+  _globals['_LISTINSTANCESREQUEST']._serialized_start=1290
+  _globals['_LISTINSTANCESREQUEST']._serialized_end=1312
+  _globals['_INSTANCEINFO']._serialized_start=1314
+  _globals['_INSTANCEINFO']._serialized_end=1436
+  _globals['_LISTINSTANCESRESPONSE']._serialized_start=1438
+  _globals['_LISTINSTANCESRESPONSE']._serialized_end=1505
+  _globals['_ROUTER']._serialized_start=1508
+  _globals['_ROUTER']._serialized_end=1829
 # @@protoc_insertion_point(module_scope)

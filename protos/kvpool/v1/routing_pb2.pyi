@@ -81,18 +81,20 @@ class PublishKVEventsResponse(_message.Message):
     def __init__(self, batches: _Optional[int] = ..., events: _Optional[int] = ...) -> None: ...
 
 class Candidate(_message.Message):
-    __slots__ = ("instance_id", "queue_depth", "inflight_prefill_tokens", "prefill_tokens_per_s", "store_tokens_per_s")
+    __slots__ = ("instance_id", "queue_depth", "inflight_prefill_tokens", "prefill_tokens_per_s", "store_tokens_per_s", "decoding_requests")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     STORE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    DECODING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     queue_depth: int
     inflight_prefill_tokens: int
     prefill_tokens_per_s: float
     store_tokens_per_s: float
-    def __init__(self, instance_id: _Optional[str] = ..., queue_depth: _Optional[int] = ..., inflight_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., store_tokens_per_s: _Optional[float] = ...) -> None: ...
+    decoding_requests: int
+    def __init__(self, instance_id: _Optional[str] = ..., queue_depth: _Optional[int] = ..., inflight_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., store_tokens_per_s: _Optional[float] = ..., decoding_requests: _Optional[int] = ...) -> None: ...
 
 class ExtraKey(_message.Message):
     __slots__ = ("name", "value")
