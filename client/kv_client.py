@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections import defaultdict
@@ -19,6 +20,7 @@ from kvpool.client.buffers import address_of, byte_view, writable_rows
 from kvpool.client.metrics import client_metrics
 from kvpool.client.transport.base import IoOp, Transport
 from kvpool.client.transport.registry import TRANSPORT_PREFERENCE, create_transports
+from kvpool.common import tenants
 from kvpool.common.checksum import checksum
 from kvpool.common.errors import (
     ClientClosed,
@@ -241,8 +243,11 @@ class KVClient:
         records = None
         if fenced and grant.epoch:
             hold_s = grant.hold_s - (time.monotonic() - sent)
-            records = {i: PutRecord(keys[i], version, grant.epoch, max(hold_s, 0.0), None,
-                                    parents[i] if parents is not None else None)
+            # The nodes keep stored keys: the master's, in the tenant's namespace.
+            stored = functools.partial(tenants.scoped, grant.tenant)
+            records = {i: PutRecord(stored(keys[i]), version, grant.epoch, max(hold_s, 0.0),
+                                    None, stored(parents[i]) if parents is not None
+                                    and parents[i] else None)
                        for i, version in zip(idx, grant.versions)}
         deadline = sent + put_timeout_s - _PUT_DEADLINE_MARGIN_S
         if records is not None and len(idx) == 1 and not isinstance(placed[0], KVPoolError) \

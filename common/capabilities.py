@@ -10,6 +10,14 @@ located for it, only for the operation granted, and only until the grant expires
 grant is spent by its first WRITE (store_node/data_server.py), so a committed object is never
 writable again.
 
+A write grant (PutStart's) also carries a record tag: a MAC over the same extent, version and
+expiry under the operation ``RECORD`` and the object's stored key (common/tenants.py). A writer
+sends it (:func:`record_grant`) with the RESERVE and SEAL that hand its node the put's record,
+and the node checks it against the record's key: a writer can record at its node only the key
+the master placed there, so no client can make a node's manifest name another key (another
+tenant's) at its extent, nor drop that key's record there. The client strips it from its
+WRITEs (:func:`write_grant`); the frames carry 32-byte grants either way.
+
 The MAC is keyed BLAKE2b (hashlib, one C call) truncated to 128 bits: a MAC, not a signature,
 as only the master and that node hold the key. Expiries are unix milliseconds: master and
 node clocks must agree to within the grant's slack (``READ_GRANT_MIN_S``).
@@ -23,9 +31,11 @@ import secrets
 import struct
 import time
 
-# The operations a grant names (equal to net.data_port.Op's READ and WRITE).
+# The operations a grant names (equal to net.data_port.Op's READ and WRITE), and a put's
+# record (RESERVE, SEAL) of one key.
 READ = 1
 WRITE = 2
+RECORD = 3
 KEY_BYTES = 32
 TAG_BYTES = 16
 #: A grant on the wire: version, expiry (unix ms), MAC.
@@ -68,21 +78,28 @@ class Signer:
             self._by_segment[segment_id] = state
         return state
 
-    def mint_many(self, op: int, segment_id: bytes, extents, expiry: int) -> list[bytes]:
+    def mint_many(self, op: int, segment_id: bytes, extents, expiry: int,
+                  keys=None) -> list[bytes]:
         """:meth:`mint` for ``(offset, length, version)`` extents of one segment (the
-        master's loop: one call per segment of a batch, not per replica)."""
+        master's loop: one call per segment of a batch, not per replica). ``keys``: parallel
+        to ``extents``, each one's stored key: WRITE grants then carry its record tag."""
         copy, pack, grant = self.segment_state(segment_id).copy, _FIELDS.pack, GRANT.pack
         out = []
         for offset, length, version in extents:
             h = copy()
             h.update(pack(op, offset, length, version, expiry))
             out.append(grant(version, expiry, h.digest()))
+        if keys is not None:
+            for i, ((offset, length, version), key) in enumerate(zip(extents, keys)):
+                h = copy()
+                h.update(pack(RECORD, offset, length, version, expiry) + key.encode())
+                out[i] += h.digest()
         return out
 
     def _tag(self, op: int, segment_id: bytes, offset: int, length: int, version: int,
-             expiry: int) -> bytes:
+             expiry: int, key: bytes = b"") -> bytes:
         h = self.segment_state(segment_id).copy()
-        h.update(_FIELDS.pack(op, offset, length, version, expiry))
+        h.update(_FIELDS.pack(op, offset, length, version, expiry) + key)
         return h.digest()
 
     def mint(self, op: int, segment_id: bytes, offset: int, length: int, version: int,
@@ -92,24 +109,43 @@ class Signer:
                           self._tag(op, segment_id, offset, length, version, expiry))
 
     def check(self, grant: bytes, op: int, segment_id: bytes, offset: int, length: int,
-              now_ms: float | None = None) -> tuple[int, str]:
-        """(the grant's version, "") if ``grant`` allows ``op`` on the extent now; else
-        (0, why)."""
+              now_ms: float | None = None, key: bytes = b"") -> tuple[int, str]:
+        """(the grant's version, "") if ``grant`` allows ``op`` on the extent now (RECORD:
+        of the stored ``key``, utf-8); else (0, why)."""
         if len(grant) != GRANT.size:
             return 0, "no grant for this extent"
         version, expiry, tag = GRANT.unpack(grant)
         if not hmac.compare_digest(tag, self._tag(op, segment_id, offset, length, version,
-                                                  expiry)):
-            return 0, "the grant does not cover this operation on this extent"
+                                                  expiry, key)):
+            return 0, ("the grant does not cover this key's record on this extent"
+                       if op == RECORD else
+                       "the grant does not cover this operation on this extent")
         if expiry < (time.time() * 1000 if now_ms is None else now_ms):
             return 0, "the grant has expired"
         return version, ""
 
 
 def mint(key: bytes, op: int, segment_id: str, offset: int, length: int, version: int,
-         expiry_ms: int) -> bytes:
-    """:meth:`Signer.mint` with a one-off signer (tests, tools)."""
-    return Signer(key).mint(op, segment_id.encode(), offset, length, version, expiry_ms)
+         expiry_ms: int, stored_key: str | None = None) -> bytes:
+    """:meth:`Signer.mint` with a one-off signer (tests, tools); ``stored_key``: a WRITE
+    grant with its record tag for that key."""
+    if stored_key is None:
+        return Signer(key).mint(op, segment_id.encode(), offset, length, version, expiry_ms)
+    [grant] = Signer(key).mint_many(op, segment_id.encode(), [(offset, length, version)],
+                                    expiry_ms, [stored_key])
+    return grant
+
+
+def write_grant(grant: bytes) -> bytes:
+    """What a WRITE sends of a write grant: the grant without its record tag."""
+    return grant[:GRANT.size]
+
+
+def record_grant(grant: bytes) -> bytes:
+    """What a RESERVE or SEAL sends of a write grant: its version and expiry with the record
+    tag (a grant without one, as sent: the node refuses it where it checks grants)."""
+    return grant[:GRANT.size - TAG_BYTES] + grant[GRANT.size:] if len(grant) > GRANT.size \
+        else grant
 
 
 def check(key: bytes, grant: bytes, op: int, segment_id: bytes, offset: int, length: int,

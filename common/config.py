@@ -72,6 +72,20 @@ def format_size(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def parse_quotas(text: str) -> dict[str, int]:
+    """``NAME=SIZE,...`` (``*``: every tenant not named) -> {name: bytes}."""
+    quotas: dict[str, int] = {}
+    for item in filter(None, (s.strip() for s in str(text or "").split(","))):
+        name, sep, size = (p.strip() for p in item.partition("="))
+        if not sep or not name:
+            raise ConfigError(f"invalid tenant quota {item!r}: expected NAME=SIZE (e.g. "
+                              "tenant-a=10GiB, or *=1GiB for every tenant not named)")
+        if name in quotas:
+            raise ConfigError(f"tenant {name!r} has two quotas")
+        quotas[name] = parse_size(size)
+    return quotas
+
+
 # Names MasterConfig.eviction accepts; master/eviction.py maps each to its policy class.
 EVICTION_POLICIES = ("prefix", "lru")
 
@@ -112,6 +126,9 @@ class MasterConfig:
     max_routing_instances: int = 1024
     max_routing_blocks_per_instance: int = 1_000_000
     max_routing_blocks: int = 4_000_000
+    # Tenants' byte quotas (master/quotas.py): "NAME=SIZE,...", "*" for every tenant not named;
+    # "" (the default): none, every tenant bounded by the cluster's capacity only.
+    tenant_quotas: str = ""
 
     def __post_init__(self) -> None:
         if self.eviction not in EVICTION_POLICIES:
@@ -132,6 +149,7 @@ class MasterConfig:
                   "max_routing_blocks"):
             if getattr(self, f) < 1:
                 raise ConfigError(f"{f} must be at least 1")
+        parse_quotas(self.tenant_quotas)   # ConfigError if malformed
         if self.default_replicas < 1:
             raise ConfigError("default_replicas must be at least 1")
         for f in ("put_timeout_s", "lease_ttl_s", "node_ttl_s", "quarantine_s",

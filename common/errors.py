@@ -32,6 +32,11 @@ class NoSpace(KVPoolError):
     """The cluster has no room for the object, even after eviction."""
 
 
+class QuotaExceeded(NoSpace):
+    """The object would take its tenant past its byte quota (common/tenants.py): nothing was
+    placed or evicted."""
+
+
 class ValueTooLarge(NoSpace, InvalidArgument):
     """The value is larger than any mounted segment: it can never be stored."""
 
@@ -109,6 +114,7 @@ _STATUS_TO_ERROR: dict[int, type[KVPoolError]] = {
     pb.STATUS_NOT_PENDING: NotPending,
     pb.STATUS_UNKNOWN_NODE: UnknownNode,
     pb.STATUS_CONFLICT: Conflict,
+    pb.STATUS_QUOTA_EXCEEDED: QuotaExceeded,
 }
 
 _ERROR_TO_STATUS: dict[type[KVPoolError], int] = {
@@ -120,6 +126,7 @@ _ERROR_TO_STATUS: dict[type[KVPoolError], int] = {
     NotPending: pb.STATUS_NOT_PENDING,
     UnknownNode: pb.STATUS_UNKNOWN_NODE,
     Conflict: pb.STATUS_CONFLICT,
+    QuotaExceeded: pb.STATUS_QUOTA_EXCEEDED,
 }
 
 

@@ -13,6 +13,11 @@ interceptor and on the lookup port by master/lookup_server.py, with one table.
 
 The peer's identity comes from its verified certificate (common/security.py); a master
 serving without credentials (loopback, or ``--insecure``) checks nothing.
+
+Where a call is checked, a client's keys are also put in its tenant's namespace
+(:func:`scope`, common/tenants.py) before the handler sees them, and a PutStart answer names
+the tenant (its writer hands its nodes records of the stored keys). Admins are not scoped: they
+name stored keys, any tenant's.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import grpc
+from kvpool.common import tenants
+from kvpool.common.errors import InvalidArgument
 from kvpool.common.logging import RateLimited, get_logger
 from kvpool.common.security import Identity, Tokens, identity_from_pem
 from kvpool.master.request_guard import relay
@@ -29,6 +36,9 @@ log = get_logger(__name__)
 NODE_METHODS = frozenset({"MountSegment", "UnmountSegment", "Heartbeat", "AnnounceObjects",
                           "WatchManifest", "AckManifest"})
 CLIENT_ROLES = frozenset({"client", "admin"})
+# The calls whose request names keys (``keys``; PutStart's ``parents`` too).
+KEYED_METHODS = frozenset({"PutStart", "PutEnd", "PutRevoke", "GetReplicas", "Exists",
+                           "Remove", "Pin", "ReportCorrupt"})
 
 
 class Refused(Exception):
@@ -73,6 +83,47 @@ def check(method: str, identity: Identity | None, request=None) -> None:
                       f"Stats with audit is for admins; the caller is {identity}")
 
 
+def tenant(identity: Identity | None) -> str:
+    """The namespace a caller's keys live in: a client's tenant (its name); "" (keys as given)
+    for any other role, and where nothing is checked."""
+    return identity.name if identity is not None and identity.role == "client" else ""
+
+
+def scope(method: str, identity: Identity | None, request) -> None:
+    """Put the keys of a checked ``request`` in the caller's tenant's namespace, in place.
+    A node's own ReportCorrupt names stored keys, and is not a client's."""
+    name = tenant(identity)
+    if not name or method not in KEYED_METHODS:
+        return
+    try:
+        tenants.check_tenant(name)
+    except InvalidArgument as e:
+        raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"{method} from {identity}: {e}"
+                      ) from None
+    keys = tenants.scoped_all(name, request.keys)
+    if keys is not None:
+        del request.keys[:]
+        request.keys.extend(keys)
+    if method == "PutStart" and request.parents:
+        parents = [tenants.scoped(name, p) if p else "" for p in request.parents]
+        del request.parents[:]
+        request.parents.extend(parents)
+
+
+def scope_answer(method: str, identity: Identity | None, response) -> None:
+    """A PutStart answer names the tenant whose namespace its keys were put in; a client's
+    Stats tell of its own tenant only."""
+    name = tenant(identity)
+    if not name:
+        return
+    if method == "PutStart":
+        response.tenant = name
+    elif method == "Stats":
+        own = [t for t in response.tenants if t.tenant == name]
+        del response.tenants[:]
+        response.tenants.extend(own)
+
+
 def grpc_identity(context, tokens: Tokens | None = None) -> Identity | None:
     """The identity a gRPC call's verified peer certificate names, else (on the token port,
     which requests no certificate) the one its bearer token is bound to, if any."""
@@ -108,11 +159,15 @@ class Authorizer(grpc.aio.ServerInterceptor):
         method = details.method.rpartition("/")[2]
         refuse, tokens = self._refuse, self.tokens
 
-        async def checked(request, context) -> None:
+        async def checked(request, context) -> Identity | None:
+            identity = grpc_identity(context, tokens)
             try:
-                check(method, grpc_identity(context, tokens), request)
+                check(method, identity, request)
+                if request is not None:
+                    scope(method, identity, request)
             except Refused as e:
                 await context.abort(e.code, refuse(method, context, e))
+            return identity
 
         def wrap(kind: str, make: Callable):
             inner = getattr(handler, kind)
@@ -120,8 +175,11 @@ class Authorizer(grpc.aio.ServerInterceptor):
 
             if kind == "unary_unary" or kind == "stream_unary":
                 async def call(request, context):
-                    await checked(None if streaming_in else request, context)
-                    return await inner(request, context)
+                    identity = await checked(None if streaming_in else request, context)
+                    response = await inner(request, context)
+                    if response is not None:
+                        scope_answer(method, identity, response)
+                    return response
             else:
                 async def call(request, context):
                     await checked(None if streaming_in else request, context)

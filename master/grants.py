@@ -29,27 +29,34 @@ class GrantMinter:
 
     def mint(self, op: int, counts: Sequence[int], segment_ids: Sequence[str],
              offsets: Sequence[int], sizes: Sequence[int], versions: Sequence[int],
-             ttl_s: float) -> list[bytes]:
+             ttl_s: float, keys: Sequence[str] | None = None) -> list[bytes]:
         """One grant per replica: object ``i`` has ``counts[i]`` replicas, each at
-        ``(segment_ids[j], offsets[j])``, of ``sizes[i]`` bytes and version ``versions[i]``."""
+        ``(segment_ids[j], offsets[j])``, of ``sizes[i]`` bytes and version ``versions[i]``.
+        ``keys``: each object's stored key, for WRITE grants with record tags."""
         expiry = capabilities.expiry_ms(ttl_s)
         # Grouped by segment (a batch's replicas share a few), minted per segment, then put
         # back in replica order.
         by_segment: dict[str, list[int]] = {}
         extents: dict[str, list[tuple[int, int, int]]] = {}
+        named: dict[str, list[str]] | None = {} if keys is not None else None
         j = 0
-        for count, size, version in zip(counts, sizes, versions):
+        for i, (count, size, version) in enumerate(zip(counts, sizes, versions)):
             for k in range(j, j + count):
                 sid = segment_ids[k]
                 if sid not in by_segment:
                     by_segment[sid], extents[sid] = [], []
+                    if named is not None:
+                        named[sid] = []
                 by_segment[sid].append(k)
                 extents[sid].append((offsets[k], size, version))
+                if named is not None:
+                    named[sid].append(keys[i])
             j += count
         grants: list[bytes] = [b""] * j
         for sid, where in by_segment.items():
             signer = self._signer(self._replica_in(sid).node.node_id)
-            for k, grant in zip(where, signer.mint_many(op, sid.encode(), extents[sid],
-                                                        expiry)):
+            for k, grant in zip(where, signer.mint_many(
+                    op, sid.encode(), extents[sid], expiry,
+                    named[sid] if named is not None else None)):
                 grants[k] = grant
         return grants

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 
 from kvpool.common import checksum
 from kvpool.common.errors import KVPoolError, NotPending, ObjectNotFound
-from kvpool.common.types import Extent, ObjectRecord, ObjectState, validate_key
+from kvpool.common.tenants import validate_stored_key as validate_key  # keys as stored
+from kvpool.common.types import Extent, ObjectRecord, ObjectState
+from kvpool.master.quotas import TenantUsage
 
 PENDING, COMPLETE = ObjectState.PENDING, ObjectState.COMPLETE
 _MAX_SHARED_SIZES = 1024
@@ -78,8 +80,9 @@ class LocatedColumns:
 class ObjectIndex:
     """Entries by key, the count of PENDING ones, and the read counters."""
 
-    def __init__(self) -> None:
+    def __init__(self, tenants: TenantUsage | None = None) -> None:
         self.objects: dict[str, ObjectEntry] = {}
+        self.tenants = tenants if tenants is not None else TenantUsage()
         self.pending = 0
         self.hits = self.misses = 0
         self.hit_bytes = 0                 # sizes of the objects found by lookups
@@ -113,6 +116,7 @@ class ObjectIndex:
             self.pending += 1
         if parent:
             self.parents[obj] = parent
+        self.tenants.added(key, size)
         return obj
 
     def take_parent(self, obj: ObjectEntry) -> str | None:
@@ -131,6 +135,7 @@ class ObjectIndex:
 
     def discard(self, obj: ObjectEntry) -> None:
         del self.objects[obj.key]
+        self.tenants.removed(obj.key, obj.size)
         if obj.state is PENDING:
             self.pending -= 1
             if self.parents:

@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError, Message
 from kvpool.common.errors import InvalidArgument, KVPoolError, UnknownNode
 from kvpool.common.logging import get_logger
 from kvpool.common.security import Identity, identity_from_der
-from kvpool.master.auth import Refused, check
+from kvpool.master.auth import Refused, check, scope, scope_answer
 from kvpool.net import lookup_port
 
 log = get_logger(__name__)
@@ -219,17 +219,20 @@ class LookupServer:
         except DecodeError:
             return lookup_port.encode_response(
                 _INVALID, f"malformed {request_type.DESCRIPTOR.name}".encode())
+        name = lookup_port.METHOD_NAMES[method]
         try:
             self._check(method, identity, request)
+            scope(name, identity, request)
         except Refused as e:
             return lookup_port.encode_response(e.code.value[0], str(e).encode())
         try:
             response = handler(request)
             if inspect.isawaitable(response):
                 response = await response
+            scope_answer(name, identity, response)
             return lookup_port.encode_response(_OK, response.SerializeToString())
         except InvalidArgument as e:
             return lookup_port.encode_response(_INVALID, str(e).encode())
         except Exception as e:   # a bug: answered as gRPC would (UNKNOWN), not a dead socket
-            log.exception("lookup_failed", method=lookup_port.METHOD_NAMES[method])
+            log.exception("lookup_failed", method=name)
             return lookup_port.encode_response(_UNKNOWN, f"{type(e).__name__}: {e}".encode())

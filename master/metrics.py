@@ -105,6 +105,19 @@ class MasterCollector:
             by_ns.add_metric([ns, "hit"], hits)
             by_ns.add_metric([ns, "miss"], misses)
         yield by_ns
+        held = GaugeMetricFamily("kvpool_master_tenant_bytes", "Sizes of each tenant's "
+                                 "objects, each once whatever its replicas (master/quotas.py)",
+                                 labels=["tenant"])
+        count = GaugeMetricFamily("kvpool_master_tenant_objects", "Objects of each tenant, "
+                                  "pending and complete", labels=["tenant"])
+        quota = GaugeMetricFamily("kvpool_master_tenant_quota_bytes", "Each tenant's byte "
+                                  "quota (tenants with one)", labels=["tenant"])
+        for t, n, b, q in s.tenants:
+            held.add_metric([t], b)
+            count.add_metric([t], n)
+            if q is not None:
+                quota.add_metric([t], q)
+        yield from (held, count, quota)
         calls = CounterMetricFamily("kvpool_master_lookup_port_calls", "Calls answered on "
                                     "the lookup port (plain tcp; the gRPC ones are in "
                                     "kvpool_master_rpcs_total)", labels=["method"])

@@ -18,6 +18,7 @@ from kvpool.common import capabilities, checksum
 from kvpool.common.errors import (
     InvalidArgument,
     KVPoolError,
+    QuotaExceeded,
     UnknownNode,
     status_for_error,
 )
@@ -286,16 +287,20 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         columns = wire.ReplicaColumnsWriter()
         columns.add_columns(counts, segment_ids, offsets, self._state.replica_in)
         summary = self._state.space_summary() if pb.STATUS_NO_SPACE in statuses else ""
+        quota = next((str(r) for r in results if isinstance(r, QuotaExceeded)), "")
         pending = self._state.pending_version
         config = self._state.config
         versions = [pending(k) if s == pb.STATUS_OK else 0
                     for k, s in zip(request.keys, statuses)]
         # A write grant lasts as long as the put may: its space is reclaimed after that.
+        # Each with its record tag: the writer's RESERVE and SEAL name this (stored) key.
         grants = self._grants.mint(capabilities.WRITE, counts, segment_ids, offsets,
-                                   request.sizes, versions, config.put_timeout_s)
+                                   request.sizes, versions, config.put_timeout_s,
+                                   request.keys)
         return pb.PutStartResponse(put_timeout_s=config.put_timeout_s,
                                    statuses=statuses, replicas=columns.to_pb(grants),
-                                   space_summary=summary, epoch=self.epoch,
+                                   space_summary=summary, quota_summary=quota,
+                                   epoch=self.epoch,
                                    versions=versions,
                                    hold_s=config.put_timeout_s + config.quarantine_s)
 
@@ -386,4 +391,6 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             objects=s.objects, pending_objects=s.pending_objects, hits=s.hits, misses=s.misses,
             evictions=s.evictions, nodes=s.nodes, demotions=s.demotions,
             promotions=s.promotions, hit_bytes=s.hit_bytes, committed=s.committed,
-            committed_bytes=s.committed_bytes)
+            committed_bytes=s.committed_bytes,
+            tenants=[pb.TenantStats(tenant=t, objects=n, bytes=b, quota_bytes=q)
+                     for t, n, b, q in s.tenants])

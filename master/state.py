@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from kvpool.common.config import MasterConfig
+from kvpool.common.config import MasterConfig, parse_quotas
 from kvpool.common.errors import (
     AlreadyExists,
     Conflict,
@@ -25,6 +25,7 @@ from kvpool.common.errors import (
     ObjectNotFound,
     ValueTooLarge,
 )
+from kvpool.common.tenants import validate_stored_key as validate_key  # keys as stored
 from kvpool.common.types import (
     Extent,
     Move,
@@ -33,7 +34,6 @@ from kvpool.common.types import (
     Replica,
     Reservation,
     SegmentInfo,
-    validate_key,
 )
 from kvpool.master.chains import Chains
 from kvpool.master.eviction import EvictionPolicy, make_eviction_policy
@@ -43,6 +43,7 @@ from kvpool.master.manifest_log import ManifestDelta, ManifestLog, Removal
 from kvpool.master.membership import Membership, Segment
 from kvpool.master.pins import Pins
 from kvpool.master.pressure import Pressure
+from kvpool.master.quotas import TenantUsage
 from kvpool.master.reads import LeaseCount, NamespaceLookups
 from kvpool.master.rechecks import Rechecks
 from kvpool.master.recovery import Recovery
@@ -87,6 +88,8 @@ class MasterStats:
     committed: int = 0             # puts completed
     committed_bytes: int = 0
     leases: int = 0                # read leases granted and not expired (per key and read)
+    # (tenant, objects, bytes, quota or None) of each tenant holding objects (master/quotas.py)
+    tenants: tuple[tuple[str, int, int, int | None], ...] = ()
 
 
 class MasterState:
@@ -112,7 +115,7 @@ class MasterState:
         self._namespaces = NamespaceLookups(config.namespace_depth)
         self._manifests = ManifestLog()
         self._members = Membership(config)
-        self._index = ObjectIndex()
+        self._index = ObjectIndex(TenantUsage(parse_quotas(config.tenant_quotas)))
         # The two tables nearly every operation reads (membership and the index own them).
         self._segments, self._objects = self._members.segments, self._index.objects
         self._space = Space(self._segments)
@@ -425,7 +428,7 @@ class MasterState:
                            self._pins.hard_bytes, self._recovery.last_duration_s,
                            tuple((ns, h, m) for ns, (h, m) in self._namespaces.counts.items()),
                            idx.hit_bytes, idx.committed, idx.committed_bytes,
-                           self._leases.live(self._clock()))
+                           self._leases.live(self._clock()), idx.tenants.table())
 
     def tick(self) -> list[tuple[str, float, int]]:
         """Expire silent nodes, reclaim timed-out puts, run due frees, evict above watermarks.
@@ -480,6 +483,7 @@ class MasterState:
             # Checked up front: otherwise eviction would flush the cache for a put that can
             # never succeed.
             raise NoSpace(f"{key!r}: fewer than {n} nodes have a segment of {size} bytes")
+        self._index.tenants.check(key, size)
         self._check_pending_limit(key, size, n)
         extents = self._pressure.place(size, n, fits, now)
         if extents is None and not self._pressure.admits(size, n, fits):

@@ -20,6 +20,7 @@ from kvpool.common.errors import (
     KVPoolError,
     MasterUnavailable,
     NoSpace,
+    QuotaExceeded,
     UnknownNode,
     error_for_status,
 )
@@ -44,11 +45,13 @@ from kvpool.rpc.lookup import LookupLost, Lookups
 class PutGrant:
     """What a PutStart grants besides the places: the master's epoch, each key's version
     (parallel to the keys; 0 for a key refused) and how long a node holds a writer's
-    reservation (``hold_s``). Empty (epoch 0) from a master that grants none."""
+    reservation (``hold_s``). Empty (epoch 0) from a master that grants none. ``tenant``: the
+    namespace the keys were put in (common/tenants.py), which a writer's records name."""
 
     epoch: int
     versions: list[int]
     hold_s: float
+    tenant: str = ""
 
 
 class MasterClient(GrpcClient):
@@ -269,7 +272,11 @@ class MasterClient(GrpcClient):
             copies = f"x{replicas}" if replicas else "the default replicas"
             out = [NoSpace(f"{k!r}: no room for {size} bytes ({copies}); {r.space_summary}")
                    if type(o) is NoSpace else o for k, size, o in zip(keys, sizes, out)]
-        return out, r.put_timeout_s, PutGrant(r.epoch, list(r.versions), r.hold_s)
+        if r.quota_summary:
+            out = [QuotaExceeded(f"{k!r}: {size} bytes more would pass the quota: "
+                                 f"{r.quota_summary}")
+                   if type(o) is QuotaExceeded else o for k, size, o in zip(keys, sizes, out)]
+        return out, r.put_timeout_s, PutGrant(r.epoch, list(r.versions), r.hold_s, r.tenant)
 
     def put_end(self, keys: Sequence[str], checksums: Sequence[int | None] | None = None,
                 *, sealed: bool = False) -> list[KVPoolError | None]:

@@ -183,15 +183,20 @@ class _GrantChecker:
                 self._spent.clear()
                 self._signer = capabilities.Signer(key) if key else None
 
-    def denied(self, op: Op, grant: bytes, segment_id: bytes, offset: int, length: int) -> str:
-        """Why ``op`` on the extent is refused ("" if it is allowed); a WRITE spends it."""
+    def denied(self, op: Op, grant: bytes, segment_id: bytes, offset: int, length: int,
+               key: str = "") -> str:
+        """Why ``op`` on the extent is refused ("" if it is allowed); a WRITE spends it. A
+        RESERVE or SEAL needs the write grant's record tag for the record's ``key``."""
         signer = self._signer
         if signer is None:
             return ""
         if not grant:
             return "this node serves only extents the master granted: the request has no grant"
-        _version, why = signer.check(grant, capabilities.READ if op is Op.READ
-                                     else capabilities.WRITE, segment_id, offset, length)
+        if op is Op.READ or op is Op.WRITE:
+            _version, why = signer.check(grant, op.value, segment_id, offset, length)
+        else:
+            _version, why = signer.check(grant, capabilities.RECORD, segment_id, offset,
+                                         length, key=key.encode())
         if why or op is not Op.WRITE:
             return why
         _version, expiry, tag = capabilities.GRANT.unpack(grant)
@@ -561,7 +566,7 @@ class DataServer:
                 self._refuse_malformed(conn, peer, got)
                 return False
             self._count(op.name)
-            why = self._grants.denied(op, grant, sid_bytes, offset, length)
+            why = self._grants.denied(op, grant, sid_bytes, offset, length, got[1].key)
             if why:
                 status, message = FrameStatus.DENIED, why
             else:

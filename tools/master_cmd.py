@@ -67,6 +67,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the share of the cluster's capacity that puts started and not ended "
                         "(with the quarantine of those timed out) may hold; a put past it is "
                         "refused with NoSpace (default: 0.5)")
+    p.add_argument("--tenant-quotas", metavar="NAME=SIZE,...",
+                   help="each tenant's byte quota (its objects' sizes, each once, whatever "
+                        "their replicas); a put past it is refused with QuotaExceeded before "
+                        "anything is evicted. '*' for every tenant not named, e.g. "
+                        "'tenant-a=10GiB,*=1GiB'. A tenant is what its client's credentials "
+                        "name (SECURITY.md; 'default' for kvpool's own clients). Default: "
+                        "none, each tenant bounded by the cluster's capacity only")
     p.add_argument("--max-lease", type=duration_type, metavar="DURATION",
                    help="a read lease ends this long after it began however often the object "
                         "is re-read; reads then grant none for --lease-ttl (default: 60s)")
@@ -131,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
                   max_pending_fraction=args.max_pending, max_lease_s=args.max_lease,
                   max_routing_instances=args.max_routing_instances,
                   max_routing_blocks_per_instance=args.max_routing_blocks_per_instance,
-                  max_routing_blocks=args.max_routing_blocks)
+                  max_routing_blocks=args.max_routing_blocks,
+                  tenant_quotas=args.tenant_quotas)
     def announce(address: str, metrics: str | None) -> None:
         print(f"master: {address}", flush=True)
         if metrics:

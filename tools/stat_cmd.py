@@ -42,7 +42,20 @@ def run(args: argparse.Namespace) -> int:
                   f" {g.objects:>8}")
         _print_tiers(s.segments)
         _print_node_transports(s.segments)
+    _print_tenants(s.tenants)
     return 0
+
+
+def _print_tenants(tenants) -> None:
+    """One line per tenant holding objects (a client sees its own tenant only)."""
+    if not tenants:
+        return
+    print(f"\n{'tenant':<24} {'objects':>10} {'bytes':>10} {'quota':>10} {'use%':>6}")
+    for t in tenants:
+        quota = t.quota_bytes if t.HasField("quota_bytes") else None
+        print(f"{t.tenant:<24} {t.objects:>10} {format_size(t.bytes):>10} "
+              f"{format_size(quota) if quota is not None else '-':>10} "
+              f"{(f'{t.bytes / quota:.1%}' if quota else '-'):>6}")
 
 
 def _as_dict(master: str, s) -> dict:
@@ -54,7 +67,10 @@ def _as_dict(master: str, s) -> dict:
                           "tier": segment_from_pb(g.segment).tier,
                           "size_bytes": g.segment.size_bytes, "used_bytes": g.used_bytes,
                           "quarantined_bytes": g.quarantined_bytes, "objects": g.objects}
-                         for g in s.segments]}
+                         for g in s.segments],
+            "tenants": [{"tenant": t.tenant, "objects": t.objects, "bytes": t.bytes,
+                         "quota_bytes": t.quota_bytes if t.HasField("quota_bytes") else None}
+                        for t in s.tenants]}
 
 
 def tier_rows(segments) -> list[tuple[str, str, int, int, int]]:

@@ -26,6 +26,7 @@ from kvpool.client.transport.base import (
     byte_views,
     group_by,
 )
+from kvpool.common import capabilities
 from kvpool.common.checksum import Checksums
 from kvpool.common.errors import (
     ClientClosed,
@@ -359,13 +360,13 @@ def _usable(sock: socket.socket) -> bool:
 def _request(op: Op, io: IoOp) -> bytes:
     extent = io.replica.extent
     return encode_request(op, extent.segment_id, extent.offset, extent.length,
-                          io.replica.grant)
+                          capabilities.write_grant(io.replica.grant))
 
 
 def _record_request(op: Op, io: IoOp, record: PutRecord) -> bytes:
     extent = io.replica.extent
     return encode_record_request(op, extent.segment_id, extent.offset, extent.length, record,
-                                 io.replica.grant)
+                                 capabilities.record_grant(io.replica.grant))
 
 
 def _with_checksum(record: PutRecord, crc: int) -> PutRecord:

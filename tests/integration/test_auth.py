@@ -153,9 +153,10 @@ def test_on_the_lookup_port_a_client_cannot_open_a_nodes_stream_nor_a_node_read(
     with pytest.raises(PermissionDenied):
         node.call(lookup_port.GET_REPLICAS, pb.KeysRequest(keys=["owned/0"]),
                   pb.GetReplicasResponse)
-    # The client's own calls are answered there.
+    # The client's own calls are answered there, in its tenant's namespace (the default
+    # tenant's "owned/0" is not mallory's).
     assert client.call(lookup_port.GET_REPLICAS, pb.KeysRequest(keys=["owned/0"]),
-                       pb.GetReplicasResponse).statuses == [pb.STATUS_OK]
+                       pb.GetReplicasResponse).statuses == [pb.STATUS_NOT_FOUND]
     client.close()
     node.close()
 
@@ -249,7 +250,8 @@ def test_report_corrupt_of_good_bytes_drops_nothing_and_a_node_confirms_only_its
         view = located.views()[0]
         segments = [r.extent.segment_id for r in view.replicas]
         assert len(segments) == 2
-        with _as(cluster, "client", "mallory") as client:
+        # A reader of the object's own tenant (another tenant's report names its own key).
+        with _as(cluster, "client", "default") as client:
             for _ in range(3):
                 client.report_corrupt(["pinned/good"] * 2, [view.version] * 2, segments)
         time.sleep(1.0)   # several heartbeats: each node re-checked and found the bytes good

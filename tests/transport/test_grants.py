@@ -91,19 +91,38 @@ def test_reads_and_writes_need_their_grant(keyed):
         tcp.close()
 
 
-def test_reserve_and_seal_need_a_write_grant(keyed):
+def test_reserve_and_seal_need_the_record_tag_of_their_key(keyed):
+    """A writer may record at its node only the key its master placed at the extent: a write
+    grant's record tag names it. Without that, a client granted any extent could make the
+    node's manifest name another key (another tenant's) there, and drop that key's record."""
     _server, seg, node = keyed
     sid = seg.info.segment_id
     host, _, port = node.tcp_endpoint.rpartition(":")
-    record = PutRecord("k", 1, 5, 60.0)
     read_grant = caps.mint(KEY, caps.READ, sid, 0, 4096, 1, caps.expiry_ms(10))
-    write_grant = caps.mint(KEY, caps.WRITE, sid, 0, 4096, 1, caps.expiry_ms(10))
-    for grant, expected in ((b"", FrameStatus.DENIED), (read_grant, FrameStatus.DENIED),
-                            (write_grant, FrameStatus.OK)):
-        with socket.create_connection((host, int(port)), timeout=5) as s:
-            s.sendall(encode_record_request(Op.RESERVE, sid, 0, 4096, record, grant))
-            status, _n = RESPONSE.unpack(recv_exact(s, RESPONSE.size))
-            assert status == expected
+    write_grant = caps.mint(KEY, caps.WRITE, sid, 0, 4096, 1, caps.expiry_ms(10),
+                            stored_key="k")
+    assert len(write_grant) == caps.GRANT.size + caps.TAG_BYTES
+    for key, grant, expected in (
+            ("k", b"", FrameStatus.DENIED), ("k", read_grant, FrameStatus.DENIED),
+            ("k", caps.write_grant(write_grant), FrameStatus.DENIED),   # no record tag
+            ("victim", caps.record_grant(write_grant), FrameStatus.DENIED),
+            ("k", caps.record_grant(write_grant), FrameStatus.OK)):
+        for op in (Op.RESERVE, Op.SEAL):
+            with socket.create_connection((host, int(port)), timeout=5) as s:
+                s.sendall(encode_record_request(op, sid, 0, 4096,
+                                                PutRecord(key, 1, 5, 60.0, 0), grant))
+                status, _n = RESPONSE.unpack(recv_exact(s, RESPONSE.size))
+                if op is Op.RESERVE or expected is FrameStatus.DENIED:
+                    assert status == expected, (key, op)
+    # The record tag writes nothing: a WRITE takes the grant's own tag only.
+    tcp = TCPTransport(timeout_s=5)
+    try:
+        [err] = tcp.write([IoOp(
+            Replica(node, Extent(sid, 0, 4), grant=caps.record_grant(write_grant)),
+            memoryview(b"EVIL"))])
+    finally:
+        tcp.close()
+    assert isinstance(err, SegmentBoundsError)
 
 
 def test_a_request_outside_any_segment_is_refused_as_before(keyed):

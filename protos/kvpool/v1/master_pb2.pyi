@@ -18,6 +18,7 @@ class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STATUS_NOT_PENDING: _ClassVar[Status]
     STATUS_UNKNOWN_NODE: _ClassVar[Status]
     STATUS_CONFLICT: _ClassVar[Status]
+    STATUS_QUOTA_EXCEEDED: _ClassVar[Status]
 
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -33,6 +34,7 @@ STATUS_INVALID_ARGUMENT: Status
 STATUS_NOT_PENDING: Status
 STATUS_UNKNOWN_NODE: Status
 STATUS_CONFLICT: Status
+STATUS_QUOTA_EXCEEDED: Status
 TIER_DRAM: Tier
 TIER_HBM: Tier
 TIER_DISK: Tier
@@ -308,7 +310,7 @@ class ReplicaColumns(_message.Message):
     def __init__(self, locations: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., counts: _Optional[_Iterable[int]] = ..., location: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., grants: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PutStartResponse(_message.Message):
-    __slots__ = ("put_timeout_s", "statuses", "replicas", "space_summary", "epoch", "versions", "hold_s")
+    __slots__ = ("put_timeout_s", "statuses", "replicas", "space_summary", "epoch", "versions", "hold_s", "tenant", "quota_summary")
     PUT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     STATUSES_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -316,6 +318,8 @@ class PutStartResponse(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     HOLD_S_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_SUMMARY_FIELD_NUMBER: _ClassVar[int]
     put_timeout_s: float
     statuses: _containers.RepeatedScalarFieldContainer[Status]
     replicas: ReplicaColumns
@@ -323,7 +327,9 @@ class PutStartResponse(_message.Message):
     epoch: int
     versions: _containers.RepeatedScalarFieldContainer[int]
     hold_s: float
-    def __init__(self, put_timeout_s: _Optional[float] = ..., statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., replicas: _Optional[_Union[ReplicaColumns, _Mapping]] = ..., space_summary: _Optional[str] = ..., epoch: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., hold_s: _Optional[float] = ...) -> None: ...
+    tenant: str
+    quota_summary: str
+    def __init__(self, put_timeout_s: _Optional[float] = ..., statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., replicas: _Optional[_Union[ReplicaColumns, _Mapping]] = ..., space_summary: _Optional[str] = ..., epoch: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., hold_s: _Optional[float] = ..., tenant: _Optional[str] = ..., quota_summary: _Optional[str] = ...) -> None: ...
 
 class KeysRequest(_message.Message):
     __slots__ = ("keys",)
@@ -390,7 +396,7 @@ class SegmentStats(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., segment: _Optional[_Union[SegmentInfo, _Mapping]] = ..., used_bytes: _Optional[int] = ..., quarantined_bytes: _Optional[int] = ..., objects: _Optional[int] = ..., node: _Optional[_Union[NodeEndpoints, _Mapping]] = ..., indexed_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("segments", "objects", "pending_objects", "hits", "misses", "evictions", "nodes", "demotions", "promotions", "hit_bytes", "committed", "committed_bytes")
+    __slots__ = ("segments", "objects", "pending_objects", "hits", "misses", "evictions", "nodes", "demotions", "promotions", "hit_bytes", "committed", "committed_bytes", "tenants")
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     PENDING_OBJECTS_FIELD_NUMBER: _ClassVar[int]
@@ -403,6 +409,7 @@ class StatsResponse(_message.Message):
     HIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     segments: _containers.RepeatedCompositeFieldContainer[SegmentStats]
     objects: int
     pending_objects: int
@@ -415,4 +422,17 @@ class StatsResponse(_message.Message):
     hit_bytes: int
     committed: int
     committed_bytes: int
-    def __init__(self, segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., objects: _Optional[int] = ..., pending_objects: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., nodes: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., hit_bytes: _Optional[int] = ..., committed: _Optional[int] = ..., committed_bytes: _Optional[int] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
+    def __init__(self, segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., objects: _Optional[int] = ..., pending_objects: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., nodes: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., hit_bytes: _Optional[int] = ..., committed: _Optional[int] = ..., committed_bytes: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
+
+class TenantStats(_message.Message):
+    __slots__ = ("tenant", "objects", "bytes", "quota_bytes")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    objects: int
+    bytes: int
+    quota_bytes: int
+    def __init__(self, tenant: _Optional[str] = ..., objects: _Optional[int] = ..., bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,160 @@
+"""Tenants (issue 15; SECURITY.md "Tenants"): a tenant's keys live in its own namespace, on
+every port (gRPC, the lookup port) and in the store nodes' manifests, against a real secure
+master and store nodes. Each client holds a certificate of the cluster's CA naming its tenant."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+from kvpool.client import KVClient
+from kvpool.common import capabilities, tenants
+from kvpool.common.errors import NoSpace, ObjectNotFound, QuotaExceeded
+from kvpool.net.data_port import RESPONSE, FrameStatus, Op, PutRecord, encode_record_request
+from kvpool.net.sockets import recv_exact
+from kvpool.rpc.master_client import MasterClient
+
+from .conftest import run_cluster
+
+QUOTA = 256 << 10
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    yield from run_cluster(tmp_path_factory.mktemp("tenants"),
+                           master_args=["--tenant-quotas", f"tenant-q={QUOTA}"])
+
+
+def client(cluster, tenant: str) -> KVClient:
+    return KVClient(cluster.master, credentials=str(cluster.credentials("client", tenant)))
+
+
+def master_as(cluster, role: str, name: str) -> MasterClient:
+    return MasterClient(cluster.master, timeout_s=5.0, retries=0,
+                        credentials=str(cluster.credentials(role, name)))
+
+
+def test_the_same_key_of_two_tenants_is_two_objects(cluster):
+    with client(cluster, "tenant-a") as a, client(cluster, "tenant-b") as b, \
+            KVClient(cluster.master) as default:
+        a.put("same", b"A" * 4096)
+        b.put("same", b"B" * 4096)
+        default.put("same", b"D" * 4096)
+        assert a.get("same") == b"A" * 4096
+        assert b.get("same") == b"B" * 4096
+        assert default.get("same") == b"D" * 4096
+        # Batched, as engines read: the lookup port's GetReplicas is scoped too.
+        assert a.batch_get(["same"]) == [b"A" * 4096]
+
+
+def test_one_tenant_can_neither_see_read_remove_nor_pin_anothers_keys(cluster):
+    with client(cluster, "tenant-a") as a, client(cluster, "tenant-b") as b:
+        a.put("only-a", b"a" * 4096)
+        assert b.exists("only-a") is False
+        with pytest.raises(ObjectNotFound):
+            b.get("only-a")
+        assert isinstance(b.batch_remove(["only-a"])[0], ObjectNotFound)
+        with master_as(cluster, "client", "tenant-b") as mb:
+            assert isinstance(mb.pin(["only-a"])[0], ObjectNotFound)
+            assert mb.locate(["only-a"]).found().tolist() == [False]
+        # A key that names tenant-a's namespace itself is only another key of b's.
+        assert b.exists(tenants.scoped("tenant-a", "only-a")) is False
+        assert a.get("only-a") == b"a" * 4096
+
+
+def test_a_default_key_that_looks_namespaced_stays_the_default_tenants(cluster):
+    forged = tenants.scoped("tenant-a", "forged")
+    with client(cluster, "tenant-a") as a, KVClient(cluster.master) as default:
+        a.put("forged", b"a" * 4096)
+        default.put(forged, b"d" * 4096)
+        assert a.get("forged") == b"a" * 4096
+        assert default.get(forged) == b"d" * 4096
+
+
+def test_an_admin_names_stored_keys(cluster):
+    with client(cluster, "tenant-a") as a, master_as(cluster, "admin", "ops") as admin:
+        a.put("seen-by-ops", b"a" * 4096)
+        assert admin.exists([tenants.scoped("tenant-a", "seen-by-ops")]) == [True]
+        assert admin.exists(["seen-by-ops"]) == [False]
+
+
+def test_a_tenants_sealed_put_is_its_own_after_a_master_restart(tmp_path):
+    """A single put is sealed at its node (the master does not wait for the node): the record
+    the node keeps must name the stored key, or a restarted master, rebuilding its index from
+    the nodes' manifests, would give the object to the default tenant."""
+    for c in run_cluster(tmp_path, nodes=1):
+        with client(c, "tenant-a") as a:
+            a.put("sealed", b"s" * 65536)
+        c.kill_master()
+        c.restart_master()
+        with client(c, "tenant-a") as a, KVClient(c.master) as default, \
+                master_as(c, "admin", "ops") as admin:
+            deadline = time.monotonic() + 30
+            while admin.stats().objects < 1:     # the node announces what it holds
+                assert time.monotonic() < deadline, "the node never announced its object"
+                time.sleep(0.05)
+            assert default.exists("sealed") is False
+            assert a.get("sealed") == b"s" * 65536
+
+
+def test_a_put_past_its_tenants_quota_is_refused_before_anything_is_evicted(cluster):
+    with client(cluster, "tenant-q") as q, client(cluster, "tenant-a") as a, \
+            master_as(cluster, "admin", "ops") as admin:
+        a.put("kept", b"k" * 4096)
+        for i in range(3):
+            q.put(f"q{i}", bytes([i]) * (64 << 10))
+        evictions = admin.stats().evictions
+        with pytest.raises(QuotaExceeded) as refused:
+            q.put("big", b"b" * (128 << 10))
+        assert isinstance(refused.value, NoSpace)        # what callers of NoSpace catch
+        message = str(refused.value)
+        assert "'big'" in message and "tenant 'tenant-q' holds 192.0 KiB in 3 objects" in message
+        assert "256.0 KiB" in message and "--tenant-quotas" in message
+        assert admin.stats().evictions == evictions
+        assert a.get("kept") == b"k" * 4096 and q.exists("q0")
+        # Another tenant (no quota) is not bound by it; the tenant itself fits once it frees.
+        a.put("big", b"b" * (128 << 10))
+        q.remove("q0")
+        q.put("big", b"b" * (128 << 10))
+        assert q.get("big") == b"b" * (128 << 10)
+        assert q.batch_remove(["q1", "q2", "big"]) == [None] * 3   # the quota is free again
+
+
+def test_a_client_is_told_of_its_own_tenant_and_an_admin_of_every_one(cluster):
+    with client(cluster, "tenant-a") as a, client(cluster, "tenant-q") as q:
+        a.put("counted", b"c" * 1000)
+        q.put("counted", b"c" * 1000)
+    with master_as(cluster, "client", "tenant-q") as mq:
+        [own] = mq.stats().tenants
+        assert own.tenant == "tenant-q" and own.quota_bytes == QUOTA and own.objects >= 1
+    with master_as(cluster, "admin", "ops") as admin:
+        by_name = {t.tenant: t for t in admin.stats().tenants}
+    assert {"tenant-a", "tenant-q"} <= set(by_name)
+    assert not by_name["tenant-a"].HasField("quota_bytes")
+    assert by_name["tenant-q"].bytes <= QUOTA
+
+
+def test_a_writer_cannot_record_another_tenants_key_at_its_node(cluster):
+    """Tenant b, granted an extent for its own put, hands the node a record naming tenant a's
+    stored key there (it would drop a's record at that node, and after a master restart give
+    a's key b's bytes): refused, as the grant's record tag names b's key only."""
+    victim = tenants.scoped("tenant-a", "victim")
+    with client(cluster, "tenant-a") as a:
+        a.put("victim", b"v" * 4096)
+    with master_as(cluster, "client", "tenant-b") as mb:
+        placed, _, grant = mb.put_start_grant(["mine"], [4096], fenced=True)
+        [replica] = placed[0]
+        host, _, port = replica.node.tcp_endpoint.rpartition(":")
+        e = replica.extent
+        for key, expected in ((victim, FrameStatus.DENIED),
+                              (tenants.scoped("tenant-b", "mine"), FrameStatus.OK)):
+            record = PutRecord(key, grant.versions[0], grant.epoch, 60.0)
+            with socket.create_connection((host, int(port)), timeout=5) as s:
+                s.sendall(encode_record_request(Op.RESERVE, e.segment_id, e.offset, e.length,
+                                                record, capabilities.record_grant(replica.grant)))
+                status, n = RESPONSE.unpack(recv_exact(s, RESPONSE.size))
+                assert FrameStatus(status) is expected, recv_exact(s, n)
+        mb.put_revoke(["mine"])
+    with client(cluster, "tenant-a") as a:
+        assert a.get("victim") == b"v" * 4096
