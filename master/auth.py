@@ -93,8 +93,8 @@ def scope(method: str, identity: Identity | None, request) -> None:
     """Put the keys of a checked ``request`` in the caller's tenant's namespace, in place.
     A node's own ReportCorrupt names stored keys, and is not a client's."""
     name = tenant(identity)
-    if not name or method not in KEYED_METHODS:
-        return
+    if not name or method not in KEYED_METHODS or not hasattr(request, "keys"):
+        return   # (no keys: a malformed request, which its guard answers)
     try:
         tenants.check_tenant(name)
     except InvalidArgument as e:

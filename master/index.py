@@ -135,7 +135,7 @@ class ObjectIndex:
 
     def discard(self, obj: ObjectEntry) -> None:
         del self.objects[obj.key]
-        self.tenants.removed(obj.key, obj.size)
+        self.tenants.removed(obj.key, obj.size, obj.pinned)
         if obj.state is PENDING:
             self.pending -= 1
             if self.parents:

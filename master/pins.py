@@ -11,12 +11,15 @@ from kvpool.common.errors import NoSpace
 from kvpool.master.holds import Holds
 from kvpool.master.index import ObjectEntry
 from kvpool.master.membership import PINNED_HELD, Segment
+from kvpool.master.quotas import TenantUsage
 
 
 class Pins:
-    def __init__(self, config: MasterConfig, segments: dict[str, Segment]) -> None:
+    def __init__(self, config: MasterConfig, segments: dict[str, Segment],
+                 tenants: TenantUsage | None = None) -> None:
         self._config = config
         self._segments = segments
+        self._tenants = tenants if tenants is not None else TenantUsage()
         self._soft: dict[str, float] = {}            # key -> when its soft pin ends
         self._soft_ends: list[tuple[float, str]] = []   # a heap of those; may be stale
         # What hard pins hold against the quota: each object's size (replicas come and go
@@ -44,7 +47,10 @@ class Pins:
                           f"bytes, over the quota of {int(limit)} (pin_quota_fraction "
                           f"{self._config.pin_quota_fraction} of the capacity); unpin some, "
                           "or pin with a ttl_s (a soft pin)")
+        if quota:
+            self._tenants.check_pin(obj.key, obj.size, self._config.pin_quota_fraction)
         obj.pinned = True
+        self._tenants.pins_changed(obj.key, obj.size)
         self.hard_bytes += obj.size
         self.held.credit(obj)
         self._soft.pop(obj.key, None)
@@ -56,6 +62,7 @@ class Pins:
         if not obj.pinned:
             return False
         obj.pinned = False
+        self._tenants.pins_changed(obj.key, -obj.size)
         self.hard_bytes -= obj.size
         self.held.debit(obj)
         return True

@@ -21,6 +21,9 @@ from kvpool.master.pins import Pins
 from kvpool.master.placement import choose_segments
 from kvpool.master.tiers import Tiers
 
+# How many eviction candidates a put looks through for those of tenants over their share.
+FAIR_SCAN = 4096
+
 
 class Pressure:
     def __init__(self, config: MasterConfig, members: Membership, closed: Collection[str],
@@ -44,16 +47,29 @@ class Pressure:
         fit_ids = {s.info.segment_id for s in fits if self._tiers.lower(s) is None}
         if not fit_ids or not self.admits(size, n, fits):
             return None
-        for key in self._victims(now, fit_ids):
-            obj = self._index.objects.get(key)
-            if obj is None or not obj.evictable(now):
-                continue
-            if not any(e.segment_id in fit_ids for e in obj.replicas):
-                continue
-            self._evict(obj)
-            extents = choose_segments(self._members.open_segments(n, self._closed), size, n)
-            if extents is not None:
-                return extents
+        # Tenants over their share give first (master/quotas.py), from the first FAIR_SCAN
+        # candidates in the policy's order (a bounded look: this runs in a PutStart), then
+        # anyone, in order.
+        tenants = self._index.tenants
+        over = tenants.over_share(sum(s.allocator.capacity_bytes
+                                      for s in self._members.segments.values()))
+        for only in ((over, None) if over else (None,)):
+            for seen, key in enumerate(self._victims(now, fit_ids)):
+                if only is not None:
+                    if seen >= FAIR_SCAN:
+                        break
+                    if tenants.tenant(key) not in only:
+                        continue
+                obj = self._index.objects.get(key)
+                if obj is None or not obj.evictable(now):
+                    continue
+                if not any(e.segment_id in fit_ids for e in obj.replicas):
+                    continue
+                self._evict(obj)
+                extents = choose_segments(self._members.open_segments(n, self._closed),
+                                          size, n)
+                if extents is not None:
+                    return extents
         return None
 
     def admits(self, size: int, n: int, fits: list[Segment]) -> bool:

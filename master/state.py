@@ -127,7 +127,7 @@ class MasterState:
         self._chains = Chains(policy if policy is not None else
                               make_eviction_policy(config.eviction),
                               make_eviction_policy(config.eviction))
-        self._pins = Pins(config, self._segments)
+        self._pins = Pins(config, self._segments, self._index.tenants)
         self._rechecks = Rechecks()
         self._recovery = Recovery(config.node_ttl_s)
         closed = self._recovery.recovering   # no new object, nor move, goes there
