@@ -1,5 +1,7 @@
 """Master addresses as users write them: ``host:port``, and the ``etcd://`` URL of an HA
-cluster (the masters elect on it, clients and nodes find the leader through it)."""
+cluster (the masters elect on it, clients and nodes find the leader through it); ``etcds://``:
+the same etcd over TLS, each process authenticating with its kvpool credentials (SECURITY.md
+"etcd")."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ DEFAULT_CLUSTER = "default"
 # Trailing metadata a standby master answers with: the leader's address, when it knows it.
 LEADER_METADATA = "kvpool-leader"
 _ETCD = "etcd://"
+_ETCDS = "etcds://"
 
 
 def leader_key(cluster: str) -> bytes:
@@ -30,26 +33,34 @@ def parse_address(address: str, what: str = "master address",
 
 @dataclass(frozen=True)
 class EtcdURL:
-    """A parsed ``etcd://HOST:PORT[,HOST:PORT][/CLUSTER]``."""
+    """A parsed ``etcd://HOST:PORT[,HOST:PORT][/CLUSTER]`` (``tls``: ``etcds://``)."""
     endpoints: tuple[str, ...]
     cluster: str = DEFAULT_CLUSTER
+    tls: bool = False
 
     @property
     def key(self) -> bytes:
         return leader_key(self.cluster)
 
 
+def is_etcd_url(spec: str) -> bool:
+    return str(spec).startswith((_ETCD, _ETCDS))
+
+
 def parse_etcd_url(url: str) -> EtcdURL:
-    """Parse an ``etcd://`` URL; InvalidArgument says what is wrong with a bad one."""
-    example = "e.g. etcd://127.0.0.1:2379 or etcd://10.0.0.1:2379,10.0.0.2:2379/prod"
-    if not str(url).startswith(_ETCD):
+    """Parse an ``etcd://`` or ``etcds://`` URL; InvalidArgument says what is wrong with a bad
+    one."""
+    example = ("e.g. etcd://127.0.0.1:2379, etcd://10.0.0.1:2379,10.0.0.2:2379/prod or "
+               "etcds://10.0.0.1:2379 (TLS)")
+    tls = str(url).startswith(_ETCDS)
+    if not tls and not str(url).startswith(_ETCD):
         raise InvalidArgument(f"invalid etcd URL {url!r}: expected etcd://HOST:PORT[/CLUSTER], "
                               f"{example}")
-    hosts, _, cluster = url[len(_ETCD):].partition("/")
+    hosts, _, cluster = url[len(_ETCDS if tls else _ETCD):].partition("/")
     cluster = cluster.strip("/") or DEFAULT_CLUSTER
     if not hosts or "/" in cluster or not cluster.replace("-", "").replace("_", "").isalnum():
         raise InvalidArgument(f"invalid etcd URL {url!r}: expected etcd://HOST:PORT[/CLUSTER] "
                               f"(CLUSTER: letters, digits, - and _), {example}")
     endpoints = tuple(parse_address(h, "etcd endpoint", "127.0.0.1:2379")
                       for h in hosts.split(","))
-    return EtcdURL(endpoints, cluster)
+    return EtcdURL(endpoints, cluster, tls)

@@ -71,7 +71,8 @@ def issue(directory: str | os.PathLike, role: str, name: str, hosts: tuple[str, 
           days: int = CERT_DAYS) -> Path:
     """Sign a certificate for ``role``/``name`` with the CA in ``directory``; write it, its
     key and a credentials file naming them (returned). A master's also names MASTER_NAME and
-    ``hosts``. Issuing again replaces the old files (rotation: see SECURITY.md)."""
+    ``hosts``; an etcd server's (role ``etcd``, for ``etcds://``) names ``hosts`` only.
+    Issuing again replaces the old files (rotation: see SECURITY.md)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -80,6 +81,8 @@ def issue(directory: str | os.PathLike, role: str, name: str, hosts: tuple[str, 
         raise ValueError(f"unknown role {role!r}: expected one of {', '.join(ROLES)}")
     if not _NAME.match(name):
         raise ValueError(f"invalid name {name!r} for a {role}: 1-128 of A-Z a-z 0-9 . _ : @ -")
+    if role == "etcd" and not hosts:
+        raise ValueError("an etcd server's certificate names the hosts it serves on: give hosts")
     directory = Path(directory)
     ca_key = serialization.load_pem_private_key((directory / "ca.key").read_bytes(), None)
     ca = x509.load_pem_x509_certificate((directory / "ca.pem").read_bytes())
@@ -98,10 +101,11 @@ def issue(directory: str | os.PathLike, role: str, name: str, hosts: tuple[str, 
                .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
                    ca.public_key()), critical=False))
     usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
-    if role == "master":
+    if role in ("master", "etcd"):
         usages.append(ExtendedKeyUsageOID.SERVER_AUTH)
+        names = [x509.DNSName(MASTER_NAME)] if role == "master" else []
         builder = builder.add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName(MASTER_NAME), *(_san(h) for h in hosts)]), critical=False)
+            [*names, *(_san(h) for h in hosts)]), critical=False)
     cert = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False).sign(
         ca_key, hashes.SHA256())
     stem = f"{role}-{name.replace(':', '_')}"

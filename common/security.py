@@ -36,7 +36,8 @@ from pathlib import Path
 import yaml
 from kvpool.common.errors import Unauthenticated
 
-ROLES = ("client", "node", "admin", "master")
+# "etcd": the certificate an etcd server serves TLS with (etcds://); it may call nothing.
+ROLES = ("client", "node", "admin", "master", "etcd")
 # Every master's certificate carries this name (besides its hosts), and clients check it
 # instead of the host they dialled: a cluster's masters move between hosts and addresses
 # (standbys, containers), and only the CA can give a certificate this name.
@@ -99,6 +100,20 @@ class Credentials:
             return grpc.composite_channel_credentials(
                 grpc.ssl_channel_credentials(root_certificates=self.ca_pem),
                 grpc.access_token_call_credentials(self.token))
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca_pem, private_key=Path(self.key_file).read_bytes(),
+            certificate_chain=Path(self.cert_file).read_bytes())
+
+    def etcd_channel(self):
+        """gRPC channel credentials for etcd over TLS (``etcds://``): this CA checks etcd's
+        certificate against the endpoint's host (``pki.issue(DIR, "etcd", NAME, hosts=...)``),
+        and this process's certificate is its client certificate. A token cannot authenticate
+        to etcd: InvalidArgument."""
+        import grpc
+        from kvpool.common.errors import InvalidArgument
+        if self.token:
+            raise InvalidArgument(f"etcds:// needs a certificate; {self.path} holds a token "
+                                  "(etcd authenticates clients by certificate only)")
         return grpc.ssl_channel_credentials(
             root_certificates=self.ca_pem, private_key=Path(self.key_file).read_bytes(),
             certificate_chain=Path(self.cert_file).read_bytes())

@@ -34,6 +34,7 @@ from kvpool.common.errors import InvalidArgument, MasterUnavailable
 from kvpool.common.logging import get_logger
 from kvpool.common.loops import RESTART, Supervisor
 from kvpool.master.server import MasterServer
+from kvpool.rpc.leader import etcd_channel
 
 log = get_logger(__name__)
 
@@ -56,9 +57,10 @@ class LeaderElection:
     """Campaign for, hold and give up the leader key of one cluster in etcd. One event loop."""
 
     def __init__(self, url: EtcdURL, address: str, lease_ttl_s: int = DEFAULT_LEASE_TTL_S,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, credentials=None):
         self._pb, self._grpc = _etcd_rpc()
         self._url, self.address = url, address
+        self._credentials = credentials   # the master's, for etcds://
         self._ttl = max(1, int(lease_ttl_s))
         self._clock = clock
         self._endpoint = 0
@@ -78,7 +80,8 @@ class LeaderElection:
 
     def _stub(self, name: str):
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.etcd_endpoint)
+            self._channel = etcd_channel(self._url, self.etcd_endpoint, self._credentials,
+                                         aio=True)
         return getattr(self._grpc, f"{name}Stub")(self._channel)
 
     async def _next_endpoint(self) -> None:
@@ -302,7 +305,7 @@ async def serve_ha(config: MasterConfig, host: str, port: int, url: EtcdURL, *,
         advertised(host, port or 1, advertise)    # a bad --advertise fails before binding
     elif host in ("0.0.0.0", "::", ""):
         advertised(host, port, None)
-    election = LeaderElection(url, "", lease_ttl_s)
+    election = LeaderElection(url, "", lease_ttl_s, credentials=credentials)
     server = MasterServer(config, host, port, interceptors=[LeaderOnly(election)],
                           lookup_port=lookup_port, lookup_refusal=lambda: None
                           if election.is_leader() else f"master {election.address} does not lead",

@@ -150,7 +150,7 @@ class GrpcClient:
         if self._closed:
             raise ClientClosed(f"the {self._name} is closed")
         if self._current is None:
-            self._use(self._targets.next(None, None, self._timeout_s))
+            self._use(self._targets.next(None, None, self._timeout_s, self.credentials))
         if (current := self._current) is None:
             raise MasterUnavailable(f"no master leads {self._targets.spec} yet")
         return current
@@ -162,7 +162,8 @@ class GrpcClient:
         if not self._targets.fails_over or (not hint and self.address not in ("", address)):
             return      # another thread has moved on already
         try:
-            self._use(self._targets.next(address, hint, min(1.0, self._timeout_s)))
+            self._use(self._targets.next(address, hint, min(1.0, self._timeout_s),
+                                         self.credentials))
         except KVPoolError:
             pass
 

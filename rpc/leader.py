@@ -16,10 +16,22 @@ from kvpool.common.addresses import EtcdURL, parse_address, parse_etcd_url
 from kvpool.common.errors import MasterUnavailable
 
 
-def read_leader(url: EtcdURL, timeout_s: float) -> str | None:
+def etcd_channel(url: EtcdURL, endpoint: str, credentials=None, aio: bool = False):
+    """A channel to one of ``url``'s etcd endpoints: TLS with ``credentials`` (loaded
+    kvpool credentials) for ``etcds://``, plain text for ``etcd://``."""
+    module = grpc.aio if aio else grpc
+    if not url.tls:
+        return module.insecure_channel(endpoint)
+    if credentials is None:
+        raise MasterUnavailable("etcds:// (etcd over TLS) needs this process's credentials "
+                                "(--credentials or KVPOOL_CREDENTIALS; SECURITY.md)")
+    return module.secure_channel(endpoint, credentials.etcd_channel())
+
+
+def read_leader(url: EtcdURL, timeout_s: float, credentials=None) -> str | None:
     """The leader's address as etcd holds it now (None: no leader elected), from the first
     endpoint that answers; MasterUnavailable when none does. Blocking; each call under
-    ``timeout_s``."""
+    ``timeout_s``. ``credentials``: for ``etcds://``."""
     try:
         from aetcd.rpc import rpc_pb2, rpc_pb2_grpc
     except ImportError:
@@ -27,7 +39,7 @@ def read_leader(url: EtcdURL, timeout_s: float) -> str | None:
                                 "(pip install aetcd)") from None
     errors = []
     for endpoint in url.endpoints:
-        with grpc.insecure_channel(endpoint) as channel:
+        with etcd_channel(url, endpoint, credentials) as channel:
             try:
                 r = rpc_pb2_grpc.KVStub(channel).Range(rpc_pb2.RangeRequest(key=url.key),
                                                        timeout=timeout_s)
@@ -58,13 +70,15 @@ class MasterTargets:
         """The address to dial before anything is known (None: ask etcd first)."""
         return self.addresses[0] if self.addresses else None
 
-    def next(self, current: str | None, hint: str | None, timeout_s: float) -> str | None:
+    def next(self, current: str | None, hint: str | None, timeout_s: float,
+             credentials=None) -> str | None:
         """The address to try after ``current`` failed: the hint a standby gave, else the
-        leader named in etcd, else the next address of the list. None: nothing to try yet."""
+        leader named in etcd (``credentials``: for ``etcds://``), else the next address of the
+        list. None: nothing to try yet."""
         if hint:
             return parse_address(hint)
         if self.etcd is not None:
-            return read_leader(self.etcd, timeout_s)
+            return read_leader(self.etcd, timeout_s, credentials)
         if not self.addresses:
             return None
         after = self.addresses.index(current) + 1 if current in self.addresses else 0

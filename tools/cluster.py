@@ -140,7 +140,8 @@ class LocalCluster:
                  ha: str | None = None, disk_size: str | None = None,
                  disk_path: str | os.PathLike | None = None, metrics: bool = False,
                  secure: bool = True, credentials_dir: str | os.PathLike | None = None):
-        """``ha``: an ``etcd://`` URL: run ``masters`` standby masters electing on it (on
+        """``ha``: an ``etcd://`` (or ``etcds://``) URL: run ``masters`` standby masters
+        electing on it (on
         free ports); ``master`` is then that URL, which the nodes and clients follow.
         ``disk_size``: give every node a disk tier of that size, in ``disk_path``/NODE (kept:
         a cluster started again on it finds its nodes' objects) or, without ``disk_path``, in
@@ -299,9 +300,13 @@ class LocalCluster:
         from kvpool.common.addresses import parse_etcd_url
         from kvpool.rpc.leader import read_leader
         url = parse_etcd_url(str(self.ha))
+        creds = None
+        if url.tls:
+            from kvpool.common import security
+            creds = security.load(self.client_credentials)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            address = read_leader(url, 2.0)
+            address = read_leader(url, 2.0, creds)
             if address in self.standbys and self.standbys[address].alive():
                 return address
             time.sleep(0.05)

@@ -95,10 +95,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-routing-blocks", type=count_type, metavar="N",
                    help="blocks the routing index keeps in all, ~75 bytes each "
                         "(default: 4000000)")
-    p.add_argument("--ha", metavar="etcd://HOST:PORT[,HOST:PORT][/CLUSTER]",
+    p.add_argument("--ha", metavar="etcd[s]://HOST:PORT[,HOST:PORT][/CLUSTER]",
                    help="run as one of several standby masters electing a leader on etcd "
                         "(CLUSTER names the election, default 'default'); standbys refuse "
-                        "calls, naming the leader; clients use the same URL as --master")
+                        "calls, naming the leader; clients use the same URL as --master. "
+                        "etcds://: etcd over TLS, each process authenticating with its own "
+                        "credentials (SECURITY.md)")
     p.add_argument("--advertise", metavar="HOST[:PORT]",
                    help="with --ha: the address clients and nodes dial to reach this master "
                         "(default: --host and the bound port; required with --host 0.0.0.0)")
@@ -155,8 +157,17 @@ def run(args: argparse.Namespace) -> int:
     _gc_for_a_large_index()
     if args.ha:
         from kvpool.common.addresses import parse_etcd_url
+        from kvpool.common.logging import get_logger
         from kvpool.master.ha import serve_ha
         url = parse_etcd_url(args.ha)
+        if url.tls and credentials is None:
+            raise ConfigError("--ha etcds:// (etcd over TLS) needs --credentials: the master "
+                              "authenticates to etcd with its certificate (SECURITY.md)")
+        if credentials is not None and not url.tls:
+            get_logger("kvpool.master").warning(
+                "etcd_plain_text", etcd=args.ha,
+                why="the election and the leader's address travel to etcd in plain text; use "
+                    "etcds:// with etcd serving TLS (SECURITY.md \"etcd\")")
         asyncio.run(serve_ha(config, args.host, args.port, url, advertise=args.advertise,
                              lease_ttl_s=max(1, round(args.ha_lease_ttl)), on_started=announce,
                              lookup_port=lookup_port, metrics_port=args.metrics_port,

@@ -16,7 +16,10 @@ from pathlib import Path
 
 import pytest
 from kvpool.client import KVClient
+from kvpool.common import pki, security
+from kvpool.common.addresses import parse_etcd_url
 from kvpool.common.errors import KVPoolError, MasterUnavailable
+from kvpool.rpc.leader import read_leader
 from kvpool.rpc.master_client import MasterClient
 from kvpool.tools.cluster import Proc
 
@@ -200,3 +203,43 @@ def test_leader_whose_key_is_taken_away_steps_down(ha, etcd):
     with KVClient(ha.master) as kv:
         first_success(lambda: kv.put("after-takeover", b"t" * 100))
         assert kv.get("after-takeover") == b"t" * 100
+
+
+def test_masters_elect_over_etcd_with_tls_and_clients_follow(tmp_path):
+    """etcds://: etcd serves TLS with a certificate of the cluster's CA and requires every
+    client's; masters campaign and clients and nodes find the leader with their own
+    credentials. A peer without a certificate of that CA gets nothing from etcd."""
+    creds = tmp_path / "creds"
+    pki.make_ca(creds)
+    with open(tmp_path / "etcd-server.log", "wb") as log:
+        server = Proc("etcd", ["--data-dir", str(tmp_path / "etcd"), "--credentials-dir",
+                               str(creds)], log, program=[sys.executable, str(ETCD_SERVER)])
+        try:
+            url = server.wait_ready("etcd")
+            assert url.startswith("etcds://")
+            for c in run_cluster(tmp_path, masters=2, ha=f"{url}/tls-test",
+                                 credentials_dir=creds,
+                                 master_args=["--ha-lease-ttl", f"{HA_LEASE_TTL_S}s"]):
+                with KVClient(c.master) as kv:
+                    kv.put("over-tls", b"t" * 4096)
+                    c.kill_leader()
+                    first_success(lambda: kv.get("over-tls"))
+                    assert kv.get("over-tls") == b"t" * 4096
+                parsed = parse_etcd_url(f"{url}/tls-test")
+                with pytest.raises(MasterUnavailable):   # plain text to a TLS etcd
+                    read_leader(parse_etcd_url(url.replace("etcds://", "etcd://")), 2.0)
+                pki.make_ca(tmp_path / "other")
+                stranger = security.load(pki.issue(tmp_path / "other", "admin", "x"))
+                with pytest.raises(MasterUnavailable):   # a certificate of another CA
+                    read_leader(parsed, 2.0, stranger)
+                assert read_leader(parsed, 2.0, security.load(c.client_credentials)) == \
+                    c.leader()
+        finally:
+            server.terminate()
+
+
+def test_a_master_on_etcds_needs_credentials(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "kvpool", "master", "--port", "0", "--insecure",
+                        "--ha", "etcds://127.0.0.1:1"], capture_output=True, text=True,
+                       timeout=60, check=False)
+    assert r.returncode != 0 and "--credentials" in r.stderr and "Traceback" not in r.stderr

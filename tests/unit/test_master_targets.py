@@ -29,10 +29,13 @@ def test_etcd_url_names_the_endpoints_and_the_election_key():
     assert parse_etcd_url("etcd://h:2379").key == b"/kvpool/default/leader"
     t = MasterTargets("etcd://127.0.0.1:1")
     assert t.fails_over and t.first() is None
+    assert not u.tls and parse_etcd_url("etcds://10.0.0.1:2379/prod") == \
+        type(u)(("10.0.0.1:2379",), "prod", tls=True)
+    assert MasterTargets("etcds://h:1").etcd.tls
 
 
 @pytest.mark.parametrize("spec", ["etcd:/h:1", "http://h:1", "etcd://", "etcd://h:x",
-                                  "etcd://h:1/a/b", "etcd://h:1/sp ace", "h", "h:0", ":1",
+                                  "etcd://h:1/a/b", "etcd://h:1/sp ace", "h", "h:0", ":1", "etcds://",
                                   "a:1,,b:2", "a/b:1"])
 def test_bad_specs_are_refused_with_a_reason(spec):
     with pytest.raises(InvalidArgument, match="invalid"):
