@@ -90,16 +90,21 @@ def tenant(identity: Identity | None) -> str:
 
 
 def scope(method: str, identity: Identity | None, request) -> None:
-    """Put the keys of a checked ``request`` in the caller's tenant's namespace, in place.
-    A node's own ReportCorrupt names stored keys, and is not a client's."""
+    """Put the keys of a checked ``request`` in the caller's tenant's namespace, in place (a
+    Route: name the tenant, whose objects its store tier looks among). A node's own
+    ReportCorrupt names stored keys, and is not a client's."""
     name = tenant(identity)
-    if not name or method not in KEYED_METHODS or not hasattr(request, "keys"):
-        return   # (no keys: a malformed request, which its guard answers)
+    if not name or not (method in KEYED_METHODS and hasattr(request, "keys")
+                        or method == "Route" and hasattr(request, "tenant")):
+        return   # (not a keyed call, or a malformed request, which its guard answers)
     try:
         tenants.check_tenant(name)
     except InvalidArgument as e:
         raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"{method} from {identity}: {e}"
                       ) from None
+    if method == "Route":   # its store tier looks among the tenant's own objects
+        request.tenant = name
+        return
     keys = tenants.scoped_all(name, request.keys)
     if keys is not None:
         del request.keys[:]

@@ -4,7 +4,7 @@
 ("gpu"; "cpu" for any offload medium), fed by KV events, and ages out instances that stop
 publishing. The "store" tier is the cluster store itself, looked up through an injected
 ``store_lookup(hashes) -> [bool]`` (the master passes its object index; the trace replay a
-simulated store). Hashes are opaque hashables: kvpool-sha256-v1 digests on the wire, trace
+simulated store), in the requesting tenant's namespace. Hashes are opaque hashables: kvpool-sha256-v1 digests on the wire, trace
 hash ids in the replay.
 
 A request's *expected hits* on an instance are its longest prefix of blocks each held by the
@@ -102,7 +102,8 @@ DEFAULT_POLICY = "kvpool"
 BlockHash = Hashable
 # Blocks dropped at a cap: said a few times a minute per instance, then counted.
 _limited = RateLimited(get_logger(__name__))
-StoreLookup = Callable[[Sequence[BlockHash]], Sequence[bool]]
+# (hashes, tenant) -> whether the store holds each block, in that tenant's namespace.
+StoreLookup = Callable[[Sequence[BlockHash], str], Sequence[bool]]
 
 
 # -- queries and answers ------------------------------------------------------------------------
@@ -130,11 +131,13 @@ class Candidate:
 
 @dataclass(frozen=True, slots=True)
 class RouteQuery:
-    """A request's block hashes and how many prompt tokens each block covers."""
+    """A request's block hashes and how many prompt tokens each block covers; ``tenant``:
+    whose objects the store tier looks in (common/tenants.py)."""
 
     hashes: tuple[BlockHash, ...]
     prompt_tokens: int
     block_size: int
+    tenant: str = ""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -358,8 +361,8 @@ class RoutingIndex:
     # -- matching and routing --
     def options(self, query: RouteQuery, candidates: Sequence[Candidate]) -> list[Option]:
         """Every candidate with its expected prefix hits per tier and estimated TTFT."""
-        in_store = list(self._store_lookup(query.hashes)) if self._store_lookup and query.hashes \
-            else [False] * len(query.hashes)
+        in_store = list(self._store_lookup(query.hashes, query.tenant)) \
+            if self._store_lookup and query.hashes else [False] * len(query.hashes)
         out = []
         for order, c in enumerate(candidates):
             inst = self._instances.get(c.instance_id)

@@ -10,6 +10,7 @@ import grpc
 from kvpool.common.errors import InvalidArgument, LimitExceeded
 from kvpool.common.hashing import SPEC_NAME, HashSpec, block_key
 from kvpool.common.logging import get_logger
+from kvpool.common.tenants import scoped
 from kvpool.master.routing import (
     Candidate,
     RouteQuery,
@@ -28,8 +29,10 @@ _MAX_BLOCKS = 65536
 
 
 def store_lookup(state: MasterState) -> StoreLookup:
-    """The store tier of the routing index: whether the object index holds each block."""
-    return lambda hashes: state.exists([block_key(h) for h in hashes])
+    """The store tier of the routing index: whether the object index holds each block, among
+    the tenant's objects (no tenant can learn what another's store holds)."""
+    return lambda hashes, tenant="": state.exists([scoped(tenant, block_key(h))
+                                                   for h in hashes])
 
 
 class RouterServicer(routing_pb2_grpc.RouterServicer):
@@ -118,8 +121,9 @@ class RouterServicer(routing_pb2_grpc.RouterServicer):
         if request.token_ids:
             spec = HashSpec(size, tuple((k.name, k.value) for k in request.extra_keys))
             hashes = tuple(spec.hashes(request.token_ids))
-            return RouteQuery(hashes, len(request.token_ids), size)
+            return RouteQuery(hashes, len(request.token_ids), size, request.tenant)
         if len(request.block_hashes) > _MAX_BLOCKS:
             raise InvalidArgument(f"{len(request.block_hashes)} blocks; the limit is {_MAX_BLOCKS}")
         hashes = tuple(request.block_hashes)
-        return RouteQuery(hashes, request.prompt_tokens or len(hashes) * size, size)
+        return RouteQuery(hashes, request.prompt_tokens or len(hashes) * size, size,
+                          request.tenant)

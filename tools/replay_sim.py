@@ -293,7 +293,7 @@ def simulate(requests: Sequence[Request], policy: str, *, instances: int = 8,
     store = PrefixBlocks(store_blocks, parent_of) if store_eviction == "prefix" \
         else LRUBlocks(store_blocks)
     index = RoutingIndex(lambda: 0.0, instance_ttl_s=math.inf,
-                         store_lookup=lambda hs: [h in store for h in hs],
+                         store_lookup=lambda hs, _tenant: [h in store for h in hs],
                          cost=_cost(model, affinity_slack_tokens, router_rates))
     router = make_policy(policy, seed)
     clock = [0.0]   # the simulated now, for the calibrator

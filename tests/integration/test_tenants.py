@@ -9,8 +9,10 @@ import time
 
 import pytest
 from kvpool.client import KVClient
+from kvpool.client.router import Candidate, RouterClient
 from kvpool.common import capabilities, tenants
 from kvpool.common.errors import NoSpace, ObjectNotFound, QuotaExceeded
+from kvpool.common.hashing import HashSpec, block_key
 from kvpool.net.data_port import RESPONSE, FrameStatus, Op, PutRecord, encode_record_request
 from kvpool.net.sockets import recv_exact
 from kvpool.rpc.master_client import MasterClient
@@ -158,3 +160,22 @@ def test_a_writer_cannot_record_another_tenants_key_at_its_node(cluster):
         mb.put_revoke(["mine"])
     with client(cluster, "tenant-a") as a:
         assert a.get("victim") == b"v" * 4096
+
+
+def test_route_sees_only_the_store_of_the_callers_tenant(cluster):
+    """A prompt's blocks stored by tenant a are store hits to a's Route and none to b's: no
+    tenant learns through the router which prompts another's store holds."""
+    spec = HashSpec.of(16, model="tenants")
+    hashes = spec.hashes(list(range(3 * 16)))
+    with client(cluster, "tenant-a") as a:
+        for h in hashes:
+            a.put(block_key(h), b"k" * 1024)
+    hits = {}
+    for tenant in ("tenant-a", "tenant-b"):
+        creds = str(cluster.credentials("client", tenant))
+        with RouterClient(cluster.master, credentials=creds) as router:
+            router.register(spec)
+            for _ in range(2):   # gRPC, then the lookup port
+                hits.setdefault(tenant, []).append(router.route(
+                    block_hashes=hashes, candidates=[Candidate("engine")]).hits["store"])
+    assert hits == {"tenant-a": [3, 3], "tenant-b": [0, 0]}

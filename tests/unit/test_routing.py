@@ -31,7 +31,7 @@ def index(clock):
     """Instance a holds blocks 1-2 on GPU, b holds 1-2-3 on GPU, c holds 1 on GPU and 2 on CPU;
     the store holds 1-4."""
     store = {1, 2, 3, 4}
-    idx = RoutingIndex(clock, instance_ttl_s=10, store_lookup=lambda hs: [h in store for h in hs],
+    idx = RoutingIndex(clock, instance_ttl_s=10, store_lookup=lambda hs, _t: [h in store for h in hs],
                        cost=CostModel(prefill_s_per_token=1.0, store_s_per_token=0.1,
                                       cpu_s_per_token=0.01, affinity_slack_tokens=0))
     idx.apply("a", [BlockStored((1, 2))])

@@ -45,7 +45,7 @@ def test_a_candidates_measured_rates_replace_the_configured_ones(idx):
     (oa, ob) = idx.options(q(1, 2, 3), slow_a)
     assert oa.estimated_ttft_s == pytest.approx(30 / 0.25) and ob.estimated_ttft_s == 30
     # The store rate likewise: b holds nothing but the store holds all 3 blocks.
-    store = RoutingIndex(idx._clock, store_lookup=lambda hs: [True] * len(hs), cost=idx.cost)
+    store = RoutingIndex(idx._clock, store_lookup=lambda hs, _t: [True] * len(hs), cost=idx.cost)
     (o,) = store.options(q(1, 2, 3), [Candidate("b", store_tokens_per_s=100.0)])
     assert o.estimated_ttft_s == pytest.approx(30 / 100)
 

@@ -105,20 +105,22 @@ class ExtraKey(_message.Message):
     def __init__(self, name: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("token_ids", "extra_keys", "block_hashes", "candidates", "policy", "prompt_tokens")
+    __slots__ = ("token_ids", "extra_keys", "block_hashes", "candidates", "policy", "prompt_tokens", "tenant")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     extra_keys: _containers.RepeatedCompositeFieldContainer[ExtraKey]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     candidates: _containers.RepeatedCompositeFieldContainer[Candidate]
     policy: str
     prompt_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[_Union[ExtraKey, _Mapping]]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., policy: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[_Union[ExtraKey, _Mapping]]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., policy: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class TierHits(_message.Message):
     __slots__ = ("tier", "blocks")
