@@ -138,10 +138,23 @@ class Credentials:
         return ctx
 
     @functools.cached_property
-    def ssl_client(self) -> ssl.SSLContext:
-        """A lookup-port client's context; dial with ``server_hostname=MASTER_NAME``."""
-        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca_file)
+    def ssl_server_with_tokens(self) -> ssl.SSLContext:
+        """The lookup port's server context where the master takes bearer tokens: a client
+        certificate is checked when given, and a connection without one must send its token
+        first (net/lookup_port.py AUTH)."""
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=self.ca_file)
         ctx.load_cert_chain(self.cert_file, self.key_file)
+        ctx.verify_mode = ssl.CERT_OPTIONAL
+        return ctx
+
+    @functools.cached_property
+    def ssl_client(self) -> ssl.SSLContext:
+        """A lookup-port client's context; dial with ``server_hostname=MASTER_NAME``. With a
+        token (no certificate), the client authenticates with an AUTH frame after the
+        handshake (net/lookup_port.py)."""
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca_file)
+        if not self.token:
+            ctx.load_cert_chain(self.cert_file, self.key_file)
         return ctx
 
 

@@ -16,7 +16,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from kvpool.common.errors import InvalidArgument, KVPoolError, UnknownNode
 from kvpool.common.logging import get_logger
-from kvpool.common.security import Identity, identity_from_der
+from kvpool.common.security import Identity, Tokens, identity_from_der
 from kvpool.master.auth import Refused, check, scope, scope_answer
 from kvpool.net import lookup_port
 
@@ -27,6 +27,8 @@ _INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 _UNKNOWN = grpc.StatusCode.UNKNOWN.value[0]
 _NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
+_UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED.value[0]
+_MAX_TOKEN_BYTES = 4096
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
 
@@ -55,15 +57,17 @@ class LookupServer:
     then asks over gRPC, which finds the leader). ``on_call(method, code, seconds)``: told of
     each call answered (the master's RPC metrics), with the gRPC method and status names.
     ``tls``: serve TLS with client certificates required (the master's gRPC credentials); each
-    call is then checked against its caller's role (master/auth.py) as over gRPC."""
+    call is then checked against its caller's role (master/auth.py) as over gRPC. ``tokens``
+    (with a ``tls`` context that lets a client without a certificate in): such a connection
+    authenticates with its bearer token first (net/lookup_port.py AUTH)."""
 
     def __init__(self, handlers: Mapping[int, tuple[type[Message], Handler]],
                  refusal: Callable[[], str | None] = lambda: None,
                  on_call: Callable[[str, str, float], None] | None = None,
                  streams: Mapping[int, Stream] | None = None,
-                 tls: ssl.SSLContext | None = None):
+                 tls: ssl.SSLContext | None = None, tokens: Tokens | None = None):
         self._handlers, self._refusal, self._on_call = dict(handlers), refusal, on_call
-        self._tls = tls
+        self._tls, self._tokens = tls, tokens
         self._streams = dict(streams or {})
         self._server: asyncio.Server | None = None
         # Each connection's writer and the task serving it (stop ends both).
@@ -125,6 +129,18 @@ class LookupServer:
             while True:
                 magic, method, length = lookup_port.REQUEST.unpack(
                     await reader.readexactly(lookup_port.REQUEST.size))
+                if method == lookup_port.AUTH and identity is None and self._tokens is not None \
+                        and magic == lookup_port.MAGIC and length <= _MAX_TOKEN_BYTES:
+                    token = await reader.readexactly(length)
+                    identity = self._tokens.identify("Bearer " + token.decode("utf-8", "replace"))
+                    if identity is None:
+                        writer.write(lookup_port.encode_response(
+                            _UNAUTHENTICATED, b"unknown bearer token (SECURITY.md)"))
+                        await writer.drain()
+                        return
+                    writer.write(lookup_port.encode_response(_OK, b""))
+                    await writer.drain()
+                    continue
                 if method in self._streams and magic == lookup_port.MAGIC \
                         and length <= lookup_port.MAX_BODY_BYTES:
                     return await self._stream(method, await reader.readexactly(length),

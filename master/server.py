@@ -175,7 +175,9 @@ class MasterServer:
                 streams={lookup_port.WATCH_MANIFEST: Stream(
                     pb.WatchManifestRequest, servicer.watch_manifest, lookup_port.ACK_MANIFEST,
                     pb.AckManifestRequest, servicer.ack_manifest)},
-                tls=self.credentials.ssl_server if self.credentials else None)
+                tls=None if self.credentials is None else self.credentials.ssl_server
+                if self._tokens is None else self.credentials.ssl_server_with_tokens,
+                tokens=self._tokens)
             try:
                 self._servicer.lookup_port = router.lookup_port = await self._lookup.start(
                     self._host, self._lookup_port)

@@ -32,6 +32,12 @@ master a wake-up each, where the gRPC stream and AckManifest call cross two thre
 
 A master names its lookup port in each gRPC ``GetReplicasResponse`` and ``RouteResponse``
 (``lookup_port``); the client dials it on the host its gRPC calls reach.
+
+AUTH (a master serving bearer tokens, ``--tokens``): its lookup port also takes TLS
+connections without a client certificate; such a connection's first frame is AUTH, its body
+the client's bearer token (utf-8), answered OK (the connection then acts as the token's
+identity) or UNAUTHENTICATED (and closed). A connection with neither a certificate nor an
+accepted AUTH is refused every call, as over gRPC.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ PUT_REVOKE = 5
 WATCH_MANIFEST = 6
 ACK_MANIFEST = 7
 ROUTE = 8
+AUTH = 9
 METHOD_NAMES = {GET_REPLICAS: "GetReplicas", EXISTS: "Exists", PUT_START: "PutStart",
                 PUT_END: "PutEnd", PUT_REVOKE: "PutRevoke", WATCH_MANIFEST: "WatchManifest",
                 ACK_MANIFEST: "AckManifest", ROUTE: "Route"}   # as the gRPC methods

@@ -101,11 +101,17 @@ class GrpcClient:
 
     @property
     def tls(self):
-        """The lookup port's client TLS context (None: plain tcp, as gRPC is then; False:
-        no lookup port, for a token: the port takes certificates only)."""
+        """The lookup port's client TLS context (None: plain tcp, as gRPC is then); with a
+        token, one without a client certificate: the token goes in an AUTH frame
+        (:attr:`token`)."""
         if self.credentials is None:
             return None
-        return False if self.credentials.token else self.credentials.ssl_client
+        return self.credentials.ssl_client
+
+    @property
+    def token(self) -> str:
+        """The bearer token this client authenticates with ("": a certificate, or none)."""
+        return self.credentials.token if self.credentials is not None else ""
 
     @property
     def address(self) -> str:

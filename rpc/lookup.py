@@ -41,12 +41,14 @@ class LookupChannel:
 
     ``refused(code, message, what)``: the KVPoolError for an answer with an error status (as
     for the same status over gRPC). ``tls``: a client context (common/security.py) when the
-    master's gRPC port is mutual TLS: the lookup port is too, with the same certificates."""
+    master's gRPC port is mutual TLS: the lookup port is too, with the same certificates;
+    ``token``: a client without a certificate authenticates each connection with its bearer
+    token instead (net/lookup_port.py AUTH)."""
 
     def __init__(self, master: str, port: int, timeout_s: float,
                  refused: Callable[[grpc.StatusCode, str, str], KVPoolError],
-                 tls: ssl.SSLContext | None = None):
-        self._tls = tls
+                 tls: ssl.SSLContext | None = None, token: str = ""):
+        self._tls, self._token = tls, token
         host = master.rpartition(":")[0]
         self.target = (master, port)
         self._endpoint = (host[1:-1] if host.startswith("[") else host, port)
@@ -152,7 +154,25 @@ class LookupChannel:
                 sock.close()
                 raise LookupLost(f"lookup port {self._endpoint[1]}: TLS: {e}") from None
         sock.settimeout(self._timeout_s)
+        if self._token:
+            self._authenticate(sock)
         return sock, False
+
+    def _authenticate(self, sock: socket.socket) -> None:
+        """Send the bearer token (AUTH) and read its answer; the port is given up (LookupLost)
+        unless it took it: a master without tokens (or an old one) answers with an error."""
+        try:
+            sock.sendall(lookup_port.encode_request(lookup_port.AUTH, self._token.encode()))
+            status, length = lookup_port.RESPONSE.unpack(
+                recv_exact(sock, lookup_port.RESPONSE.size, "the master"))
+            message = recv_exact(sock, min(length, 4096), "the master") if length else b""
+        except OSError as e:
+            sock.close()
+            raise LookupLost(f"lookup port {self._endpoint[1]}: token: {e}") from None
+        if status != 0:
+            sock.close()
+            raise LookupLost(f"lookup port {self._endpoint[1]} refused the token: "
+                             f"{message.decode('utf-8', 'replace')}")
 
     def _release(self, sock: socket.socket) -> None:
         with self._lock:
@@ -168,11 +188,12 @@ class Lookups:
     def __init__(self, timeout_s: float,
                  refused: Callable[[grpc.StatusCode, str, str], KVPoolError],
                  clock: Callable[[], float] = time.monotonic,
-                 tls: ssl.SSLContext | None | bool = None):
+                 tls: ssl.SSLContext | None | bool = None, token: str = ""):
         """``tls``: the client context of a secure master's lookup port; None: plain tcp;
-        False: never use the port (gRPC only)."""
+        False: never use the port (gRPC only). ``token``: a bearer token to authenticate
+        with (a client without a certificate)."""
         self._timeout_s, self._refused, self._clock = timeout_s, refused, clock
-        self._tls = tls or None
+        self._tls, self._token = tls or None, token
         self._lock = threading.Lock()
         self._channel: LookupChannel | None = None
         self._learned: tuple[str, int] | None = None      # the last (master, port) named
@@ -209,7 +230,8 @@ class Lookups:
             if self._closed or self._failed.get(target, 0.0) > self._clock():
                 return
             old, self._channel = self._channel, LookupChannel(
-                master, port, self._timeout_s, self._refused, self._tls) if port else None
+                master, port, self._timeout_s, self._refused, self._tls,
+                self._token) if port else None
         if old is not None:
             old.close()
 

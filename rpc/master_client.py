@@ -64,7 +64,7 @@ class MasterClient(GrpcClient):
         self._watches: set = set()   # the WatchManifest calls open now (end_watches)
         self._port_watches: dict[str, socket.socket] = {}   # node id -> its stream's socket
         self._watch_generation = 0   # end_watches calls so far
-        self._lookups = Lookups(timeout_s, map_status, tls=self.tls)
+        self._lookups = Lookups(timeout_s, map_status, tls=self.tls, token=self.token)
         self._rechecks: list[tuple[str, int, str]] = []   # asked by heartbeat answers
 
     # -- membership (store nodes) --

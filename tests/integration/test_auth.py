@@ -6,9 +6,11 @@ CA (a tenant's client, another node) or none at all."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -23,6 +25,7 @@ from kvpool.common.errors import (
 )
 from kvpool.common.types import ObjectRecord
 from kvpool.net import lookup_port
+from kvpool.net.sockets import recv_exact
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
 from kvpool.protos.kvpool.v1 import routing_pb2 as routing_pb
 from kvpool.rpc.grpc_client import map_status
@@ -269,6 +272,14 @@ def test_report_corrupt_of_good_bytes_drops_nothing_and_a_node_confirms_only_its
         assert len(kv._master.locate(["pinned/good"]).views()[0].replicas) == 2
 
 
+def _lookup_calls(cluster) -> int:
+    """Calls the master answered on its lookup port (its metrics)."""
+    with urllib.request.urlopen(f"http://{cluster.metrics_addresses['master']}/metrics",
+                                timeout=5) as r:
+        return int(sum(float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
+                       if line.startswith("kvpool_master_lookup_port_calls_total{")))
+
+
 def test_bearer_tokens_on_the_token_port(tmp_path):
     """A client that cannot hold a certificate: a bearer token bound to its role and name, on
     the master's token port (TLS without client certificates). A wrong token or none is
@@ -276,7 +287,7 @@ def test_bearer_tokens_on_the_token_port(tmp_path):
     creds = tmp_path / "creds"
     pki.make_ca(creds)
     token = pki.make_token(creds, "client", "tenant-t")
-    cluster = run_cluster(tmp_path, nodes=1, credentials_dir=creds,
+    cluster = run_cluster(tmp_path, nodes=1, credentials_dir=creds, metrics=True,
                           master_args=["--tokens", str(creds / "tokens.yaml")])
     c = next(cluster)
     try:
@@ -286,6 +297,30 @@ def test_bearer_tokens_on_the_token_port(tmp_path):
             assert kv.get("by-token", verify=True) == VALUE
             with pytest.raises(PermissionDenied):
                 kv._master.stats(audit=True)
+            # The data path's master calls went to the lookup port, authenticated by the
+            # token (net/lookup_port.py AUTH), not over gRPC.
+            port = kv._master._lookups.channel.target[1]
+            before = _lookup_calls(c)
+            for i in range(3):
+                kv.put(f"by-token-{i}", VALUE)
+                assert kv.get(f"by-token-{i}") == VALUE
+            assert _lookup_calls(c) - before >= 9   # PutStart, PutEnd, GetReplicas each
+        # On that port, a connection without a certificate is refused every call until it
+        # authenticates, and a wrong token is refused.
+        host = address.rpartition(":")[0]
+        tls = security.load(token).ssl_client
+        for auth, expected in ((None, grpc.StatusCode.UNAUTHENTICATED),
+                               (b"not-the-token", grpc.StatusCode.UNAUTHENTICATED)):
+            with socket.create_connection((host, port), timeout=5) as raw, \
+                    tls.wrap_socket(raw, server_hostname=security.MASTER_NAME) as s:
+                if auth is not None:
+                    s.sendall(lookup_port.encode_request(lookup_port.AUTH, auth))
+                else:
+                    s.sendall(lookup_port.encode_request(
+                        lookup_port.GET_REPLICAS, pb.KeysRequest(keys=["by-token"])
+                        .SerializeToString()))
+                status, _ = lookup_port.RESPONSE.unpack(recv_exact(s, lookup_port.RESPONSE.size))
+                assert status == expected.value[0]
         forged = tmp_path / "forged.yaml"
         forged.write_text(f"ca: {creds / 'ca.pem'}\ntoken: not-the-token\n")
         with pytest.raises(Unauthenticated), \
