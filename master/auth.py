@@ -22,6 +22,7 @@ name stored keys, any tenant's.
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable
 
 import grpc
@@ -81,6 +82,16 @@ def check(method: str, identity: Identity | None, request=None) -> None:
     if method == "Stats" and getattr(request, "audit", False) and identity.role != "admin":
         raise Refused(grpc.StatusCode.PERMISSION_DENIED,
                       f"Stats with audit is for admins; the caller is {identity}")
+
+
+# The checked caller of the call being served (gRPC: set by the Authorizer for its handler).
+CALLER: contextvars.ContextVar[Identity | None] = contextvars.ContextVar("kvpool_caller",
+                                                                         default=None)
+
+
+def caller_tenant() -> str:
+    """:func:`tenant` of the caller of the gRPC call being served."""
+    return tenant(CALLER.get())
 
 
 def tenant(identity: Identity | None) -> str:
@@ -166,6 +177,7 @@ class Authorizer(grpc.aio.ServerInterceptor):
 
         async def checked(request, context) -> Identity | None:
             identity = grpc_identity(context, tokens)
+            CALLER.set(identity)   # this call's task: its handler reads it
             try:
                 check(method, identity, request)
                 if request is not None:

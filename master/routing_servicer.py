@@ -10,7 +10,8 @@ import grpc
 from kvpool.common.errors import InvalidArgument, LimitExceeded
 from kvpool.common.hashing import SPEC_NAME, HashSpec, block_key
 from kvpool.common.logging import get_logger
-from kvpool.common.tenants import scoped
+from kvpool.common.tenants import scoped, tenant_of
+from kvpool.master.auth import caller_tenant
 from kvpool.master.routing import (
     Candidate,
     RouteQuery,
@@ -66,11 +67,13 @@ class RouterServicer(routing_pb2_grpc.RouterServicer):
 
     async def PublishKVEvents(self, request_iterator, context):
         batches = events = 0
+        tenant = caller_tenant()   # a tenant's instances are its own (common/tenants.py)
         async for batch in request_iterator:
+            instance = scoped(tenant, batch.instance_id)
             try:
-                events += self.index.apply(batch.instance_id, events_from_pb(batch))
+                events += self.index.apply(instance, events_from_pb(batch))
                 if batch.url or batch.role:
-                    self.index.announce(batch.instance_id, batch.url, batch.role)
+                    self.index.announce(instance, batch.url, batch.role)
             except InvalidArgument as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except LimitExceeded as e:
@@ -90,22 +93,30 @@ class RouterServicer(routing_pb2_grpc.RouterServicer):
         """Route's answer (also served on the master's lookup port: a gateway routes every
         request); InvalidArgument if the request is malformed."""
         query = self._query(request)
-        candidates = [Candidate(c.instance_id, c.queue_depth, c.inflight_prefill_tokens,
-                                c.prefill_tokens_per_s, c.store_tokens_per_s,
-                                c.decoding_requests)
+        tenant = request.tenant   # a tenant routes among its own instances only
+        candidates = [Candidate(scoped(tenant, c.instance_id), c.queue_depth,
+                                c.inflight_prefill_tokens, c.prefill_tokens_per_s,
+                                c.store_tokens_per_s, c.decoding_requests)
                       for c in request.candidates] or None
+        if candidates is None and tenant:
+            candidates = [Candidate(i) for i in self.index.instances()
+                          if tenant_of(i)[0] == tenant]
         decision = self.index.route(query, candidates, self._policy(request.policy))
         return pb.RouteResponse(
-            instance_id=decision.instance_id, policy=decision.policy, blocks=len(query.hashes),
+            instance_id=tenant_of(decision.instance_id)[1] if tenant else decision.instance_id,
+            policy=decision.policy, blocks=len(query.hashes),
             estimated_ttft_s=decision.estimated_ttft_s,
             hits=[pb.TierHits(tier=t, blocks=b) for t, b in decision.hit_blocks.items()])
 
     async def ListInstances(self, request, context):
+        tenant = caller_tenant()   # a client sees its tenant's instances only
         return pb.ListInstancesResponse(instances=[
-            pb.InstanceInfo(instance_id=v.instance_id, url=v.url, role=v.role,
+            pb.InstanceInfo(instance_id=named, url=v.url, role=v.role,
                             gpu_blocks=v.gpu_blocks, cpu_blocks=v.cpu_blocks,
                             seen_s_ago=v.seen_s_ago)
-            for v in self.index.describe()])
+            for v in self.index.describe()
+            for owner, named in [tenant_of(v.instance_id) if tenant else ("", v.instance_id)]
+            if not tenant or owner == tenant])
 
     def _policy(self, name: str) -> RoutingPolicy:
         policy = make_policy(name, self._seed)

@@ -13,6 +13,7 @@ from kvpool.client.router import Candidate, RouterClient
 from kvpool.common import capabilities, tenants
 from kvpool.common.errors import NoSpace, ObjectNotFound, QuotaExceeded
 from kvpool.common.hashing import HashSpec, block_key
+from kvpool.common.kv_events import AllBlocksCleared, BlockStored
 from kvpool.net.data_port import RESPONSE, FrameStatus, Op, PutRecord, encode_record_request
 from kvpool.net.sockets import recv_exact
 from kvpool.rpc.master_client import MasterClient
@@ -179,3 +180,32 @@ def test_route_sees_only_the_store_of_the_callers_tenant(cluster):
                 hits.setdefault(tenant, []).append(router.route(
                     block_hashes=hashes, candidates=[Candidate("engine")]).hits["store"])
     assert hits == {"tenant-a": [3, 3], "tenant-b": [0, 0]}
+
+
+def test_a_tenants_engines_and_their_caches_are_its_own_to_route_to(cluster):
+    """Tenant a's engine publishes its cache; tenant b naming an engine of the same id routes to
+    an engine of its own (which holds nothing), lists none of a's, and its own events under that
+    id do not touch a's engine."""
+    spec = HashSpec.of(16, model="tenants")
+    hashes = spec.hashes(list(range(100, 100 + 4 * 16)))
+
+    def router(tenant):
+        return RouterClient(cluster.master,
+                            credentials=str(cluster.credentials("client", tenant)))
+
+    with router("tenant-a") as a, router("tenant-b") as b:
+        a.register(spec)
+        a.publish("engine", [BlockStored(tuple(hashes))])
+        a_view = a.route(block_hashes=hashes, candidates=[Candidate("engine")])
+        b_view = b.route(block_hashes=hashes, candidates=[Candidate("engine")])
+        assert (a_view.instance_id, a_view.hits["gpu"]) == ("engine", 4)
+        assert (b_view.instance_id, b_view.hits["gpu"]) == ("engine", 0)
+        assert "engine" in {i.instance_id for i in a.list_instances()}
+        assert "engine" not in {i.instance_id for i in b.list_instances()}
+        b.publish("engine", [AllBlocksCleared()])
+        assert a.route(block_hashes=hashes, candidates=[Candidate("engine")]).hits["gpu"] == 4
+        # With no candidates named, a tenant routes among its own engines.
+        b.publish("b-engine", [BlockStored(tuple(hashes[:1]))])
+        assert b.route(block_hashes=hashes).instance_id == "b-engine"   # its only hit
+        assert a.route(block_hashes=hashes).instance_id == "engine"
+        assert "b-engine" not in {i.instance_id for i in a.list_instances()}
