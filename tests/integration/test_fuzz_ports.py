@@ -4,9 +4,11 @@ and protobuf on every gRPC method. The invariant: the processes stay up, keep an
 clients, and no stored byte changes (known objects are put first, hard-pinned so that no
 fuzzed put may evict them, and read back with their checksums verified at the end).
 
-Not fuzzed here: a well-formed WRITE into a real segment, which today overwrites whatever is
-there (no capabilities yet: that is issue 15's authenticated part); KV events (the bridge's
-fuzzing is in test_kv_events_malformed.py). Each property runs a bounded number of examples.
+Well-formed WRITEs, RESERVEs and SEALs into the real segment are fuzzed too: without the
+master's grant (common/capabilities.py) the node refuses them. Another tenant names the known
+keys in every form it can (tenants' namespaces, common/tenants.py). Not fuzzed here: KV events
+(the bridge's fuzzing is in test_kv_events_malformed.py). Each property runs a bounded number
+of examples.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvpool.client import KVClient
+from kvpool.common import tenants
 from kvpool.net import lookup_port
 from kvpool.net.data_port import HANDOFF_REQUEST, MAGIC, REQUEST, Op
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
@@ -61,7 +64,7 @@ def fuzzed(tmp_path_factory):
                           shm=node.shm_endpoint, segment=views[0].replicas[0].extent.segment_id)
     assert cluster.master_proc.alive(), "the master died"
     assert all(n.alive() for n in cluster.nodes), "a store node died"
-    assert sum(examples.values()) >= 4 * 100, examples   # each property ran its examples
+    assert sum(examples.values()) >= 5 * 100, examples   # each property ran its examples
     with KVClient(cluster.master) as kv:
         assert kv.batch_get(list(values), verify=True) == list(values.values())
         kv.put("after-fuzz", b"still serving")
@@ -95,12 +98,13 @@ _segment_ids = st.one_of(st.text(max_size=40).map(str.encode), st.binary(max_siz
 
 @st.composite
 def data_frames(draw, real_segment: str) -> bytes:
-    """A frame: anything, or a request header with odd fields. A WRITE never names the real
-    segment (a well-formed one would overwrite it: no capabilities yet)."""
+    """A frame: anything, or a request header with odd fields, the real segment's included
+    (no frame here carries a grant: the node refuses every one that would touch a byte)."""
     if draw(st.booleans()):
         return draw(st.binary(max_size=200))
-    op = draw(st.sampled_from([Op.READ, Op.WRITE, Op.CONNECT_QP, 0, 4, 255]))
-    real = op != Op.WRITE and draw(st.booleans())
+    op = draw(st.sampled_from([Op.READ, Op.WRITE, Op.CONNECT_QP, Op.RESERVE, Op.SEAL, 0,
+                               255]))
+    real = draw(st.booleans())
     sid = real_segment.encode() if real else draw(_segment_ids)
     magic = MAGIC if draw(st.integers(0, 4)) else draw(st.binary(min_size=4, max_size=4))
     sid_len = len(sid) if draw(st.integers(0, 3)) else draw(st.integers(0, 65535))
@@ -192,6 +196,35 @@ def test_fuzz_lookup_port_frames(fuzzed):
         with lookup_socket(fuzzed.cluster, address[1]) as s:   # as an authenticated client
             exchange(s, b"".join(frames))
     run()
+    still_serving(fuzzed)
+
+
+# -- tenants' namespaces -----------------------------------------------------------------------
+
+def test_fuzz_a_tenants_keys_never_reach_anothers(fuzzed):
+    """Another tenant names the known (default tenant's) keys every way it can, their stored
+    forms included: none is found, and removing, pinning and putting them touches nothing (the
+    module's end checks every known byte)."""
+    mark = tenants.MARK
+    named = st.one_of(st.sampled_from(sorted(fuzzed.values)), st.text(max_size=24))
+    forms = named.flatmap(lambda k: st.sampled_from([
+        k, mark + k, f"{mark}default{mark}{k}", f"{mark}{mark}{k}",
+        f"{mark}fuzz-tenant{mark}{k}", tenants.scoped("default", mark + k)]))
+    creds = str(fuzzed.cluster.credentials("client", "fuzz-tenant"))
+
+    @FUZZ
+    @given(keys=st.lists(forms, min_size=1, max_size=6, unique=True))
+    def run(keys):
+        count("tenant")
+        assert mc.exists(keys) == [False] * len(keys)
+        assert not mc.locate(keys).found().any()
+        assert all(r is not None for r in mc.remove(keys))
+        assert all(r is not None for r in mc.pin(keys))
+        placed, _ = mc.put_start(keys, [64] * len(keys))
+        mc.put_revoke([k for k, p in zip(keys, placed) if isinstance(p, tuple)])
+    with MasterClient(fuzzed.cluster.master, timeout_s=5.0, retries=0,
+                      credentials=creds) as mc:
+        run()
     still_serving(fuzzed)
 
 
