@@ -42,6 +42,11 @@ class EtcdURL:
     def key(self) -> bytes:
         return leader_key(self.cluster)
 
+    @property
+    def tokens_key(self) -> bytes:
+        """Where the leader names its token port (``--tokens``), for token clients."""
+        return leader_key(self.cluster) + b"-tokens"
+
 
 def is_etcd_url(spec: str) -> bool:
     return str(spec).startswith((_ETCD, _ETCDS))

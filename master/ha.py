@@ -69,6 +69,8 @@ class LeaderElection:
         self._valid_until = 0.0     # by our clock, we lead until then unless renewed
         self._revision = 0          # etcd's revision when we last saw the key held
         self.leader: str | None = None   # the leader as last seen (ourselves once elected)
+        # Our token port's address (``--tokens``), published beside ours while we lead.
+        self.token_address: str | None = None
 
     def is_leader(self) -> bool:
         """Whether this master may serve now; False as soon as its lease may have lapsed."""
@@ -123,7 +125,10 @@ class LeaderElection:
             compare=[pb.Compare(key=key, target=pb.Compare.CREATE, result=pb.Compare.EQUAL,
                                 create_revision=0)],
             success=[pb.RequestOp(request_put=pb.PutRequest(
-                key=key, value=self.address.encode(), lease=grant.ID))],
+                key=key, value=self.address.encode(), lease=grant.ID)), *(
+                [pb.RequestOp(request_put=pb.PutRequest(
+                    key=self._url.tokens_key, value=self.token_address.encode(),
+                    lease=grant.ID))] if self.token_address else [])],
             failure=[pb.RequestOp(request_range=pb.RangeRequest(key=key))]),
             timeout=ETCD_CALL_TIMEOUT_S)
         if r.succeeded:
@@ -298,7 +303,7 @@ async def serve_ha(config: MasterConfig, host: str, port: int, url: EtcdURL, *,
                    advertise: str | None = None, lease_ttl_s: int = DEFAULT_LEASE_TTL_S,
                    on_started: Callable[[str, str | None], None] | None = None,
                    lookup_port: int | None = 0, metrics_port: int | None = None,
-                   credentials=None) -> None:
+                   credentials=None, tokens=None, token_port: int | None = None) -> None:
     """Run a master that leads while it holds the etcd lease, until SIGINT/SIGTERM (then it
     resigns, for an immediate takeover). Raises MasterUnavailable if it loses the lease."""
     if advertise:
@@ -309,11 +314,17 @@ async def serve_ha(config: MasterConfig, host: str, port: int, url: EtcdURL, *,
     server = MasterServer(config, host, port, interceptors=[LeaderOnly(election)],
                           lookup_port=lookup_port, lookup_refusal=lambda: None
                           if election.is_leader() else f"master {election.address} does not lead",
-                          metrics_port=metrics_port, credentials=credentials)
+                          metrics_port=metrics_port, credentials=credentials, tokens=tokens,
+                          token_port=token_port)
     await server.start()
     election.address = advertised(host, server.port, advertise)
+    if server.token_port is not None:   # token clients find it in etcd while we lead
+        # On the advertised host, with the bound port (--token-port to fix it).
+        election.token_address = f"{election.address.rpartition(':')[0]}:{server.token_port}"
     if on_started:   # the address clients use, and the metrics server's (if any)
         on_started(election.address, server.metrics_address)
+    if election.token_address:
+        print(f"tokens: {election.token_address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -161,10 +161,15 @@ class GrpcClient:
             raise MasterUnavailable(f"no master leads {self._targets.spec} yet")
         return current
 
+    def _hint(self, error: grpc.RpcError | None) -> str | None:
+        """The leader a standby named; none for a token client: the name is the leader's
+        certificate port, and a token client dials its token port (read from etcd)."""
+        return None if self.token else _leader_hint(error)
+
     def _fail_over(self, address: str, error: grpc.RpcError | None) -> None:
         """After ``address`` answered UNAVAILABLE: move to the master it names as the leader,
         or to the next one to try (a failed look-up in etcd leaves the current one)."""
-        hint = _leader_hint(error)
+        hint = self._hint(error)
         if not self._targets.fails_over or (not hint and self.address not in ("", address)):
             return      # another thread has moved on already
         try:
@@ -236,7 +241,7 @@ class GrpcClient:
             left = deadline - time.monotonic()
             if not retry or left <= 0:
                 raise failure
-            if self.address != address and _leader_hint(error) and jumps < 3:
+            if self.address != address and self._hint(error) and jumps < 3:
                 jumps += 1
                 continue                        # pointed at the leader: go at once
             jumps = 0

@@ -31,7 +31,7 @@ def etcd_channel(url: EtcdURL, endpoint: str, credentials=None, aio: bool = Fals
 def read_leader(url: EtcdURL, timeout_s: float, credentials=None) -> str | None:
     """The leader's address as etcd holds it now (None: no leader elected), from the first
     endpoint that answers; MasterUnavailable when none does. Blocking; each call under
-    ``timeout_s``. ``credentials``: for ``etcds://``."""
+    ``timeout_s``. ``credentials``: for ``etcds://``; a token's: the leader's token port."""
     try:
         from aetcd.rpc import rpc_pb2, rpc_pb2_grpc
     except ImportError:
@@ -41,7 +41,9 @@ def read_leader(url: EtcdURL, timeout_s: float, credentials=None) -> str | None:
     for endpoint in url.endpoints:
         with etcd_channel(url, endpoint, credentials) as channel:
             try:
-                r = rpc_pb2_grpc.KVStub(channel).Range(rpc_pb2.RangeRequest(key=url.key),
+                key = url.tokens_key if credentials is not None and credentials.token \
+                    else url.key
+                r = rpc_pb2_grpc.KVStub(channel).Range(rpc_pb2.RangeRequest(key=key),
                                                        timeout=timeout_s)
             except grpc.RpcError as e:
                 errors.append(f"{endpoint}: {e.code().name}")

@@ -147,12 +147,16 @@ def run(args: argparse.Namespace) -> int:
         if metrics:
             print(f"metrics: {metrics}", flush=True)
 
-    if args.ha and args.tokens:
-        raise ConfigError("--tokens is not served by standby masters (--ha) yet")
     if args.ha:   # a wildcard --host needs --advertise: said before anything else
         from kvpool.master.ha import advertised
         advertised(args.host, args.port or 1, args.advertise)
     credentials = _credentials(args)
+    tokens = None
+    if args.tokens:
+        from kvpool.common.security import Tokens
+        if credentials is None:
+            raise ConfigError("--tokens needs --credentials (tokens travel over TLS only)")
+        tokens = Tokens.load(args.tokens)
     lookup_port = None if args.no_lookup_port else args.lookup_port
     _gc_for_a_large_index()
     if args.ha:
@@ -171,16 +175,11 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(serve_ha(config, args.host, args.port, url, advertise=args.advertise,
                              lease_ttl_s=max(1, round(args.ha_lease_ttl)), on_started=announce,
                              lookup_port=lookup_port, metrics_port=args.metrics_port,
-                             credentials=credentials))
+                             credentials=credentials, tokens=tokens,
+                             token_port=args.token_port))
         return 0
     if args.advertise:
         raise ConfigError("--advertise is for standby masters: give --ha etcd://HOST:PORT too")
-    tokens = None
-    if args.tokens:
-        from kvpool.common.security import Tokens
-        if credentials is None:
-            raise ConfigError("--tokens needs --credentials (tokens travel over TLS only)")
-        tokens = Tokens.load(args.tokens)
     asyncio.run(serve(config, args.host, args.port, on_started=announce,
                       lookup_port=lookup_port, metrics_port=args.metrics_port,
                       credentials=credentials, tokens=tokens, token_port=args.token_port))

@@ -243,3 +243,24 @@ def test_a_master_on_etcds_needs_credentials(tmp_path):
                         "--ha", "etcds://127.0.0.1:1"], capture_output=True, text=True,
                        timeout=60, check=False)
     assert r.returncode != 0 and "--credentials" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_token_clients_follow_the_leaders_token_port(tmp_path, etcd):
+    """Standby masters with --tokens: the leader publishes its token port in etcd beside its
+    address; a token client given the etcd URL dials it, and after the leader is killed, the
+    new leader's (a standby's hint names the certificate port, which a token client skips)."""
+    creds = tmp_path / "creds"
+    pki.make_ca(creds)
+    token = pki.make_token(creds, "client", "tenant-t")
+    for c in run_cluster(tmp_path, masters=2, ha=f"{etcd}/tokens-test", credentials_dir=creds,
+                         master_args=["--ha-lease-ttl", f"{HA_LEASE_TTL_S}s", "--tokens",
+                                      str(creds / "tokens.yaml")]):
+        with KVClient(c.master, timeout_s=5.0, credentials=str(token)) as kv:
+            kv.put("by-token", b"t" * 4096)
+            first = kv._master.address
+            assert first != c.leader()          # the leader's token port, not its own
+            c.kill_leader()
+            first_success(lambda: kv.get("by-token"))
+            assert kv.get("by-token") == b"t" * 4096
+            assert kv._master.address not in (first, c.leader())
+            kv.put("after-failover", b"a" * 4096)
