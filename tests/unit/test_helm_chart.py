@@ -620,9 +620,13 @@ def test_the_job_runs_as_the_pods_do():
         sc = c["securityContext"]
         assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
         assert sc["capabilities"] == {"drop": ["ALL"]}
-    # Only the Job's ServiceAccount holds a token; the kvpool pods get none.
+    # kubectl needs the token of the Job's own ServiceAccount (a hook, like the Job); the
+    # kvpool pods get none.
+    assert spec["serviceAccountName"] == JOB and spec["automountServiceAccountToken"] is True
     assert one(render("default"), "ServiceAccount", JOB)["metadata"]["annotations"][
         "helm.sh/hook"] == "pre-install,pre-upgrade"
+    for workload in workloads(render("default")):
+        assert workload["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
 
 
 def _render_all(helm, values: dict) -> dict[str, str]:
