@@ -20,6 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "kvpool.tools.master_cmd"),
     "store-node": ("run a store node that pools memory segments", "kvpool.tools.store_node_cmd"),
     "up": ("run a local cluster (a master and store nodes) until Ctrl-C", "kvpool.tools.up_cmd"),
+    "credentials": (("make a cluster's CA and issue certificates for masters, store nodes, "
+                     "clients and admins"), "kvpool.tools.credentials_cmd"),
     "stat": ("show segments, usage, objects, hits and misses", "kvpool.tools.stat_cmd"),
     "top": ("a live view of the cluster: nodes, tiers, hit rate, ops/s, bytes/s",
             "kvpool.tools.top_cmd"),

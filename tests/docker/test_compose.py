@@ -1,6 +1,7 @@
 """deploy/compose/compose.yaml, started for real (Compose v2 through testcontainers'
-DockerCompose): etcd, two masters of which one leads, two store nodes; a client on this host
-puts and reads back through it; `down -v` leaves nothing behind. The monitoring profile's images
+DockerCompose): the one-shot credentials service, etcd, two masters of which one leads, two
+store nodes; a client on this host, with the client credentials copied out of the stack, puts
+and reads back through it; `down -v` leaves nothing behind. The monitoring profile's images
 (Prometheus, Grafana) cannot be pulled here: that profile is checked with `config` only."""
 
 from __future__ import annotations
@@ -39,14 +40,17 @@ def compose(docker_daemon, env_file, *args: str) -> subprocess.CompletedProcess:
                              "--env-file", str(env_file), *args)
 
 
-def test_compose_serves_a_host_client_and_goes_away_with_down(docker_daemon, compose_env):
+def test_compose_serves_a_host_client_and_goes_away_with_down(docker_daemon, compose_env,
+                                                              tmp_path):
     from testcontainers.compose import DockerCompose
 
     ip = docker_daemon.ns_ip
     stack = DockerCompose(COMPOSE_DIR, compose_file_name="compose.yaml", env_file=str(compose_env),
                           docker_command_path=docker_daemon.docker)
     with stack:
-        assert {c.Service for c in stack.get_containers()} == {"etcd", *MASTERS, *NODES}
+        # The one-shot credentials service has exited (successfully: the others started).
+        running = {c.Service for c in stack.get_containers()} - {"credentials"}
+        assert running == {"etcd", *MASTERS, *NODES}
         leaders = wait_for(lambda: _leaders(ip), 60, "a master to lead")
         assert len(leaders) == 1, leaders
         leader = leaders[0]
@@ -54,7 +58,10 @@ def test_compose_serves_a_host_client_and_goes_away_with_down(docker_daemon, com
                  "both store nodes to mount")
         values = {f"c{i}": np.random.default_rng(i).bytes(50_000 + i) for i in range(10)}
         masters = ",".join(f"{ip}:{port}" for port, _ in MASTERS.values())
-        with KVClient(masters) as kv:
+        # Secure by default: without the client's credentials the masters refuse the client.
+        compose(docker_daemon, compose_env, "cp", "credentials:/out/client-default",
+                str(tmp_path / "client"))
+        with KVClient(masters, credentials=str(tmp_path / "client" / "client-default.yaml")) as kv:
             for key, v in values.items():
                 kv.put(key, v)
             assert kv.batch_get(list(values), verify=True) == list(values.values())
@@ -78,7 +85,7 @@ def test_the_monitoring_profile_is_prometheus_and_grafana_on_the_shared_files(do
     config = json.loads(compose(docker_daemon, compose_env, "--profile", "monitoring", "config",
                                 "--format", "json").stdout)
     services = config["services"]
-    assert set(services) == {"etcd", *MASTERS, *NODES, "prometheus", "grafana"}
+    assert set(services) == {"credentials", "etcd", *MASTERS, *NODES, "prometheus", "grafana"}
     mounts = {(m["source"], m["target"]) for s in ("prometheus", "grafana")
               for m in services[s]["volumes"]}
     deploy = REPO / "deploy"
@@ -93,7 +100,7 @@ def test_the_monitoring_profile_is_prometheus_and_grafana_on_the_shared_files(do
          "/var/lib/grafana/dashboards/kvpool-dashboard.json")}
     # Without the profile, `up` starts neither.
     plain = compose(docker_daemon, compose_env, "config", "--services").stdout.split()
-    assert set(plain) == {"etcd", *MASTERS, *NODES}
+    assert set(plain) == {"credentials", "etcd", *MASTERS, *NODES}
 
 
 def _metric(ip: str, port: int, name: str) -> float | None:

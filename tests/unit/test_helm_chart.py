@@ -236,6 +236,8 @@ def test_arguments_are_what_kvpools_command_line_accepts(case, tmp_path):
         assert (args.log_format, args.log_level) == ("json", "info")
         if args.command == "master":
             assert (args.port, args.lookup_port) == (ports["grpc"], ports["lookup"])
+            # Secure by default: the master's own certificate, never plain text.
+            assert args.credentials and not args.insecure
             if args.ha:
                 parse_etcd_url(args.ha)
                 assert args.advertise == f"10.1.2.3:{ports['grpc']}"
@@ -441,6 +443,224 @@ def test_monitoring_objects():
     assert not find(render("default"), "PrometheusRule")
 
 
+CREDENTIALS = "/var/run/secrets/kvpool"
+PREFIX = f"{RELEASE}-kvpool-credentials"
+JOB = PREFIX   # the hook Job, its ServiceAccount, Role and RoleBinding
+
+
+def pod_specs(docs: list[dict]) -> dict[str, dict]:
+    """Every pod template of the render (workloads and Jobs), by its object's name."""
+    return {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in docs
+            if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "Job")}
+
+
+def every_container(spec: dict) -> list[dict]:
+    return spec.get("initContainers", []) + spec["containers"]
+
+
+def credentials_file(c: dict) -> str | None:
+    """The credentials file a kvpool container names, by flag or KVPOOL_CREDENTIALS."""
+    for arg in c["args"]:
+        if arg.startswith("--credentials="):
+            return arg.partition("=")[2]
+    return next((e["value"] for e in c.get("env", []) if e["name"] == "KVPOOL_CREDENTIALS"),
+                None)
+
+
+def secret_mounted_at(spec: dict, c: dict, path: str) -> str:
+    """The Secret whose volume ``c`` mounts at the directory of ``path``."""
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    [mount] = [m for m in c["volumeMounts"] if m["mountPath"] == path.rsplit("/", 1)[0]]
+    assert mount.get("readOnly") is True
+    return volumes[mount["name"]]["secret"]["secretName"]
+
+
+def secret_volumes(spec: dict, c: dict) -> set[str]:
+    """The Secrets ``c`` mounts (a StatefulSet's claims are no volumes of the pod spec)."""
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    return {volumes[m["name"]]["secret"]["secretName"] for m in c.get("volumeMounts", [])
+            if "secret" in volumes.get(m["name"], {})}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_kvpool_process_has_credentials_from_its_own_secret(case):
+    """Secure by default: no --insecure anywhere; each master and store node names a
+    credentials file in the Secret of its component, mounted read-only; nothing else."""
+    docs = render(case)
+    for workload in workloads(docs):
+        spec = workload["spec"]["template"]["spec"]
+        c = container(workload)
+        assert "--insecure" not in c["args"]
+        path = credentials_file(c)
+        assert path and path.startswith(CREDENTIALS + "/"), c["args"]
+        component = {MASTER: "master", NODE: "store-node"}[workload["metadata"]["name"]]
+        assert secret_mounted_at(spec, c, path) == f"{PREFIX}-{component}"
+        assert secret_volumes(spec, c) == {f"{PREFIX}-{component}"}
+        if component == "master":
+            assert path == f"{CREDENTIALS}/master-master.yaml"
+        else:   # the node's own file, named by its node id
+            [node_id] = flags(c)["--node-id"]
+            assert path == f"{CREDENTIALS}/node-{node_id}.yaml"
+    assert not any("--insecure" in c["args"] for spec in pod_specs(docs).values()
+                   for c in every_container(spec))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_ca_key_is_mounted_only_by_the_issuing_job(case):
+    docs = render(case)
+    mounting = {(name, c["name"]) for name, spec in pod_specs(docs).items()
+                for c in every_container(spec) if f"{PREFIX}-ca" in secret_volumes(spec, c)}
+    assert mounting == {(JOB, "issue")}
+    # No other pod can even name the CA's Secret in a volume.
+    for name, spec in pod_specs(docs).items():
+        named = {v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+        assert (f"{PREFIX}-ca" in named) == (name == JOB)
+
+
+def _materialize(secret: dict, directory: Path) -> Path:
+    """A Secret as Kubernetes mounts it: one file per key."""
+    import base64
+    directory.mkdir(parents=True)
+    for key, value in secret["data"].items():
+        (directory / key).write_bytes(base64.b64decode(value))
+    return directory
+
+
+def _run_job(job: dict, work: Path, ca_secret: Path) -> dict[str, dict]:
+    """The Job's `kvpool credentials` container, run here with its paths moved under
+    ``work`` and ``ca_secret``; the Secrets it would apply, by name."""
+    from kvpool.tools.cli import main
+    spec = job["spec"]["template"]["spec"]
+    [issue] = spec["initContainers"]
+    mounts = {m["mountPath"]: m["name"] for m in issue["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes[mounts["/work"]]["emptyDir"]["medium"] == "Memory"
+    ca_mount = next(p for p, n in mounts.items() if "secret" in volumes[n])
+    assert volumes[mounts[ca_mount]]["secret"] == {
+        "secretName": f"{PREFIX}-ca", "optional": True, "defaultMode": 0o440}
+    argv = [a.replace(ca_mount, str(ca_secret)).replace("/work", str(work))
+            for a in issue["args"]]
+    assert main(argv) == 0
+    [apply] = spec["containers"]
+    manifest = apply["args"][apply["args"].index("-f") + 1]
+    assert manifest.startswith("/work/")
+    text = (work / manifest.removeprefix("/work/")).read_text()
+    return {s["metadata"]["name"]: s for s in yaml.safe_load(text)["items"]}
+
+
+@pytest.mark.parametrize("case", ["default", "ha", "daemonset"])
+def test_the_job_issues_what_every_pod_loads(kubernetes_validate, case, tmp_path):
+    """The hook Job's own arguments, run for real: its Secrets are valid, only the CA's holds
+    the CA key, its Role may write exactly them, and the credentials file each master and store
+    node pod names loads from its mounted Secret as that very identity; a second run (an
+    upgrade) keeps the CA."""
+    from kvpool.common import security
+    docs = render(case)
+    job = one(docs, "Job", JOB)
+    annotations = job["metadata"]["annotations"]
+    assert annotations["helm.sh/hook"] == "pre-install,pre-upgrade"
+    assert job["spec"]["template"]["spec"]["serviceAccountName"] == JOB
+    secrets = _run_job(job, tmp_path / "work", tmp_path / "no-ca-yet")
+    for secret in secrets.values():
+        kubernetes_validate.validate(secret, KUBERNETES_VERSIONS[-1], strict=True)
+        assert secret["metadata"]["namespace"] == NAMESPACE
+        assert secret["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE
+        assert ("ca.key" in secret["data"]) == (secret["metadata"]["name"] == f"{PREFIX}-ca")
+    assert set(secrets) == {f"{PREFIX}-{s}" for s in
+                            ("ca", "master", "store-node", "client-default", "admin-admin")}
+    [_, named] = one(docs, "Role", JOB)["rules"]
+    assert set(named["resourceNames"]) == set(secrets)
+    binding = one(docs, "RoleBinding", JOB)
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": JOB,
+                                    "namespace": NAMESPACE}]
+
+    # Each pod's credentials, as its container will load them.
+    mounted = {name: _materialize(s, tmp_path / "mounted" / name) for name, s in secrets.items()}
+    node = node_workload(docs)
+    if node["kind"] == "StatefulSet":
+        node_ids = [f"{NODE}-{i}" for i in range(node["spec"]["replicas"])]
+    else:
+        node_ids = profile_values(case)["security"]["nodeNames"]
+    for workload in workloads(docs):
+        c = container(workload)
+        spec = workload["spec"]["template"]["spec"]
+        path = credentials_file(c)
+        secret = secret_mounted_at(spec, c, path)
+        pods = node_ids if workload is node else [None]
+        for pod in pods:
+            name = re.sub(r"\$\((POD_NAME|NODE_NAME)\)", pod or "", path.rsplit("/", 1)[1])
+            creds = security.load(mounted[secret] / name)
+            expected = ("node", pod) if pod else ("master", "master")
+            assert (creds.identity.role, creds.identity.name) == expected
+    client = security.load(mounted[f"{PREFIX}-client-default"] / "client-default.yaml")
+    assert client.identity == security.Identity("client", "default")
+
+    from cryptography import x509
+    master_pem = base64_file(secrets[f"{PREFIX}-master"], "master-master.pem")
+    san = x509.load_pem_x509_certificate(master_pem).extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    assert security.MASTER_NAME in san and f"{MASTER}.{NAMESPACE}.svc" in san
+
+    # An upgrade: the CA's Secret now exists and is mounted; the CA stays, the rest renews.
+    again = _run_job(job, tmp_path / "work2", mounted[f"{PREFIX}-ca"])
+    assert again[f"{PREFIX}-ca"]["data"] == secrets[f"{PREFIX}-ca"]["data"]
+    assert base64_file(again[f"{PREFIX}-master"], "master-master.pem") != master_pem
+
+
+def base64_file(secret: dict, key: str) -> bytes:
+    import base64
+    return base64.b64decode(secret["data"][key])
+
+
+def test_the_job_runs_as_the_pods_do():
+    spec = pod_specs(render("default"))[JOB]
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["restartPolicy"] == "Never"
+    for c in every_container(spec):
+        sc = c["securityContext"]
+        assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+        assert sc["capabilities"] == {"drop": ["ALL"]}
+    # kubectl needs the token of the Job's own ServiceAccount (a hook, like the Job); the
+    # kvpool pods get none.
+    assert spec["serviceAccountName"] == JOB and spec["automountServiceAccountToken"] is True
+    assert one(render("default"), "ServiceAccount", JOB)["metadata"]["annotations"][
+        "helm.sh/hook"] == "pre-install,pre-upgrade"
+    for workload in workloads(render("default")):
+        assert workload["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+def _render_all(helm, values: dict) -> dict[str, str]:
+    with helm.Chart.load(CHART) as chart:
+        return chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+
+
+def test_security_off_runs_insecure_and_warns(helm):
+    out = _render_all(helm, {"security": {"enabled": False}})
+    docs = [doc for path, text in out.items() if not path.endswith("NOTES.txt")
+            for doc in yaml.safe_load_all(text) if doc]
+    master = container(one(docs, "Deployment", MASTER))
+    assert "--insecure" in master["args"] and credentials_file(master) is None
+    assert credentials_file(container(node_workload(docs))) is None
+    assert not find(docs, "Job") and not find(docs, "Role")
+    for spec in pod_specs(docs).values():
+        assert not any("secret" in v for v in spec["volumes"])
+    notes = next(text for path, text in out.items() if path.endswith("NOTES.txt"))
+    assert "WARNING: security.enabled is false" in notes and "--insecure" in notes
+    default_notes = next(text for path, text in _render_all(helm, {}).items()
+                         if path.endswith("NOTES.txt"))
+    assert "WARNING" not in default_notes and "KVPOOL_CREDENTIALS" in default_notes
+
+
+def test_an_existing_secret_is_mounted_and_no_job_runs(helm):
+    docs = render_values(helm, {"security": {"existingSecret": "ops-kvpool"}})
+    assert not find(docs, "Job") and not find(docs, "Role")
+    for workload in workloads(docs):
+        spec = workload["spec"]["template"]["spec"]
+        c = container(workload)
+        component = "master" if workload["metadata"]["name"] == MASTER else "store-node"
+        assert secret_mounted_at(spec, c, credentials_file(c)) == f"ops-kvpool-{component}"
+
+
 BROKEN = {
     "standby masters without etcd": (
         {"master": {"replicas": 3}}, "RenderError", "set etcd.endpoints"),
@@ -458,6 +678,10 @@ BROKEN = {
         "storeNode.disk.hostPath is for storeNode.kind DaemonSet"),
     "an unknown kind of store node": (
         {"storeNode": {"kind": "Deployment"}}, "ValuesError", "StatefulSet"),
+    "a DaemonSet's node certificates without its hosts' names": (
+        {"storeNode": {"kind": "DaemonSet"}}, "RenderError", "list them in security.nodeNames"),
+    "a Secret name Kubernetes refuses": (
+        {"security": {"clients": ["Tenant_A"]}}, "ValuesError", "clients"),
     "a misspelt key": (
         {"master": {"replcas": 3}}, "ValuesError", "replcas"),
     "a Kubernetes quantity where kvpool wants its size": (
@@ -482,3 +706,8 @@ def test_the_refusals_above_are_values_not_the_chart(helm):
         "limits": {"hugepages-2Mi": "4Gi", "memory": "1Gi"}}}})
     assert render_values(helm, {"monitoring": {"serviceMonitor": {"enabled": True},
                                                "requireApi": False}})
+    assert render_values(helm, {"storeNode": {"kind": "DaemonSet"},
+                                "security": {"nodeNames": ["gpu-host-1"]}})
+    assert render_values(helm, {"storeNode": {"kind": "DaemonSet"},
+                                "security": {"existingSecret": "ops-kvpool"}})
+    assert render_values(helm, {"security": {"clients": ["tenant-a"]}})

@@ -218,3 +218,50 @@ annotations:
 - name: tmp
   mountPath: /tmp
 {{- end }}
+
+{{/*
+Credentials (values security.*). Each kvpool container reads its own credentials file from its
+component's Secret, mounted here; "kvpool.credentialsPrefix" names the Secrets: the operator's
+(security.existingSecret) or the hook Job's (templates/credentials-job.yaml).
+*/}}
+{{- define "kvpool.credentialsDir" -}}
+/var/run/secrets/kvpool
+{{- end }}
+
+{{- define "kvpool.credentialsPrefix" -}}
+{{- default (printf "%s-credentials" (include "kvpool.fullname" .)) .Values.security.existingSecret }}
+{{- end }}
+
+{{/* "true" when the chart's hook Job issues the credentials, else empty. */}}
+{{- define "kvpool.issuesCredentials" -}}
+{{- if and .Values.security.enabled (not .Values.security.existingSecret) }}true{{ end }}
+{{- end }}
+
+{{/* The store nodes' ids, one per line: the StatefulSet's pod names, and security.nodeNames. */}}
+{{- define "kvpool.nodeIds" -}}
+{{- $n := .Values.storeNode }}
+{{- if eq $n.kind "StatefulSet" }}
+{{- $name := include "kvpool.componentName" (dict "ctx" . "component" "store-node") }}
+{{- range $i := until (int $n.replicas) }}
+{{ printf "%s-%d" $name $i }}
+{{- end }}
+{{- end }}
+{{- range .Values.security.nodeNames }}
+{{ . }}
+{{- end }}
+{{- end }}
+
+{{/* A pod's credentials volume: its component's Secret. Called with (dict "ctx" $ "secret" SUFFIX). */}}
+{{- define "kvpool.credentialsVolume" -}}
+- name: credentials
+  secret:
+    secretName: {{ printf "%s-%s" (include "kvpool.credentialsPrefix" .ctx) .secret }}
+    # Readable by the kvpool user (fsGroup), by nobody else.
+    defaultMode: 0440
+{{- end }}
+
+{{- define "kvpool.credentialsMount" -}}
+- name: credentials
+  mountPath: {{ include "kvpool.credentialsDir" . }}
+  readOnly: true
+{{- end }}
