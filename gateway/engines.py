@@ -18,10 +18,11 @@ Load, per engine, as Route's ``Candidate`` takes it:
   prefilled, i.e. its requests without a first token yet, each counted as its prompt less the
   prefix Route expected it to reuse.
 - ``decoding_requests``: of ``queue_depth``, those not waiting for a first token from the
-  gateway (generating). The master's estimate of time to first token leaves them out, so among
-  engines it scores within its slack, fewer decides (two long generations sent one after the
-  other to the same engine while another idled, because one engine's measured prefill rate
-  was a little faster).
+  gateway (generating), and those whose first token the gateway cannot see (not streamed: the
+  whole answer comes at once), which may be generating too. The master's estimate of time to
+  first token leaves them out, so among engines it scores within its slack, fewer decides (two
+  long generations sent one after the other to the same engine while another idled, because
+  one engine's measured prefill rate was a little faster).
 - ``prefill_tokens_per_s``, ``store_tokens_per_s``: with a ``calibrator``
   (:class:`~kvpool.master.calibration.CostCalibrator`), the engine's rates as measured from
   its first tokens against what Route expected each request to recompute and load; 0 (the
@@ -125,6 +126,7 @@ def _check_unique(specs: list[EngineSpec]) -> None:
 class EngineState:
     spec: EngineSpec
     waiting_first_token: dict[int, int] = field(default_factory=dict)   # request -> tokens
+    unseen: set[int] = field(default_factory=set)   # of those, requests not streamed
     inflight: int = 0                  # gateway requests there, from send to last byte
     reported_queue: int = 0            # running + waiting at the engine's last scrape
     down_since: float | None = None
@@ -139,10 +141,11 @@ class EngineState:
     def candidate(self, calibrator: CostCalibrator | None = None) -> Candidate:
         rates = calibrator.measured(self.spec.instance_id) if calibrator else None
         queue = max(self.inflight, self.reported_queue)
+        prefilling = len(self.waiting_first_token) - len(self.unseen)
         return Candidate(self.spec.instance_id, queue, sum(self.waiting_first_token.values()),
                          *((rates.prefill_tokens_per_s, rates.store_tokens_per_s)
                            if rates else (0.0, 0.0)),
-                         decoding_requests=max(0, queue - len(self.waiting_first_token)))
+                         decoding_requests=max(0, queue - prefilling))
 
 
 class EnginePool:
@@ -202,21 +205,28 @@ class EnginePool:
                    ).spec.instance_id
 
     # -- a request's life on an engine --
-    def sent(self, instance_id: str, prefill_tokens: int, store_tokens: int = 0) -> int:
+    def sent(self, instance_id: str, prefill_tokens: int, store_tokens: int = 0, *,
+             seen: bool = True) -> int:
         """A request went to the engine with ``prefill_tokens`` to prefill and
         ``store_tokens`` to load from the store (Route's expectation); returns its ticket for
-        ``first_token`` and ``done``."""
+        ``first_token`` and ``done``. ``seen``: its first token will be seen when it comes (a
+        stream, or an answer of one token); else it teaches the calibrator nothing (its first
+        token's time is unknown), and counts as possibly generating."""
         self._next_request += 1
         e = self.engines[instance_id]
         e.waiting_first_token[self._next_request] = max(0, prefill_tokens)
+        if not seen:
+            e.unseen.add(self._next_request)
         e.inflight += 1
-        if self.calibrator is not None:
+        if self.calibrator is not None and seen:
             self._calibrating[self._next_request] = (
                 self.calibrator.sent(instance_id), max(0, prefill_tokens), max(0, store_tokens))
         return self._next_request
 
     def first_token(self, instance_id: str, ticket: int) -> None:
-        self.engines[instance_id].waiting_first_token.pop(ticket, None)
+        e = self.engines[instance_id]
+        e.waiting_first_token.pop(ticket, None)
+        e.unseen.discard(ticket)
         seen = self._calibrating.pop(ticket, None)
         if seen is not None:
             self.calibrator.first_token(*seen)
@@ -224,6 +234,7 @@ class EnginePool:
     def done(self, instance_id: str, ticket: int) -> None:
         e = self.engines[instance_id]
         e.waiting_first_token.pop(ticket, None)
+        e.unseen.discard(ticket)
         e.inflight -= 1
         self._calibrating.pop(ticket, None)   # failed before its first token: nothing learned
 

@@ -344,8 +344,9 @@ class Gateway:
                    deadline: float, tokens: list[int], choice: Choice,
                    prefill_engine: str | None = None) -> Outcome:
         engine = self.pool[choice.instance_id]
+        # A whole answer at once hides its first token: no calibration, load as generating.
         ticket = self.pool.sent(choice.instance_id, len(tokens) - choice.hit_tokens,
-                                choice.store_tokens)
+                                choice.store_tokens, seen=stream)
         try:
             return await forward(
                 self._session, request, f"{engine.spec.url}/v1/{endpoint}", raw,

@@ -118,6 +118,20 @@ def test_requests_generating_on_one_engine_send_the_next_to_another(clock):
     assert least_loaded(p.candidates()).instance_id == "e1"
 
 
+def test_a_request_not_streamed_counts_as_generating_and_teaches_no_rate(clock):
+    """Its answer comes whole, so its first token is never seen: while it runs it counts as
+    generating (it may be), and its end is not a first token to calibrate from."""
+    calibrator = CostCalibrator(Rates(8000.0, 80000.0), clock=clock)
+    p = EnginePool([EngineSpec("e0", "http://h:1")], clock=clock, calibrator=calibrator)
+    t = p.sent("e0", 10, seen=False)
+    assert p.candidates()[0] == Candidate("e0", 1, 10, decoding_requests=1)
+    clock.advance(3.0)                 # 450 tokens generated
+    p.first_token("e0", t)
+    p.done("e0", t)
+    assert calibrator.estimate("e0").accepted == 0
+    assert p.candidates()[0] == Candidate("e0", 0, 0)
+
+
 def test_the_masters_policy_sends_the_next_request_past_one_generating(clock):
     """e0 measured a little faster at prefill (calibration noise on two equal engines) and
     busy generating: the master's default policy sends a short prompt to the idle e1 (it sent it
