@@ -29,10 +29,10 @@ class ObjectEntry:
     more: tuple[Extent, ...] = ()
     state: ObjectState = PENDING
     lease_until: float = 0.0
-    pinned: bool = False
     checksum: int | None = None   # CRC-32C of the bytes, as the writer computed it
     # No slot for the block this one extends: it is needed from PutStart to PutEnd only, so
-    # the index keeps it aside (ObjectIndex.parents), and a slot would cost 8-16 bytes each.
+    # the index keeps it aside (ObjectIndex.parents); nor for a hard pin: the pins' own
+    # table says which objects have one (master/pins.py). A slot costs every object 8 bytes.
 
     @property
     def replicas(self) -> list[Extent]:
@@ -47,14 +47,12 @@ class ObjectEntry:
         first = extents[0] if extents else Extent("", 0, self.size)
         self.segment_id, self.offset, self.more = first.segment_id, first.offset, tuple(extents[1:])
 
-    def record(self, e: Extent, parent: str | None) -> ObjectRecord:
+    def record(self, e: Extent, parent: str | None, pinned: bool) -> ObjectRecord:
         """What the manifest of ``e``'s node holds of this object (``parent``: the key it
-        extends, named so that a restarted master links the chain again)."""
+        extends, named so that a restarted master links the chain again; ``pinned``: whether
+        it is hard-pinned)."""
         return ObjectRecord(self.key, e.segment_id, e.offset, self.size, self.checksum,
-                            self.version, parent, self.pinned)
-
-    def evictable(self, now: float) -> bool:
-        return self.state is COMPLETE and not self.pinned and self.lease_until <= now
+                            self.version, parent, pinned)
 
 
 @dataclass(frozen=True, slots=True)

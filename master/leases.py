@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 from kvpool.master.index import ObjectEntry
 from kvpool.master.membership import LEASED_HELD as LEASED
@@ -29,9 +29,12 @@ _Credit = tuple[ObjectEntry, Segment | None, int]
 
 
 class Leases:
-    def __init__(self, ttl_s: float, max_s: float, segments: dict[str, Segment]) -> None:
+    def __init__(self, ttl_s: float, max_s: float, segments: dict[str, Segment],
+                 hard_pinned: Container[ObjectEntry]) -> None:
+        """``hard_pinned``: the objects a hard pin holds (their leases are not counted)."""
         self._ttl_s, self._max_s = ttl_s, max_s
         self._segments = segments
+        self._hard_pinned = hard_pinned
         # obj -> when its lease must end (began + max_s); kept through the pause after a
         # lease that reached it. The read path reads it to extend a running lease.
         self.caps: dict[ObjectEntry, float] = {}
@@ -42,7 +45,8 @@ class Leases:
         """Lease ``objs`` (read at ``now``, none of them leased now) until ``until`` or their
         cap; returns when the shortest of those leases ends (``now``: one is paused)."""
         self.expire(now)   # leases ended by now are closed before new ones open
-        caps, segments, pause_s = self.caps, self._segments, self._ttl_s
+        caps, segments, pause_s, pinned = self.caps, self._segments, self._ttl_s, \
+            self._hard_pinned
         cap_at = now + self._max_s
         end = min(until, cap_at)
         shortest = end
@@ -56,7 +60,7 @@ class Leases:
                 continue
             caps[obj] = cap_at
             obj.lease_until = end
-            if obj.pinned:
+            if obj in pinned:
                 continue   # its pin holds it
             # Most keys of a lookup live in one segment: look it up once per run of them.
             if seg is None or seg.info.segment_id != obj.segment_id:

@@ -22,7 +22,8 @@ class Pins:
         # What hard pins hold against the quota: each object's size (replicas come and go
         # with nodes; the count must not drift).
         self.hard_bytes = 0
-        # What hard pins hold per segment, every replica (admission counts it).
+        # What hard pins hold per segment, every replica (admission counts it). Its objects
+        # are the hard-pinned ones: an entry keeps no flag (8 bytes each, for a few pins).
         self.held = Holds(PINNED_HELD, segments)
 
     def pin(self, obj: ObjectEntry, ttl_s: float | None, now: float, quota: bool = True) -> bool:
@@ -30,12 +31,12 @@ class Pins:
         (NoSpace past the quota, unless not ``quota``). True if a hard pin came now: the
         object's record changed."""
         if ttl_s is not None:
-            if not obj.pinned:   # a hard-pinned object stays hard
+            if obj not in self.held:   # a hard-pinned object stays hard
                 until = max(now + ttl_s, self._soft.get(obj.key, 0.0))
                 self._soft[obj.key] = until
                 heapq.heappush(self._soft_ends, (until, obj.key))
             return False
-        if obj.pinned:
+        if obj in self.held:
             return False
         limit = self._config.pin_quota_fraction * sum(
             s.allocator.capacity_bytes for s in self._segments.values())
@@ -44,25 +45,27 @@ class Pins:
                           f"bytes, over the quota of {int(limit)} (pin_quota_fraction "
                           f"{self._config.pin_quota_fraction} of the capacity); unpin some, "
                           "or pin with a ttl_s (a soft pin)")
-        obj.pinned = True
         self.hard_bytes += obj.size
         self.held.credit(obj)
         self._soft.pop(obj.key, None)
         return True
 
+    def is_hard(self, obj: ObjectEntry) -> bool:
+        """Whether ``obj`` is hard-pinned."""
+        return obj in self.held
+
     def unpin(self, obj: ObjectEntry) -> bool:
         """Drop both kinds of pin (they do not nest); True if a hard one went."""
         self._soft.pop(obj.key, None)
-        if not obj.pinned:
+        if obj not in self.held:
             return False
-        obj.pinned = False
         self.hard_bytes -= obj.size
         self.held.debit(obj)
         return True
 
     def forget(self, obj: ObjectEntry) -> None:
         """``obj`` left the index, pins and all."""
-        if obj.pinned:
+        if obj in self.held:
             self.hard_bytes -= obj.size
             self.held.debit(obj)
         if self._soft:
@@ -70,7 +73,7 @@ class Pins:
 
     def replicas_changed(self, obj: ObjectEntry) -> None:
         """``obj`` gained, lost or moved a replica: a hard pin holds its replicas as they are."""
-        if obj.pinned:
+        if obj in self.held:
             self.held.credit(obj)
 
     def expire(self, now: float) -> None:

@@ -46,7 +46,7 @@ class Pressure:
             return None
         for key in self._victims(now, fit_ids):
             obj = self._index.objects.get(key)
-            if obj is None or not obj.evictable(now):
+            if obj is None or not self._evictable(obj, now):
                 continue
             if not any(e.segment_id in fit_ids for e in obj.replicas):
                 continue
@@ -94,7 +94,7 @@ class Pressure:
             full: set[str] = set()
             for key in self._victims(now, hot):
                 obj = self._index.objects.get(key)
-                if obj is None or obj.state is not COMPLETE or obj.pinned:
+                if obj is None or obj.state is not COMPLETE or self._pins.is_hard(obj):
                     continue
                 touched = [e for e in obj.replicas if e.segment_id in hot]
                 if not touched:
@@ -102,7 +102,7 @@ class Pressure:
                 segs = [segments[e.segment_id] for e in touched]
                 lower = [self._tiers.lower(seg) for seg in segs]
                 if None in lower:   # a last tier: the object goes (all of it, as before)
-                    if obj.evictable(now):
+                    if self._evictable(obj, now):
                         self._evict(obj)
                 # One move per object at a time: its first hot replica goes first.
                 elif key not in self._tiers.moving and not self._tiers.start(
@@ -115,6 +115,9 @@ class Pressure:
                 if not hot:
                     break
             hot |= full
+
+    def _evictable(self, obj: ObjectEntry, now: float) -> bool:
+        return obj.state is COMPLETE and obj.lease_until <= now and not self._pins.is_hard(obj)
 
     def _victims(self, now: float, segment_ids: Collection[str]) -> Iterator[str]:
         """Candidates with a replica in ``segment_ids`` possibly: those on disk (if any of

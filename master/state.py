@@ -116,7 +116,9 @@ class MasterState:
         # The two tables nearly every operation reads (membership and the index own them).
         self._segments, self._objects = self._members.segments, self._index.objects
         self._space = Space(self._segments)
-        self._leasing = Leases(config.lease_ttl_s, config.max_lease_s, self._segments)
+        self._pins = Pins(config, self._segments)
+        self._leasing = Leases(config.lease_ttl_s, config.max_lease_s, self._segments,
+                               self._pins.held)
         self._pending_limit = 0.0   # bytes PENDING puts may hold, as of the current PutStart
         # Why the current PutStart's NoSpace came before any eviction, if it did (told in
         # space_summary: the put's answer carries one summary, not a message per key).
@@ -124,12 +126,11 @@ class MasterState:
         self._chains = Chains(policy if policy is not None else
                               make_eviction_policy(config.eviction),
                               make_eviction_policy(config.eviction))
-        self._pins = Pins(config, self._segments)
         self._rechecks = Rechecks()
         self._recovery = Recovery(config.node_ttl_s)
         closed = self._recovery.recovering   # no new object, nor move, goes there
         self._tiers = Tiers(config, self._members, closed, self._index, self._chains,
-                            self._space)
+                            self._space, self._pins.held)
         self._pressure = Pressure(config, self._members, closed, self._index, self._chains,
                                   self._pins, self._tiers, self._evict)
 
@@ -605,7 +606,7 @@ class MasterState:
         """Hard-pin an announced object recorded as pinned. Not checked against the quota:
         it was granted within it, and after a master restart the quota counts only the
         segments mounted so far (the rest come with nodes still to announce)."""
-        if r.pinned and not obj.pinned:
+        if r.pinned and not self._pins.is_hard(obj):
             self._pin_one(obj.key, None, self._clock(), quota=False)
 
     def _ask_recheck_one(self, key: str, version: int, segment_id: str) -> None:
@@ -672,10 +673,11 @@ class MasterState:
     def _log_records(self, obj: ObjectEntry, parent: str | None) -> None:
         """Tell the nodes holding ``obj`` its record (committed, or a hard pin came or went:
         it supersedes the one their manifests hold, by key)."""
+        pinned = self._pins.is_hard(obj)
         for e in obj.replicas:
             log = self._segments[e.segment_id].manifest
             if log is not None:
-                log.append(obj.record(e, parent))
+                log.append(obj.record(e, parent, pinned))
 
     def _parent_of(self, obj: ObjectEntry) -> str | None:
         return self._chains.parent_of(obj.key, obj.segment_id in self._members.disk_segments)

@@ -12,7 +12,7 @@ a reader never sees a half-copied replica.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection
+from collections.abc import Collection, Container
 from dataclasses import dataclass
 
 from kvpool.common.config import MasterConfig
@@ -37,9 +37,12 @@ class _MoveInFlight:
 
 class Tiers:
     def __init__(self, config: MasterConfig, members: Membership, closed: Collection[str],
-                 index: ObjectIndex, chains: Chains, space: Space) -> None:
-        """``closed``: segments no move may go to (still being announced)."""
+                 index: ObjectIndex, chains: Chains, space: Space,
+                 hard_pinned: Container[ObjectEntry]) -> None:
+        """``closed``: segments no move may go to (still being announced); ``hard_pinned``:
+        the objects a hard pin holds (their manifest records say so)."""
         self._config = config
+        self._hard_pinned = hard_pinned
         self._members, self._closed = members, closed
         self._index, self._chains, self._space = index, chains, space
         self._moves: dict[int, _MoveInFlight] = {}   # handed to nodes, not reported yet
@@ -92,7 +95,7 @@ class Tiers:
         m.dst_seg.objects += 1
         if m.dst_seg.manifest is not None:   # supersedes the source's record (by key)
             parent = self._chains.parent_of(obj.key, obj.segment_id in disk)
-            m.dst_seg.manifest.append(obj.record(m.dst, parent))
+            m.dst_seg.manifest.append(obj.record(m.dst, parent, obj in self._hard_pinned))
         # Readers granted the source may still be copying from it: reuse after the lease.
         self._space.free_later([m.src], max(now, obj.lease_until))
         if TIER_RANK[m.dst_seg.info.tier] > TIER_RANK[m.src_seg.info.tier]:

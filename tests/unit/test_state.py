@@ -593,13 +593,13 @@ def _check_books(state: MasterState) -> None:
             return sum(seg.allocator.aligned_size(o.size) for o in state._objects.values()
                        if keep(o) for e in o.replicas if e.segment_id == sid)
         assert seg.pending_bytes == held(lambda o: o.state.name == "PENDING")
-        t = now
-        assert seg.pinned_bytes == held(lambda o: o.pinned)
+        t, hard = now, state._pins.is_hard
+        assert seg.pinned_bytes == held(hard)
         # Leases: every leased object not pinned; at most also those pinned under their
         # lease and those removed under it (quarantined till it ends): master/leases.py.
-        leased = held(lambda o, t=t: o.lease_until > t and not o.pinned)
+        leased = held(lambda o, t=t: o.lease_until > t and not hard(o))
         assert leased <= seg.leased_bytes <= leased + seg.quarantined_bytes + held(
-            lambda o, t=t: o.lease_until > t and o.pinned)
+            lambda o, t=t: o.lease_until > t and hard(o))
         assert seg.reclaimable_bytes() >= seg.allocator.free_bytes
 
 

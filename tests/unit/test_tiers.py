@@ -31,10 +31,12 @@ class Units:
             self.members.mount(node, SegmentInfo(sid, blocks * B, tier), 0.0, self.log.keep("n"))
         self.index, self.chains = ObjectIndex(), Chains(LRUPolicy(), LRUPolicy())
         self.space = Space(self.members.segments)
-        self.tiers = Tiers(CFG, self.members, set(), self.index, self.chains, self.space)
+        pins = Pins(CFG, self.members.segments)
+        self.tiers = Tiers(CFG, self.members, set(), self.index, self.chains, self.space,
+                           pins.held)
         self.evicted: list[str] = []
-        self.pressure = Pressure(CFG, self.members, set(), self.index, self.chains,
-                                 Pins(CFG, self.members.segments), self.tiers, self.evict)
+        self.pressure = Pressure(CFG, self.members, set(), self.index, self.chains, pins,
+                                 self.tiers, self.evict)
 
     def evict(self, obj) -> None:   # as MasterState does, tombstones and counters aside
         self.evicted.append(obj.key)
