@@ -27,12 +27,23 @@ class ObjectEntry:
     segment_id: str          # the first replica's segment ("" once every replica is gone)
     offset: int
     more: tuple[Extent, ...] = ()
-    state: ObjectState = PENDING
     lease_until: float = 0.0
-    checksum: int | None = None   # CRC-32C of the bytes, as the writer computed it
+    # PENDING until PutEnd seals the object with its checksum: the CRC-32C of the bytes as
+    # the writer computed it, None if it did not. One slot says both (``state``,
+    # ``checksum``): a PENDING object has no checksum yet.
+    seal: int | None | ObjectState = PENDING
     # No slot for the block this one extends: it is needed from PutStart to PutEnd only, so
     # the index keeps it aside (ObjectIndex.parents); nor for a hard pin: the pins' own
     # table says which objects have one (master/pins.py). A slot costs every object 8 bytes.
+
+    @property
+    def state(self) -> ObjectState:
+        return PENDING if self.seal is PENDING else COMPLETE
+
+    @property
+    def checksum(self) -> int | None:
+        seal = self.seal
+        return None if seal is PENDING else seal
 
     @property
     def replicas(self) -> list[Extent]:
@@ -105,8 +116,8 @@ class ObjectIndex:
         else:
             self._versions = itertools.count(max(next(self._versions), version + 1))
         obj = self.objects[key] = ObjectEntry(key, size, version, extents[0].segment_id,
-                                              extents[0].offset, tuple(extents[1:]), state,
-                                              checksum=checksum)
+                                              extents[0].offset, tuple(extents[1:]),
+                                              seal=PENDING if state is PENDING else checksum)
         if state is PENDING:
             self.pending += 1
         if parent:
@@ -121,8 +132,7 @@ class ObjectIndex:
         return next(self._versions)
 
     def commit(self, obj: ObjectEntry, checksum: int | None) -> None:
-        obj.state = COMPLETE
-        obj.checksum = checksum
+        obj.seal = checksum
         self.pending -= 1
         self.committed += 1
         self.committed_bytes += obj.size
@@ -162,15 +172,16 @@ class ObjectIndex:
         """``objs`` (None where ``errors`` explains a miss; ``found``: the others) in columns,
         by comprehensions, not a tuple per key: a lookup of a prompt is hundreds."""
         present = checksum.PRESENT   # checksum.encode, inlined
+        # Every object found is COMPLETE: its seal is its checksum (read as the slot, not the
+        # property, on this path).
         if errors:   # a miss holds zeros (and no replica) in its slot
             sizes = [0 if o is None else o.size for o in objs]
             versions = [0 if o is None else o.version for o in objs]
-            sums = [0 if o is None or o.checksum is None else present | o.checksum
-                    for o in objs]
+            sums = [0 if o is None or o.seal is None else present | o.seal for o in objs]
         else:
             sizes = [o.size for o in found]
             versions = [o.version for o in found]
-            sums = [0 if o.checksum is None else present | o.checksum for o in found]
+            sums = [0 if o.seal is None else present | o.seal for o in found]
         if any(o.more for o in found):   # extra replicas (rare): built key by key
             counts = [0 if o is None else 1 + len(o.more) for o in objs]
             segment_ids, offsets = [], []

@@ -340,7 +340,7 @@ class MasterState:
         # are opened together after the loop.
         caps, fresh, shortest = self._leasing.caps, [], lease_until
         for i, obj in enumerate(objs):
-            if obj is None or obj.state is not COMPLETE:   # only the misses learn why
+            if obj is None or obj.seal is PENDING:   # only the misses learn why
                 errors[i] = self._why_missing(keys[i])
                 objs[i] = None
                 continue
