@@ -27,14 +27,14 @@ class ObjectEntry:
     segment_id: str          # the first replica's segment ("" once every replica is gone)
     offset: int
     more: tuple[Extent, ...] = ()
-    lease_until: float = 0.0
     # PENDING until PutEnd seals the object with its checksum: the CRC-32C of the bytes as
     # the writer computed it, None if it did not. One slot says both (``state``,
     # ``checksum``): a PENDING object has no checksum yet.
     seal: int | None | ObjectState = PENDING
     # No slot for the block this one extends: it is needed from PutStart to PutEnd only, so
-    # the index keeps it aside (ObjectIndex.parents); nor for a hard pin: the pins' own
-    # table says which objects have one (master/pins.py). A slot costs every object 8 bytes.
+    # the index keeps it aside (ObjectIndex.parents); nor for a hard pin or a read lease:
+    # the pins' and the leases' own tables hold those (master/pins.py, leases.py). A slot
+    # costs every object 8 bytes.
 
     @property
     def state(self) -> ObjectState:

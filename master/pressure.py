@@ -16,6 +16,7 @@ from kvpool.common.config import MasterConfig
 from kvpool.common.types import Extent
 from kvpool.master.chains import Chains
 from kvpool.master.index import COMPLETE, ObjectEntry, ObjectIndex
+from kvpool.master.leases import Leases
 from kvpool.master.membership import Membership, Segment
 from kvpool.master.pins import Pins
 from kvpool.master.placement import choose_segments
@@ -24,13 +25,14 @@ from kvpool.master.tiers import Tiers
 
 class Pressure:
     def __init__(self, config: MasterConfig, members: Membership, closed: Collection[str],
-                 index: ObjectIndex, chains: Chains, pins: Pins, tiers: Tiers,
+                 index: ObjectIndex, chains: Chains, pins: Pins, leases: Leases, tiers: Tiers,
                  evict: Callable[[ObjectEntry], None]) -> None:
         """``closed``: segments no new object may go to; ``evict``: drops an object (its
         replicas freed at once: it is not leased)."""
         self._config = config
         self._members, self._closed = members, closed
         self._index, self._chains, self._pins, self._tiers = index, chains, pins, tiers
+        self._leases = leases
         self._evict = evict
 
     def place(self, size: int, n: int, fits: list[Segment], now: float) -> list[Extent] | None:
@@ -117,7 +119,8 @@ class Pressure:
             hot |= full
 
     def _evictable(self, obj: ObjectEntry, now: float) -> bool:
-        return obj.state is COMPLETE and obj.lease_until <= now and not self._pins.is_hard(obj)
+        return obj.state is COMPLETE and self._leases.until(obj) <= now \
+            and not self._pins.is_hard(obj)
 
     def _victims(self, now: float, segment_ids: Collection[str]) -> Iterator[str]:
         """Candidates with a replica in ``segment_ids`` possibly: those on disk (if any of

@@ -130,9 +130,9 @@ class MasterState:
         self._recovery = Recovery(config.node_ttl_s)
         closed = self._recovery.recovering   # no new object, nor move, goes there
         self._tiers = Tiers(config, self._members, closed, self._index, self._chains,
-                            self._space, self._pins.held)
+                            self._space, self._pins.held, self._leasing)
         self._pressure = Pressure(config, self._members, closed, self._index, self._chains,
-                                  self._pins, self._tiers, self._evict)
+                                  self._pins, self._leasing, self._tiers, self._evict)
 
     @property
     def config(self) -> MasterConfig:
@@ -338,22 +338,23 @@ class MasterState:
         misses_before = self._index.misses
         # Leases (master/leases.py): a running one is extended up to its cap here; new ones
         # are opened together after the loop.
-        caps, fresh, shortest = self._leasing.caps, [], lease_until
+        caps, ends, fresh, shortest = self._leasing.caps, self._leasing.ends, [], lease_until
+        lease_of = ends.get
         for i, obj in enumerate(objs):
             if obj is None or obj.seal is PENDING:   # only the misses learn why
                 errors[i] = self._why_missing(keys[i])
                 objs[i] = None
                 continue
-            lease = obj.lease_until
+            lease = lease_of(obj, 0.0)
             if lease < lease_until:   # not leased by this instant's reads already
                 if lease <= now:
                     fresh.append(obj)
                 elif (cap := caps.get(obj, lease_until)) < lease_until:
-                    obj.lease_until = cap
+                    ends[obj] = cap
                     if cap < shortest:   # noqa: PLR1730 (the answer says so: readers re-check past it)
                         shortest = cap
                 else:
-                    obj.lease_until = lease_until
+                    ends[obj] = lease_until
             if disk:   # a read may promote: touch in order, as locate does
                 touch(obj.key)
                 if obj.segment_id in disk or obj.more:
@@ -640,7 +641,7 @@ class MasterState:
         if seg.manifest is not None:
             seg.manifest.append(Removal(key, version))
         # Other readers may be copying it under their lease: reuse only after that.
-        self._space.free_later(bad, max(now, obj.lease_until))
+        self._space.free_later(bad, max(now, self._leasing.until(obj)))
         self._pins.replicas_changed(obj)
         if not obj.replicas:
             self._recovery.tombstone(obj, self._clock())
@@ -655,9 +656,9 @@ class MasterState:
         obj = self._index.complete(key)
         self._recovery.tombstone(obj, self._clock())
         self._unindex(obj)
-        if obj.lease_until > now:
+        if (lease := self._leasing.until(obj)) > now:
             # A reader may still be copying these bytes: reuse only after its lease.
-            self._space.free_later(obj.replicas, obj.lease_until)
+            self._space.free_later(obj.replicas, lease)
         else:
             self._space.free_now(obj.replicas)
 

@@ -19,6 +19,7 @@ from kvpool.common.config import MasterConfig
 from kvpool.common.types import TIER_RANK, Extent, Move
 from kvpool.master.chains import Chains
 from kvpool.master.index import ObjectEntry, ObjectIndex
+from kvpool.master.leases import Leases
 from kvpool.master.membership import Membership, Segment
 from kvpool.master.space import Space
 
@@ -38,11 +39,11 @@ class _MoveInFlight:
 class Tiers:
     def __init__(self, config: MasterConfig, members: Membership, closed: Collection[str],
                  index: ObjectIndex, chains: Chains, space: Space,
-                 hard_pinned: Container[ObjectEntry]) -> None:
+                 hard_pinned: Container[ObjectEntry], leases: Leases) -> None:
         """``closed``: segments no move may go to (still being announced); ``hard_pinned``:
         the objects a hard pin holds (their manifest records say so)."""
         self._config = config
-        self._hard_pinned = hard_pinned
+        self._hard_pinned, self._leases = hard_pinned, leases
         self._members, self._closed = members, closed
         self._index, self._chains, self._space = index, chains, space
         self._moves: dict[int, _MoveInFlight] = {}   # handed to nodes, not reported yet
@@ -97,7 +98,7 @@ class Tiers:
             parent = self._chains.parent_of(obj.key, obj.segment_id in disk)
             m.dst_seg.manifest.append(obj.record(m.dst, parent, obj in self._hard_pinned))
         # Readers granted the source may still be copying from it: reuse after the lease.
-        self._space.free_later([m.src], max(now, obj.lease_until))
+        self._space.free_later([m.src], max(now, self._leases.until(obj)))
         if TIER_RANK[m.dst_seg.info.tier] > TIER_RANK[m.src_seg.info.tier]:
             self.demotions += 1
         else:

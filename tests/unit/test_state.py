@@ -593,13 +593,13 @@ def _check_books(state: MasterState) -> None:
             return sum(seg.allocator.aligned_size(o.size) for o in state._objects.values()
                        if keep(o) for e in o.replicas if e.segment_id == sid)
         assert seg.pending_bytes == held(lambda o: o.state.name == "PENDING")
-        t, hard = now, state._pins.is_hard
+        t, hard, lease = now, state._pins.is_hard, state._leasing.until
         assert seg.pinned_bytes == held(hard)
         # Leases: every leased object not pinned; at most also those pinned under their
         # lease and those removed under it (quarantined till it ends): master/leases.py.
-        leased = held(lambda o, t=t: o.lease_until > t and not hard(o))
+        leased = held(lambda o, t=t: lease(o) > t and not hard(o))
         assert leased <= seg.leased_bytes <= leased + seg.quarantined_bytes + held(
-            lambda o, t=t: o.lease_until > t and hard(o))
+            lambda o, t=t: lease(o) > t and hard(o))
         assert seg.reclaimable_bytes() >= seg.allocator.free_bytes
 
 

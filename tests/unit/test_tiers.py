@@ -8,6 +8,7 @@ from kvpool.common.types import Extent, NodeEndpoints, SegmentInfo
 from kvpool.master.chains import Chains
 from kvpool.master.eviction import LRUPolicy
 from kvpool.master.index import COMPLETE, ObjectIndex
+from kvpool.master.leases import Leases
 from kvpool.master.manifest_log import ManifestLog
 from kvpool.master.membership import Membership
 from kvpool.master.pins import Pins
@@ -32,11 +33,12 @@ class Units:
         self.index, self.chains = ObjectIndex(), Chains(LRUPolicy(), LRUPolicy())
         self.space = Space(self.members.segments)
         pins = Pins(CFG, self.members.segments)
+        self.leases = Leases(CFG.lease_ttl_s, CFG.max_lease_s, self.members.segments, pins.held)
         self.tiers = Tiers(CFG, self.members, set(), self.index, self.chains, self.space,
-                           pins.held)
+                           pins.held, self.leases)
         self.evicted: list[str] = []
         self.pressure = Pressure(CFG, self.members, set(), self.index, self.chains, pins,
-                                 self.tiers, self.evict)
+                                 self.leases, self.tiers, self.evict)
 
     def evict(self, obj) -> None:   # as MasterState does, tombstones and counters aside
         self.evicted.append(obj.key)
@@ -58,7 +60,7 @@ class Units:
 def test_a_finished_move_switches_the_index_and_frees_the_source_after_its_lease():
     u = Units()
     obj = u.put("k", "m")
-    obj.lease_until = 5.0
+    u.leases.ends[obj] = 5.0   # read under a lease until 5.0
     m, d = u.members.segments["m"], u.members.segments["d"]
     assert u.tiers.start(obj, obj.replicas[0], m, d, 0.0)
     [move] = u.tiers.take("n")
