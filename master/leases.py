@@ -19,6 +19,7 @@ import heapq
 import itertools
 from collections.abc import Container, Sequence
 
+from kvpool.master.holds import FurtherReplicas
 from kvpool.master.index import ObjectEntry
 from kvpool.master.membership import LEASED_HELD as LEASED
 from kvpool.master.membership import Segment
@@ -30,11 +31,12 @@ _Credit = tuple[ObjectEntry, Segment | None, int]
 
 class Leases:
     def __init__(self, ttl_s: float, max_s: float, segments: dict[str, Segment],
-                 hard_pinned: Container[ObjectEntry]) -> None:
-        """``hard_pinned``: the objects a hard pin holds (their leases are not counted)."""
+                 hard_pinned: Container[ObjectEntry], more: FurtherReplicas) -> None:
+        """``hard_pinned``: the objects a hard pin holds (their leases are not counted);
+        ``more``: the index's further replicas (ObjectIndex.more)."""
         self._ttl_s, self._max_s = ttl_s, max_s
         self._segments = segments
-        self._hard_pinned = hard_pinned
+        self._hard_pinned, self._more = hard_pinned, more
         # obj -> when its lease must end (began + max_s); kept through the pause after a
         # lease that reached it. The read path reads it to extend a running lease.
         self.caps: dict[ObjectEntry, float] = {}
@@ -55,6 +57,7 @@ class Leases:
         self.expire(now)   # leases ended by now are closed before new ones open
         caps, ends, segments, pause_s, pinned = self.caps, self.ends, self._segments, \
             self._ttl_s, self._hard_pinned
+        more = self._more
         cap_at = now + self._max_s
         end = min(until, cap_at)
         shortest = end
@@ -77,7 +80,7 @@ class Leases:
                 n = seg.allocator.aligned_size(obj.size)
                 seg.held[LEASED] += n
                 add((obj, seg, n))
-            for e in obj.more:   # further replicas (rare)
+            for e in more.get(obj, ()) if more else ():   # further replicas (rare)
                 if (other := segments.get(e.segment_id)) is not None:
                     n = other.allocator.aligned_size(obj.size)
                     other.held[LEASED] += n

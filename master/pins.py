@@ -8,13 +8,15 @@ from collections.abc import Iterable, Iterator
 
 from kvpool.common.config import MasterConfig
 from kvpool.common.errors import NoSpace
-from kvpool.master.holds import Holds
+from kvpool.master.holds import FurtherReplicas, Holds
 from kvpool.master.index import ObjectEntry
 from kvpool.master.membership import PINNED_HELD, Segment
 
 
 class Pins:
-    def __init__(self, config: MasterConfig, segments: dict[str, Segment]) -> None:
+    def __init__(self, config: MasterConfig, segments: dict[str, Segment],
+                 more: FurtherReplicas) -> None:
+        """``more``: the index's further replicas (ObjectIndex.more)."""
         self._config = config
         self._segments = segments
         self._soft: dict[str, float] = {}            # key -> when its soft pin ends
@@ -24,7 +26,7 @@ class Pins:
         self.hard_bytes = 0
         # What hard pins hold per segment, every replica (admission counts it). Its objects
         # are the hard-pinned ones: an entry keeps no flag (8 bytes each, for a few pins).
-        self.held = Holds(PINNED_HELD, segments)
+        self.held = Holds(PINNED_HELD, segments, more)
 
     def pin(self, obj: ObjectEntry, ttl_s: float | None, now: float, quota: bool = True) -> bool:
         """Pin ``obj`` softly for ``ttl_s`` (again: extended), or hard if ``ttl_s`` is None

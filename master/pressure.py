@@ -50,7 +50,7 @@ class Pressure:
             obj = self._index.objects.get(key)
             if obj is None or not self._evictable(obj, now):
                 continue
-            if not any(e.segment_id in fit_ids for e in obj.replicas):
+            if not any(e.segment_id in fit_ids for e in self._index.replicas(obj)):
                 continue
             self._evict(obj)
             extents = choose_segments(self._members.open_segments(n, self._closed), size, n)
@@ -98,7 +98,7 @@ class Pressure:
                 obj = self._index.objects.get(key)
                 if obj is None or obj.state is not COMPLETE or self._pins.is_hard(obj):
                     continue
-                touched = [e for e in obj.replicas if e.segment_id in hot]
+                touched = [e for e in self._index.replicas(obj) if e.segment_id in hot]
                 if not touched:
                     continue
                 segs = [segments[e.segment_id] for e in touched]

@@ -77,13 +77,14 @@ class Tiers:
         self._end(move_id, m)
         dst_live = self._members.segments.get(m.dst.segment_id) is m.dst_seg
         if not (ok and dst_live and self._index.objects.get(obj.key) is obj
-                and m.src in obj.replicas):
+                and m.src in self._index.replicas(obj)):
             if dst_live:   # the node is done with the destination either way
                 self._space.free_now([m.dst])
             return None
         disk = self._members.disk_segments
         was_on_disk = obj.segment_id in disk
-        obj.replicas = [m.dst if e == m.src else e for e in obj.replicas]
+        self._index.set_replicas(obj, [m.dst if e == m.src else e
+                                       for e in self._index.replicas(obj)])
         if (obj.segment_id in disk) != was_on_disk:
             # Down to disk: its parent may become demotable; there it links to its parent
             # once that comes down too (a chain is dropped from disk tail first). Back up:
@@ -109,7 +110,8 @@ class Tiers:
     def note_disk_read(self, obj: ObjectEntry, now: float) -> None:
         """``obj`` was read and may have replicas on disk: the second read within the window
         promotes one of them (the first whose node has room above it)."""
-        on_disk = [e for e in obj.replicas if e.segment_id in self._members.disk_segments]
+        on_disk = [e for e in self._index.replicas(obj)
+                   if e.segment_id in self._members.disk_segments]
         if not on_disk:
             return
         self._chains.disk_policy.on_access(obj.key)

@@ -17,7 +17,8 @@ def setup(capacity: int = 1000):
     index = ObjectIndex()
     objs = [index.add(f"k{i}", 200, [Extent("s", 200 * i, 200)], state=COMPLETE)
             for i in range(4)]
-    return Pins(MasterConfig(pin_quota_fraction=0.5, alignment_bytes=1), segments), objs
+    return Pins(MasterConfig(pin_quota_fraction=0.5, alignment_bytes=1), segments, index.more), \
+        objs
 
 
 def test_hard_pins_hold_their_sizes_within_the_quota():
