@@ -63,6 +63,11 @@ class Holds:
             seg.held[kind] -= n
             self.total_bytes -= n
 
+    @property
+    def objects(self) -> Mapping[ObjectEntry, object]:
+        """The objects counted (a mapping's ``in`` is C, not a method call, on hot paths)."""
+        return self._credits
+
     def __contains__(self, obj: ObjectEntry) -> bool:
         return obj in self._credits
 

@@ -71,7 +71,7 @@ class Leases:
                 continue
             caps[obj] = cap_at
             ends[obj] = end
-            if obj in pinned:
+            if pinned and obj in pinned:
                 continue   # its pin holds it
             # Most keys of a lookup live in one segment: look it up once per run of them.
             if seg is None or seg.info.segment_id != obj.segment_id:

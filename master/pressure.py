@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection, Iterator
 from kvpool.common.config import MasterConfig
 from kvpool.common.types import Extent
 from kvpool.master.chains import Chains
-from kvpool.master.index import COMPLETE, ObjectEntry, ObjectIndex
+from kvpool.master.index import COMPLETE, PENDING, ObjectEntry, ObjectIndex
 from kvpool.master.leases import Leases
 from kvpool.master.membership import Membership, Segment
 from kvpool.master.pins import Pins
@@ -32,7 +32,8 @@ class Pressure:
         self._config = config
         self._members, self._closed = members, closed
         self._index, self._chains, self._pins, self._tiers = index, chains, pins, tiers
-        self._leases = leases
+        # Read per eviction candidate: the tables, not a method call each.
+        self._lease_ends, self._hard_pinned = leases.ends, pins.held.objects
         self._evict = evict
 
     def place(self, size: int, n: int, fits: list[Segment], now: float) -> list[Extent] | None:
@@ -96,7 +97,7 @@ class Pressure:
             full: set[str] = set()
             for key in self._victims(now, hot):
                 obj = self._index.objects.get(key)
-                if obj is None or obj.state is not COMPLETE or self._pins.is_hard(obj):
+                if obj is None or obj.state is not COMPLETE or obj in self._hard_pinned:
                     continue
                 touched = [e for e in self._index.replicas(obj) if e.segment_id in hot]
                 if not touched:
@@ -119,8 +120,8 @@ class Pressure:
             hot |= full
 
     def _evictable(self, obj: ObjectEntry, now: float) -> bool:
-        return obj.state is COMPLETE and self._leases.until(obj) <= now \
-            and not self._pins.is_hard(obj)
+        return obj.seal is not PENDING and self._lease_ends.get(obj, 0.0) <= now \
+            and obj not in self._hard_pinned
 
     def _victims(self, now: float, segment_ids: Collection[str]) -> Iterator[str]:
         """Candidates with a replica in ``segment_ids`` possibly: those on disk (if any of

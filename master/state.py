@@ -119,7 +119,7 @@ class MasterState:
         self._space = Space(self._segments, more)
         self._pins = Pins(config, self._segments, more)
         self._leasing = Leases(config.lease_ttl_s, config.max_lease_s, self._segments,
-                               self._pins.held, more)
+                               self._pins.held.objects, more)
         self._pending_limit = 0.0   # bytes PENDING puts may hold, as of the current PutStart
         # Why the current PutStart's NoSpace came before any eviction, if it did (told in
         # space_summary: the put's answer carries one summary, not a message per key).
@@ -131,7 +131,7 @@ class MasterState:
         self._recovery = Recovery(config.node_ttl_s)
         closed = self._recovery.recovering   # no new object, nor move, goes there
         self._tiers = Tiers(config, self._members, closed, self._index, self._chains,
-                            self._space, self._pins.held, self._leasing)
+                            self._space, self._pins.held.objects, self._leasing)
         self._pressure = Pressure(config, self._members, closed, self._index, self._chains,
                                   self._pins, self._leasing, self._tiers, self._evict)
 

@@ -570,8 +570,8 @@ def test_stats_return_to_zero_after_everything_is_gone(clock):
 
 def _check_books(state: MasterState) -> None:
     """White-box: every segment's allocator agrees with the index and the deferred frees."""
+    replicas, hard, lease = state._index.replicas, state._pins.is_hard, state._leasing.until
     for sid, seg in state._segments.items():
-        replicas = state._index.replicas
         live = [(e.offset, seg.allocator.aligned_size(e.length)) for o in state._objects.values()
                 for e in replicas(o) if e.segment_id == sid]
         deferred = [(e.offset, seg.allocator.aligned_size(e.length))
@@ -594,7 +594,7 @@ def _check_books(state: MasterState) -> None:
             return sum(seg.allocator.aligned_size(o.size) for o in state._objects.values()
                        if keep(o) for e in replicas(o) if e.segment_id == sid)
         assert seg.pending_bytes == held(lambda o: o.state.name == "PENDING")
-        t, hard, lease = now, state._pins.is_hard, state._leasing.until
+        t = now
         assert seg.pinned_bytes == held(hard)
         # Leases: every leased object not pinned; at most also those pinned under their
         # lease and those removed under it (quarantined till it ends): master/leases.py.
