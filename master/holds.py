@@ -9,16 +9,23 @@ drift; callers credit again when an object's replicas change (a pin outlives suc
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from kvpool.common.types import Extent
 from kvpool.master.index import ObjectEntry
 from kvpool.master.membership import Segment
+
+# The index's further replicas (ObjectIndex.more): entry -> its replicas past the first.
+FurtherReplicas = Mapping[ObjectEntry, tuple[Extent, ...]]
 
 
 class Holds:
     """One kind of hold: ``kind`` indexes ``Segment.held`` (membership.PENDING_HELD, ...)."""
 
-    def __init__(self, kind: int, segments: dict[str, Segment]) -> None:
+    def __init__(self, kind: int, segments: dict[str, Segment], more: FurtherReplicas) -> None:
         self._kind = kind
         self._segments = segments
+        self._more = more
         self._credits: dict[ObjectEntry, tuple[tuple[Segment, int], ...]] = {}
         self.total_bytes = 0   # aligned bytes, every replica counted
 
@@ -29,15 +36,17 @@ class Holds:
             self.debit(obj)
         kind, segments = self._kind, self._segments
         seg = segments.get(obj.segment_id) if obj.segment_id else None
-        if seg is not None and not obj.more:   # the common case: one replica
+        more = self._more.get(obj) if self._more else None
+        if seg is not None and not more:   # the common case: one replica
             n = seg.allocator.aligned_size(obj.size)
             seg.held[kind] += n
             self.total_bytes += n
             credits[obj] = ((seg, n),)
             return
         out = []
-        for e in obj.replicas:
-            if (seg := segments.get(e.segment_id)) is not None:
+        sids = [obj.segment_id, *(e.segment_id for e in more or ())] if obj.segment_id else []
+        for sid in sids:
+            if (seg := segments.get(sid)) is not None:
                 n = seg.allocator.aligned_size(obj.size)
                 seg.held[kind] += n
                 self.total_bytes += n
@@ -53,6 +62,11 @@ class Holds:
         for seg, n in credits:   # a dropped segment's count goes with it: harmless
             seg.held[kind] -= n
             self.total_bytes -= n
+
+    @property
+    def objects(self) -> Mapping[ObjectEntry, object]:
+        """The objects counted (a mapping's ``in`` is C, not a method call, on hot paths)."""
+        return self._credits
 
     def __contains__(self, obj: ObjectEntry) -> bool:
         return obj in self._credits

@@ -20,43 +20,39 @@ _MAX_SHARED_SIZES = 1024
 @dataclass(eq=False, slots=True)
 class ObjectEntry:
     """One index entry, kept small: a master indexes millions of them. The first replica lives
-    inline (segment id and offset; every replica is ``size`` bytes long), further ones in
-    ``more``; ``replicas`` builds the Extents on demand."""
+    inline (segment id and offset; every replica is ``size`` bytes long); the index keeps
+    further ones aside (``ObjectIndex.more``) and builds the Extents on demand
+    (``ObjectIndex.replicas``)."""
 
     key: str
     size: int
     version: int
     segment_id: str          # the first replica's segment ("" once every replica is gone)
     offset: int
-    more: tuple[Extent, ...] = ()
-    state: ObjectState = PENDING
-    lease_until: float = 0.0
-    pinned: bool = False
-    checksum: int | None = None   # CRC-32C of the bytes, as the writer computed it
-    # No slot for the block this one extends: it is needed from PutStart to PutEnd only, so
-    # the index keeps it aside (ObjectIndex.parents), and a slot would cost 8-16 bytes each.
+    # PENDING until PutEnd seals the object with its checksum: the CRC-32C of the bytes as
+    # the writer computed it, None if it did not. One slot says both (``state``,
+    # ``checksum``): a PENDING object has no checksum yet.
+    seal: int | None | ObjectState = PENDING
+    # No slot for what few objects have, each kept aside by its owner: further replicas
+    # (ObjectIndex.more), the block this one extends (from PutStart to PutEnd only:
+    # ObjectIndex.parents), a hard pin or a read lease (master/pins.py, leases.py). A slot
+    # costs every object 8 bytes, and pymalloc rounds an entry up to 16: six slots are 80.
 
     @property
-    def replicas(self) -> list[Extent]:
-        """Extents in mounted segments only: dropped segments are stripped."""
-        if not self.segment_id:
-            return []
-        first = Extent(self.segment_id, self.offset, self.size)
-        return [first, *self.more] if self.more else [first]
+    def state(self) -> ObjectState:
+        return PENDING if self.seal is PENDING else COMPLETE
 
-    @replicas.setter
-    def replicas(self, extents: Sequence[Extent]) -> None:
-        first = extents[0] if extents else Extent("", 0, self.size)
-        self.segment_id, self.offset, self.more = first.segment_id, first.offset, tuple(extents[1:])
+    @property
+    def checksum(self) -> int | None:
+        seal = self.seal
+        return None if seal is PENDING else seal
 
-    def record(self, e: Extent, parent: str | None) -> ObjectRecord:
+    def record(self, e: Extent, parent: str | None, pinned: bool) -> ObjectRecord:
         """What the manifest of ``e``'s node holds of this object (``parent``: the key it
-        extends, named so that a restarted master links the chain again)."""
+        extends, named so that a restarted master links the chain again; ``pinned``: whether
+        it is hard-pinned)."""
         return ObjectRecord(self.key, e.segment_id, e.offset, self.size, self.checksum,
-                            self.version, parent, self.pinned)
-
-    def evictable(self, now: float) -> bool:
-        return self.state is COMPLETE and not self.pinned and self.lease_until <= now
+                            self.version, parent, pinned)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +90,24 @@ class ObjectIndex:
         # PENDING entry -> the key of the block it extends, from PutStart until PutEnd hands
         # it to the eviction policy (take_parent) or the entry leaves the index.
         self.parents: dict[ObjectEntry, str] = {}
+        # Entry -> its replicas past the first, for the objects that have several.
+        self.more: dict[ObjectEntry, tuple[Extent, ...]] = {}
+
+    def replicas(self, obj: ObjectEntry) -> list[Extent]:
+        """``obj``'s extents, in mounted segments only: dropped segments are stripped."""
+        if not obj.segment_id:
+            return []
+        first = Extent(obj.segment_id, obj.offset, obj.size)
+        more = self.more.get(obj) if self.more else None
+        return [first, *more] if more else [first]
+
+    def set_replicas(self, obj: ObjectEntry, extents: Sequence[Extent]) -> None:
+        first = extents[0] if extents else Extent("", 0, obj.size)
+        obj.segment_id, obj.offset = first.segment_id, first.offset
+        if len(extents) > 1:
+            self.more[obj] = tuple(extents[1:])
+        elif self.more:
+            self.more.pop(obj, None)
 
     def add(self, key: str, size: int, extents: Sequence[Extent], version: int | None = None,
             state: ObjectState = PENDING, checksum: int | None = None,
@@ -110,8 +124,10 @@ class ObjectIndex:
         else:
             self._versions = itertools.count(max(next(self._versions), version + 1))
         obj = self.objects[key] = ObjectEntry(key, size, version, extents[0].segment_id,
-                                              extents[0].offset, tuple(extents[1:]), state,
-                                              checksum=checksum)
+                                              extents[0].offset,
+                                              PENDING if state is PENDING else checksum)
+        if len(extents) > 1:
+            self.more[obj] = tuple(extents[1:])
         if state is PENDING:
             self.pending += 1
         if parent:
@@ -127,15 +143,17 @@ class ObjectIndex:
         return next(self._versions)
 
     def commit(self, obj: ObjectEntry, checksum: int | None) -> None:
-        obj.state = COMPLETE
-        obj.checksum = checksum
+        obj.seal = checksum
         self.pending -= 1
         self.committed += 1
         self.committed_bytes += obj.size
 
     def discard(self, obj: ObjectEntry) -> None:
+        """Forget ``obj`` (its replicas too: read them first)."""
         del self.objects[obj.key]
-        self.tenants.removed(obj.key, obj.size, obj.pinned)
+        self.tenants.removed(obj.key, obj.size)
+        if self.more:
+            self.more.pop(obj, None)
         if obj.state is PENDING:
             self.pending -= 1
             if self.parents:
@@ -162,30 +180,31 @@ class ObjectIndex:
         return [isinstance(k, str) and (o := self.objects.get(k)) is not None
                 and o.state is COMPLETE for k in keys]
 
-    @staticmethod
-    def columns(objs: list[ObjectEntry | None], found: list[ObjectEntry],
+    def columns(self, objs: list[ObjectEntry | None], found: list[ObjectEntry],
                 errors: dict[int, KVPoolError], lease_s: float | None = None
                 ) -> LocatedColumns:
         """``objs`` (None where ``errors`` explains a miss; ``found``: the others) in columns,
         by comprehensions, not a tuple per key: a lookup of a prompt is hundreds."""
         present = checksum.PRESENT   # checksum.encode, inlined
+        # Every object found is COMPLETE: its seal is its checksum (read as the slot, not the
+        # property, on this path).
         if errors:   # a miss holds zeros (and no replica) in its slot
             sizes = [0 if o is None else o.size for o in objs]
             versions = [0 if o is None else o.version for o in objs]
-            sums = [0 if o is None or o.checksum is None else present | o.checksum
-                    for o in objs]
+            sums = [0 if o is None or o.seal is None else present | o.seal for o in objs]
         else:
             sizes = [o.size for o in found]
             versions = [o.version for o in found]
-            sums = [0 if o.checksum is None else present | o.checksum for o in found]
-        if any(o.more for o in found):   # extra replicas (rare): built key by key
-            counts = [0 if o is None else 1 + len(o.more) for o in objs]
+            sums = [0 if o.seal is None else present | o.seal for o in found]
+        more = self.more
+        if more and any(o in more for o in found):   # extra replicas (rare): key by key
+            counts = [0 if o is None else 1 + len(more.get(o, ())) for o in objs]
             segment_ids, offsets = [], []
             for o in found:
                 segment_ids.append(o.segment_id)
                 offsets.append(o.offset)
-                segment_ids += [e.segment_id for e in o.more]
-                offsets += [e.offset for e in o.more]
+                segment_ids += [e.segment_id for e in more.get(o, ())]
+                offsets += [e.offset for e in more.get(o, ())]
         else:
             counts = [0 if o is None else 1 for o in objs] if errors else [1] * len(found)
             segment_ids = [o.segment_id for o in found]

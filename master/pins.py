@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator
 
 from kvpool.common.config import MasterConfig
 from kvpool.common.errors import NoSpace
-from kvpool.master.holds import Holds
+from kvpool.master.holds import FurtherReplicas, Holds
 from kvpool.master.index import ObjectEntry
 from kvpool.master.membership import PINNED_HELD, Segment
 from kvpool.master.quotas import TenantUsage
@@ -16,7 +16,9 @@ from kvpool.master.quotas import TenantUsage
 
 class Pins:
     def __init__(self, config: MasterConfig, segments: dict[str, Segment],
-                 tenants: TenantUsage | None = None) -> None:
+                 more: FurtherReplicas, tenants: TenantUsage | None = None) -> None:
+        """``more``: the index's further replicas (ObjectIndex.more); ``tenants``: the
+        tenants' usage (master/quotas.py), whose pins it counts."""
         self._config = config
         self._segments = segments
         self._tenants = tenants if tenants is not None else TenantUsage()
@@ -25,20 +27,21 @@ class Pins:
         # What hard pins hold against the quota: each object's size (replicas come and go
         # with nodes; the count must not drift).
         self.hard_bytes = 0
-        # What hard pins hold per segment, every replica (admission counts it).
-        self.held = Holds(PINNED_HELD, segments)
+        # What hard pins hold per segment, every replica (admission counts it). Its objects
+        # are the hard-pinned ones: an entry keeps no flag (8 bytes each, for a few pins).
+        self.held = Holds(PINNED_HELD, segments, more)
 
     def pin(self, obj: ObjectEntry, ttl_s: float | None, now: float, quota: bool = True) -> bool:
         """Pin ``obj`` softly for ``ttl_s`` (again: extended), or hard if ``ttl_s`` is None
         (NoSpace past the quota, unless not ``quota``). True if a hard pin came now: the
         object's record changed."""
         if ttl_s is not None:
-            if not obj.pinned:   # a hard-pinned object stays hard
+            if obj not in self.held:   # a hard-pinned object stays hard
                 until = max(now + ttl_s, self._soft.get(obj.key, 0.0))
                 self._soft[obj.key] = until
                 heapq.heappush(self._soft_ends, (until, obj.key))
             return False
-        if obj.pinned:
+        if obj in self.held:
             return False
         limit = self._config.pin_quota_fraction * sum(
             s.allocator.capacity_bytes for s in self._segments.values())
@@ -49,19 +52,21 @@ class Pins:
                           "or pin with a ttl_s (a soft pin)")
         if quota:
             self._tenants.check_pin(obj.key, obj.size, self._config.pin_quota_fraction)
-        obj.pinned = True
         self._tenants.pins_changed(obj.key, obj.size)
         self.hard_bytes += obj.size
         self.held.credit(obj)
         self._soft.pop(obj.key, None)
         return True
 
+    def is_hard(self, obj: ObjectEntry) -> bool:
+        """Whether ``obj`` is hard-pinned."""
+        return obj in self.held
+
     def unpin(self, obj: ObjectEntry) -> bool:
         """Drop both kinds of pin (they do not nest); True if a hard one went."""
         self._soft.pop(obj.key, None)
-        if not obj.pinned:
+        if obj not in self.held:
             return False
-        obj.pinned = False
         self._tenants.pins_changed(obj.key, -obj.size)
         self.hard_bytes -= obj.size
         self.held.debit(obj)
@@ -69,15 +74,16 @@ class Pins:
 
     def forget(self, obj: ObjectEntry) -> None:
         """``obj`` left the index, pins and all."""
-        if obj.pinned:
+        if obj in self.held:
             self.hard_bytes -= obj.size
             self.held.debit(obj)
+            self._tenants.pins_changed(obj.key, -obj.size)
         if self._soft:
             self._soft.pop(obj.key, None)
 
     def replicas_changed(self, obj: ObjectEntry) -> None:
         """``obj`` gained, lost or moved a replica: a hard pin holds its replicas as they are."""
-        if obj.pinned:
+        if obj in self.held:
             self.held.credit(obj)
 
     def expire(self, now: float) -> None:

@@ -15,7 +15,8 @@ from collections.abc import Callable, Collection, Iterator
 from kvpool.common.config import MasterConfig
 from kvpool.common.types import Extent
 from kvpool.master.chains import Chains
-from kvpool.master.index import COMPLETE, ObjectEntry, ObjectIndex
+from kvpool.master.index import COMPLETE, PENDING, ObjectEntry, ObjectIndex
+from kvpool.master.leases import Leases
 from kvpool.master.membership import Membership, Segment
 from kvpool.master.pins import Pins
 from kvpool.master.placement import choose_segments
@@ -27,13 +28,15 @@ FAIR_SCAN = 4096
 
 class Pressure:
     def __init__(self, config: MasterConfig, members: Membership, closed: Collection[str],
-                 index: ObjectIndex, chains: Chains, pins: Pins, tiers: Tiers,
+                 index: ObjectIndex, chains: Chains, pins: Pins, leases: Leases, tiers: Tiers,
                  evict: Callable[[ObjectEntry], None]) -> None:
         """``closed``: segments no new object may go to; ``evict``: drops an object (its
         replicas freed at once: it is not leased)."""
         self._config = config
         self._members, self._closed = members, closed
         self._index, self._chains, self._pins, self._tiers = index, chains, pins, tiers
+        # Read per eviction candidate: the tables, not a method call each.
+        self._leases, self._hard_pinned = leases.running, pins.held.objects
         self._evict = evict
 
     def place(self, size: int, n: int, fits: list[Segment], now: float) -> list[Extent] | None:
@@ -61,9 +64,9 @@ class Pressure:
                     if tenants.tenant(key) not in only:
                         continue
                 obj = self._index.objects.get(key)
-                if obj is None or not obj.evictable(now):
+                if obj is None or not self._evictable(obj, now):
                     continue
-                if not any(e.segment_id in fit_ids for e in obj.replicas):
+                if not any(e.segment_id in fit_ids for e in self._index.replicas(obj)):
                     continue
                 self._evict(obj)
                 extents = choose_segments(self._members.open_segments(n, self._closed),
@@ -110,15 +113,15 @@ class Pressure:
             full: set[str] = set()
             for key in self._victims(now, hot):
                 obj = self._index.objects.get(key)
-                if obj is None or obj.state is not COMPLETE or obj.pinned:
+                if obj is None or obj.state is not COMPLETE or obj in self._hard_pinned:
                     continue
-                touched = [e for e in obj.replicas if e.segment_id in hot]
+                touched = [e for e in self._index.replicas(obj) if e.segment_id in hot]
                 if not touched:
                     continue
                 segs = [segments[e.segment_id] for e in touched]
                 lower = [self._tiers.lower(seg) for seg in segs]
                 if None in lower:   # a last tier: the object goes (all of it, as before)
-                    if obj.evictable(now):
+                    if self._evictable(obj, now):
                         self._evict(obj)
                 # One move per object at a time: its first hot replica goes first.
                 elif key not in self._tiers.moving and not self._tiers.start(
@@ -131,6 +134,11 @@ class Pressure:
                 if not hot:
                     break
             hot |= full
+
+    def _evictable(self, obj: ObjectEntry, now: float) -> bool:
+        lease = self._leases.get(obj)   # (cap, end)
+        return obj.seal is not PENDING and (lease is None or lease[1] <= now) \
+            and obj not in self._hard_pinned
 
     def _victims(self, now: float, segment_ids: Collection[str]) -> Iterator[str]:
         """Candidates with a replica in ``segment_ids`` possibly: those on disk (if any of

@@ -50,13 +50,12 @@ class TenantUsage:
         u.objects += 1
         u.bytes += size
 
-    def removed(self, key: str, size: int, pinned: bool = False) -> None:
+    def removed(self, key: str, size: int) -> None:
+        """(Its pins, if any, are taken off by :meth:`pins_changed`, before or after.)"""
         tenant = tenant_of(key)[0]
         u = self.usage[tenant]
         u.objects -= 1
         u.bytes -= size
-        if pinned:
-            u.pinned -= size
         if not u.objects:
             del self.usage[tenant]
 

@@ -9,19 +9,20 @@ import itertools
 from collections.abc import Iterable, Iterator
 
 from kvpool.common.types import Extent, Reservation
-from kvpool.master.holds import Holds
+from kvpool.master.holds import FurtherReplicas, Holds
 from kvpool.master.index import ObjectEntry
 from kvpool.master.membership import PENDING_HELD, Segment
 
 
 class Space:
-    def __init__(self, segments: dict[str, Segment]) -> None:
+    def __init__(self, segments: dict[str, Segment], more: FurtherReplicas) -> None:
+        """``more``: the index's further replicas (ObjectIndex.more)."""
         self._segments = segments
         # (free_at, seq, [(segment, extent)], abandoned): lease-deferred removals and put
         # quarantine alike; ``abandoned``: the quarantine of reclaimed puts.
         self.deferred: list[tuple[float, int, list[tuple[Segment, Extent]], bool]] = []
         # What PENDING puts hold, and the quarantine of those reclaimed (aligned, every replica).
-        self.pending = Holds(PENDING_HELD, segments)
+        self.pending = Holds(PENDING_HELD, segments, more)
         self.abandoned_bytes = 0
         # (deadline, seq, objects): one entry per PutStart batch, not per object.
         self._put_deadlines: list[tuple[float, int, list[ObjectEntry]]] = []

@@ -118,8 +118,11 @@ class MasterState:
         self._index = ObjectIndex(TenantUsage(parse_quotas(config.tenant_quotas)))
         # The two tables nearly every operation reads (membership and the index own them).
         self._segments, self._objects = self._members.segments, self._index.objects
-        self._space = Space(self._segments)
-        self._leasing = Leases(config.lease_ttl_s, config.max_lease_s, self._segments)
+        more = self._index.more   # the further replicas of the objects that have several
+        self._space = Space(self._segments, more)
+        self._pins = Pins(config, self._segments, more, self._index.tenants)
+        self._leasing = Leases(config.lease_ttl_s, config.max_lease_s, self._segments,
+                               self._pins.held.objects, more)
         self._pending_limit = 0.0   # bytes PENDING puts may hold, as of the current PutStart
         # Why the current PutStart's NoSpace came before any eviction, if it did (told in
         # space_summary: the put's answer carries one summary, not a message per key).
@@ -127,14 +130,13 @@ class MasterState:
         self._chains = Chains(policy if policy is not None else
                               make_eviction_policy(config.eviction),
                               make_eviction_policy(config.eviction))
-        self._pins = Pins(config, self._segments, self._index.tenants)
         self._rechecks = Rechecks()
         self._recovery = Recovery(config.node_ttl_s)
         closed = self._recovery.recovering   # no new object, nor move, goes there
         self._tiers = Tiers(config, self._members, closed, self._index, self._chains,
-                            self._space)
+                            self._space, self._pins.held.objects, self._leasing)
         self._pressure = Pressure(config, self._members, closed, self._index, self._chains,
-                                  self._pins, self._tiers, self._evict)
+                                  self._pins, self._leasing, self._tiers, self._evict)
 
     @property
     def config(self) -> MasterConfig:
@@ -340,25 +342,26 @@ class MasterState:
         misses_before = self._index.misses
         # Leases (master/leases.py): a running one is extended up to its cap here; new ones
         # are opened together after the loop.
-        caps, fresh, shortest = self._leasing.caps, [], lease_until
+        running, fresh, shortest = self._leasing.running, [], lease_until
+        lease_of = running.get
         for i, obj in enumerate(objs):
-            if obj is None or obj.state is not COMPLETE:   # only the misses learn why
+            if obj is None or obj.seal is PENDING:   # only the misses learn why
                 errors[i] = self._why_missing(keys[i])
                 objs[i] = None
                 continue
-            lease = obj.lease_until
-            if lease < lease_until:   # not leased by this instant's reads already
-                if lease <= now:
-                    fresh.append(obj)
-                elif (cap := caps.get(obj, lease_until)) < lease_until:
-                    obj.lease_until = cap
+            lease = lease_of(obj)   # (cap, end)
+            if lease is None or lease[1] <= now:
+                fresh.append(obj)
+            elif lease[1] < lease_until:   # not leased by this instant's reads already
+                if (cap := lease[0]) < lease_until:
+                    running[obj] = (cap, cap)
                     if cap < shortest:   # noqa: PLR1730 (the answer says so: readers re-check past it)
                         shortest = cap
                 else:
-                    obj.lease_until = lease_until
+                    running[obj] = (cap, lease_until)
             if disk:   # a read may promote: touch in order, as locate does
                 touch(obj.key)
-                if obj.segment_id in disk or obj.more:
+                if obj.segment_id in disk or obj in self._index.more:
                     self._tiers.note_disk_read(obj, now)
         if fresh:
             shortest = min(shortest, self._leasing.begin(fresh, now, lease_until))
@@ -411,7 +414,7 @@ class MasterState:
                 return None
             sid = s.info.segment_id
             return sum(s.allocator.aligned_size(o.size) for o in self._objects.values()
-                       if any(e.segment_id == sid for e in o.replicas))
+                       if any(e.segment_id == sid for e in self._index.replicas(o)))
 
         segs = tuple(
             SegmentStats(s.node_id, s.info, s.allocator.used_bytes - s.quarantined_bytes,
@@ -583,16 +586,17 @@ class MasterState:
             raise Conflict(f"{r.key!r}: indexed as another object")
         if obj is None:
             self._recovery.check_unindexed(r)
-        if obj is not None and extent in obj.replicas:
+        replicas = self._index.replicas(obj) if obj is not None else []
+        if extent in replicas:
             return   # announced again (a node retrying a batch whose answer it lost)
-        if obj is not None and any(e.segment_id == r.segment_id for e in obj.replicas):
+        if any(e.segment_id == r.segment_id for e in replicas):
             raise Conflict(f"{r.key!r}: already has a replica in {r.segment_id!r}")
         if r.size < 1 or not seg.allocator.allocate_at(r.offset, r.size):
             raise Conflict(f"{r.key!r}: extent {r.offset}+{r.size} in {r.segment_id!r} overlaps "
                            "another object or lies outside the segment")
         seg.objects += 1
         if obj is not None:   # another node's replica of it was announced first
-            obj.replicas = [*obj.replicas, extent]
+            self._index.set_replicas(obj, [*replicas, extent])
             self._pins.replicas_changed(obj)
             self._announce_pin(obj, r)
             return
@@ -609,14 +613,14 @@ class MasterState:
         """Hard-pin an announced object recorded as pinned. Not checked against the quota:
         it was granted within it, and after a master restart the quota counts only the
         segments mounted so far (the rest come with nodes still to announce)."""
-        if r.pinned and not obj.pinned:
+        if r.pinned and not self._pins.is_hard(obj):
             self._pin_one(obj.key, None, self._clock(), quota=False)
 
     def _ask_recheck_one(self, key: str, version: int, segment_id: str) -> None:
         validate_key(key)
         obj = self._objects.get(key)
         if obj is None or obj.state is not COMPLETE or obj.version != version \
-                or not any(e.segment_id == segment_id for e in obj.replicas):
+                or not any(e.segment_id == segment_id for e in self._index.replicas(obj)):
             return
         self._rechecks.ask(self._segments[segment_id].node_id, (key, version, segment_id))
 
@@ -633,36 +637,37 @@ class MasterState:
         obj = self._objects.get(key)
         if obj is None or obj.state is not COMPLETE or obj.version != version:
             return
-        bad = [e for e in obj.replicas if e.segment_id == segment_id]
+        replicas = self._index.replicas(obj)
+        bad = [e for e in replicas if e.segment_id == segment_id]
         if not bad:
             return
         seg = self._segments[segment_id]
         self._corrupt_replicas += 1
-        obj.replicas = [e for e in obj.replicas if e.segment_id != segment_id]
+        left = [e for e in replicas if e.segment_id != segment_id]
+        self._index.set_replicas(obj, left)
         seg.objects -= 1
         if seg.manifest is not None:
             seg.manifest.append(Removal(key, version))
         # Other readers may be copying it under their lease: reuse only after that.
-        self._space.free_later(bad, max(now, obj.lease_until))
+        self._space.free_later(bad, max(now, self._leasing.until(obj)))
         self._pins.replicas_changed(obj)
-        if not obj.replicas:
+        if not left:
             self._recovery.tombstone(obj, self._clock())
             self._unindex(obj)
 
     def _put_revoke_one(self, key: str) -> None:
         obj = self._index.pending_entry(key)
-        self._unindex(obj)
-        self._space.free_now(obj.replicas)
+        self._space.free_now(self._unindex(obj))
 
     def _remove_one(self, key: str, now: float) -> None:
         obj = self._index.complete(key)
         self._recovery.tombstone(obj, self._clock())
-        self._unindex(obj)
-        if obj.lease_until > now:
+        replicas = self._unindex(obj)
+        if (lease := self._leasing.until(obj)) > now:
             # A reader may still be copying these bytes: reuse only after its lease.
-            self._space.free_later(obj.replicas, obj.lease_until)
+            self._space.free_later(replicas, lease)
         else:
-            self._space.free_now(obj.replicas)
+            self._space.free_now(replicas)
 
     def _pin_one(self, key: str, ttl_s: float | None, now: float, quota: bool = True) -> None:
         obj = self._index.complete(key)
@@ -676,10 +681,11 @@ class MasterState:
     def _log_records(self, obj: ObjectEntry, parent: str | None) -> None:
         """Tell the nodes holding ``obj`` its record (committed, or a hard pin came or went:
         it supersedes the one their manifests hold, by key)."""
-        for e in obj.replicas:
+        pinned = self._pins.is_hard(obj)
+        for e in self._index.replicas(obj):
             log = self._segments[e.segment_id].manifest
             if log is not None:
-                log.append(obj.record(e, parent))
+                log.append(obj.record(e, parent, pinned))
 
     def _parent_of(self, obj: ObjectEntry) -> str | None:
         return self._chains.parent_of(obj.key, obj.segment_id in self._members.disk_segments)
@@ -705,9 +711,8 @@ class MasterState:
         for obj in self._space.puts_due(now):
             if self._objects.get(obj.key) is not obj or obj.state is not PENDING:
                 continue   # committed, revoked or lost since: nothing to reclaim
-            self._unindex(obj)
             # The writer may still be writing into these extents: keep them out of reuse.
-            self._space.free_later(obj.replicas, now + self._config.quarantine_s,
+            self._space.free_later(self._unindex(obj), now + self._config.quarantine_s,
                                    abandoned=True)
 
     # -- tiers (see master/tiers.py) --------------------------------------------------------
@@ -732,25 +737,26 @@ class MasterState:
 
     def _evict(self, obj: ObjectEntry) -> None:
         self._recovery.tombstone(obj, self._clock())
-        self._unindex(obj)
-        self._space.free_now(obj.replicas)   # not leased, so no reader can be in flight
+        self._space.free_now(self._unindex(obj))   # not leased: no reader can be in flight
         self._evictions += 1
         if self._on_evict is not None:
             self._on_evict(obj.key, obj.version)
 
-    def _unindex(self, obj: ObjectEntry) -> None:
-        """Forget ``obj``; its extents stay allocated until the caller frees them."""
+    def _unindex(self, obj: ObjectEntry) -> list[Extent]:
+        """Forget ``obj``; returns its extents, allocated until the caller frees them."""
+        replicas = self._index.replicas(obj)
         self._index.discard(obj)
         if obj.state is COMPLETE:
             self._chains.forget(obj.key)
             self._pins.forget(obj)
         else:
             self._space.pending.debit(obj)
-        for e in obj.replicas:
+        for e in replicas:
             seg = self._segments[e.segment_id]
             seg.objects -= 1
             if seg.manifest is not None and obj.state is COMPLETE:
                 seg.manifest.append(Removal(obj.key, obj.version))
+        return replicas
 
     def _drop_segment(self, seg: Segment) -> None:
         """Forget a segment: its replicas go, and objects left without replicas vanish."""
@@ -761,12 +767,13 @@ class MasterState:
             return
         # A scan of the index (the segment keeps a count, not its keys: a set of them cost
         # ~30 bytes per object); a node's loss is rare, a put or lookup is not. Objects with
-        # a replica here have it first or in ``more``.
-        for obj in [o for o in self._objects.values()
-                    if o.segment_id == sid or (o.more and any(e.segment_id == sid
-                                                              for e in o.more))]:
-            obj.replicas = [e for e in obj.replicas if e.segment_id != sid]
-            if not obj.replicas:
+        # a replica here have it first or among the index's further replicas.
+        index = self._index
+        for obj in [o for o in self._objects.values() if o.segment_id == sid] + [
+                o for o, more in index.more.items() if any(e.segment_id == sid for e in more)]:
+            left = [e for e in index.replicas(obj) if e.segment_id != sid]
+            index.set_replicas(obj, left)
+            if not left:
                 self._unindex(obj)
 
 

@@ -12,13 +12,14 @@ a reader never sees a half-copied replica.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection
+from collections.abc import Collection, Container
 from dataclasses import dataclass
 
 from kvpool.common.config import MasterConfig
 from kvpool.common.types import TIER_RANK, Extent, Move
 from kvpool.master.chains import Chains
 from kvpool.master.index import ObjectEntry, ObjectIndex
+from kvpool.master.leases import Leases
 from kvpool.master.membership import Membership, Segment
 from kvpool.master.space import Space
 
@@ -37,9 +38,12 @@ class _MoveInFlight:
 
 class Tiers:
     def __init__(self, config: MasterConfig, members: Membership, closed: Collection[str],
-                 index: ObjectIndex, chains: Chains, space: Space) -> None:
-        """``closed``: segments no move may go to (still being announced)."""
+                 index: ObjectIndex, chains: Chains, space: Space,
+                 hard_pinned: Container[ObjectEntry], leases: Leases) -> None:
+        """``closed``: segments no move may go to (still being announced); ``hard_pinned``:
+        the objects a hard pin holds (their manifest records say so)."""
         self._config = config
+        self._hard_pinned, self._leases = hard_pinned, leases
         self._members, self._closed = members, closed
         self._index, self._chains, self._space = index, chains, space
         self._moves: dict[int, _MoveInFlight] = {}   # handed to nodes, not reported yet
@@ -73,13 +77,14 @@ class Tiers:
         self._end(move_id, m)
         dst_live = self._members.segments.get(m.dst.segment_id) is m.dst_seg
         if not (ok and dst_live and self._index.objects.get(obj.key) is obj
-                and m.src in obj.replicas):
+                and m.src in self._index.replicas(obj)):
             if dst_live:   # the node is done with the destination either way
                 self._space.free_now([m.dst])
             return None
         disk = self._members.disk_segments
         was_on_disk = obj.segment_id in disk
-        obj.replicas = [m.dst if e == m.src else e for e in obj.replicas]
+        self._index.set_replicas(obj, [m.dst if e == m.src else e
+                                       for e in self._index.replicas(obj)])
         if (obj.segment_id in disk) != was_on_disk:
             # Down to disk: its parent may become demotable; there it links to its parent
             # once that comes down too (a chain is dropped from disk tail first). Back up:
@@ -92,9 +97,9 @@ class Tiers:
         m.dst_seg.objects += 1
         if m.dst_seg.manifest is not None:   # supersedes the source's record (by key)
             parent = self._chains.parent_of(obj.key, obj.segment_id in disk)
-            m.dst_seg.manifest.append(obj.record(m.dst, parent))
+            m.dst_seg.manifest.append(obj.record(m.dst, parent, obj in self._hard_pinned))
         # Readers granted the source may still be copying from it: reuse after the lease.
-        self._space.free_later([m.src], max(now, obj.lease_until))
+        self._space.free_later([m.src], max(now, self._leases.until(obj)))
         if TIER_RANK[m.dst_seg.info.tier] > TIER_RANK[m.src_seg.info.tier]:
             self.demotions += 1
         else:
@@ -105,7 +110,8 @@ class Tiers:
     def note_disk_read(self, obj: ObjectEntry, now: float) -> None:
         """``obj`` was read and may have replicas on disk: the second read within the window
         promotes one of them (the first whose node has room above it)."""
-        on_disk = [e for e in obj.replicas if e.segment_id in self._members.disk_segments]
+        on_disk = [e for e in self._index.replicas(obj)
+                   if e.segment_id in self._members.disk_segments]
         if not on_disk:
             return
         self._chains.disk_policy.on_access(obj.key)

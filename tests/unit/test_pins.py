@@ -17,7 +17,8 @@ def setup(capacity: int = 1000):
     index = ObjectIndex()
     objs = [index.add(f"k{i}", 200, [Extent("s", 200 * i, 200)], state=COMPLETE)
             for i in range(4)]
-    return Pins(MasterConfig(pin_quota_fraction=0.5, alignment_bytes=1), segments), objs
+    return Pins(MasterConfig(pin_quota_fraction=0.5, alignment_bytes=1), segments, index.more), \
+        objs
 
 
 def test_hard_pins_hold_their_sizes_within_the_quota():
@@ -29,7 +30,7 @@ def test_hard_pins_hold_their_sizes_within_the_quota():
     assert pins.pin(c, None, 0.0, quota=False) and pins.hard_bytes == 600
     assert pins.unpin(a) and not pins.unpin(a)
     pins.forget(b)
-    assert pins.hard_bytes == 200 and not a.pinned
+    assert pins.hard_bytes == 200 and not pins.is_hard(a) and pins.is_hard(c)
 
 
 def test_soft_pins_go_last_until_they_end_and_never_soften_a_hard_one():

@@ -18,7 +18,7 @@ def segment(sid: str, manifest=None) -> Segment:
 def test_a_deferred_free_is_quarantined_and_reserved_in_the_manifest_until_due():
     log = ManifestLog()
     segments = {"s": segment("s", log.keep("n1"))}
-    space, alloc = Space(segments), segments["s"].allocator
+    space, alloc = Space(segments, {}), segments["s"].allocator
     offset = alloc.allocate(100)
     space.free_later([Extent("s", offset, 100)], 5.0)
     assert (alloc.used_bytes, segments["s"].quarantined_bytes) == (128, 128)
@@ -31,7 +31,7 @@ def test_a_deferred_free_is_quarantined_and_reserved_in_the_manifest_until_due()
 
 def test_a_deferred_free_of_a_dropped_segment_leaves_its_remounted_namesake_alone():
     segments = {"s": segment("s")}
-    space = Space(segments)
+    space = Space(segments, {})
     space.free_later([Extent("s", segments["s"].allocator.allocate(100), 100)], 1.0)
     segments["s"] = again = segment("s")   # dropped, mounted again: a new allocator
     taken = again.allocator.allocate(100)
@@ -41,7 +41,8 @@ def test_a_deferred_free_of_a_dropped_segment_leaves_its_remounted_namesake_alon
 
 
 def test_puts_come_due_by_deadline_batch_by_batch():
-    index, space = ObjectIndex(), Space({})
+    index = ObjectIndex()
+    space = Space({}, index.more)
     a, b, c = (index.add(k, 10, [Extent("s", 0, 10)]) for k in "abc")
     space.put_deadline(3.0, [c])
     space.put_deadline(1.0, [a, b])

@@ -570,9 +570,10 @@ def test_stats_return_to_zero_after_everything_is_gone(clock):
 
 def _check_books(state: MasterState) -> None:
     """White-box: every segment's allocator agrees with the index and the deferred frees."""
+    replicas, hard, lease = state._index.replicas, state._pins.is_hard, state._leasing.until
     for sid, seg in state._segments.items():
         live = [(e.offset, seg.allocator.aligned_size(e.length)) for o in state._objects.values()
-                for e in o.replicas if e.segment_id == sid]
+                for e in replicas(o) if e.segment_id == sid]
         deferred = [(e.offset, seg.allocator.aligned_size(e.length))
                     for _, _, entries, _ in state._space.deferred for s, e in entries
                     if s is seg and state._segments.get(sid) is s]
@@ -582,7 +583,7 @@ def _check_books(state: MasterState) -> None:
         assert seg.allocator.used_bytes == sum(length for _, length in spans)
         assert seg.quarantined_bytes == sum(length for _, length in deferred)
         assert seg.objects == len({o.key for o in state._objects.values()
-                                   for e in o.replicas if e.segment_id == sid})
+                                   for e in replicas(o) if e.segment_id == sid})
         # What eviction cannot free (admission's counts) agrees with the index: every replica
         # of a PENDING or hard-pinned object, and of a leased one (not pinned) once the
         # leases due are ended.
@@ -591,15 +592,15 @@ def _check_books(state: MasterState) -> None:
 
         def held(keep, seg=seg, sid=sid) -> int:
             return sum(seg.allocator.aligned_size(o.size) for o in state._objects.values()
-                       if keep(o) for e in o.replicas if e.segment_id == sid)
+                       if keep(o) for e in replicas(o) if e.segment_id == sid)
         assert seg.pending_bytes == held(lambda o: o.state.name == "PENDING")
         t = now
-        assert seg.pinned_bytes == held(lambda o: o.pinned)
+        assert seg.pinned_bytes == held(hard)
         # Leases: every leased object not pinned; at most also those pinned under their
         # lease and those removed under it (quarantined till it ends): master/leases.py.
-        leased = held(lambda o, t=t: o.lease_until > t and not o.pinned)
+        leased = held(lambda o, t=t: lease(o) > t and not hard(o))
         assert leased <= seg.leased_bytes <= leased + seg.quarantined_bytes + held(
-            lambda o, t=t: o.lease_until > t and o.pinned)
+            lambda o, t=t: lease(o) > t and hard(o))
         assert seg.reclaimable_bytes() >= seg.allocator.free_bytes
 
 

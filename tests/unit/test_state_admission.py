@@ -159,7 +159,7 @@ def test_a_lease_re_read_forever_ends_at_max_lease_s(clock):
     # Near the cap, the answer says the lease runs less: the reader re-checks past it.
     assert leases[-1] == pytest.approx(1.0)
     [obj] = [state._objects["hot"]]
-    assert obj.lease_until == pytest.approx(start + 12.0)
+    assert state._leasing.until(obj) == pytest.approx(start + 12.0)
     # Past the cap, reads grant no lease for lease_ttl_s: a put may evict the object now.
     clock.advance(0.5)
     assert state.locate_columns(["hot", "hot2"]).lease_s == 0

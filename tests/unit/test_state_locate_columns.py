@@ -45,5 +45,5 @@ def test_a_batch_lookup_leases_and_touches_every_object_found(clock):
     assert not state.locate_columns(read).errors
     assert list(state._chains.policy.candidates())[-len(read):] == read   # now the newest, in order
     for key in read:
-        assert state._objects[key].lease_until == clock.now + LEASE_S
-    assert state._objects["k1"].lease_until < clock.now + LEASE_S
+        assert state._leasing.until(state._objects[key]) == clock.now + LEASE_S
+    assert state._leasing.until(state._objects["k1"]) < clock.now + LEASE_S

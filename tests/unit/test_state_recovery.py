@@ -270,7 +270,7 @@ def test_pins_restored_after_a_restart_are_not_held_to_a_partly_mounted_quota(cl
     mount(new, "n1", "s-n1", size=4 * 64, keeps_manifest=True, recovering=True)
     # n2 has not mounted yet: the quota so far is 0.5 x 256 = 128 < 192.
     assert new.announce_objects("n1", list(manifest.values()), done=True) == [None] * 3
-    assert [new._objects[k].pinned for k in "abc"] == [True] * 3
+    assert [new._pins.is_hard(new._objects[k]) for k in "abc"] == [True] * 3
     mount(new, "n2", "s-n2", size=4 * 64, keeps_manifest=True, recovering=True)
     assert new.announce_objects("n2", [], done=True) == []
     put(new, "d")

@@ -220,7 +220,8 @@ class TiersMachine(RuleBasedStateMachine):
         self.tier = {}
         for key in self.model:
             obj = self.state._objects[key]
-            self.tier[key] = {self.state._segments[e.segment_id].info.tier for e in obj.replicas}
+            self.tier[key] = {self.state._segments[e.segment_id].info.tier
+                              for e in self.state._index.replicas(obj)}
 
     def _settle_model(self):
         """Keys gone from the index without a remove were evicted: only from disk."""
@@ -320,7 +321,7 @@ class TiersMachine(RuleBasedStateMachine):
     def indexed_objects_read_their_own_bytes(self):
         for key, token in self.model.items():
             obj = self.state._objects[key]
-            for e in obj.replicas:
+            for e in self.state._index.replicas(obj):
                 assert self.memory.get((e.segment_id, e.offset)) == token, key
 
     @invariant()

@@ -8,6 +8,7 @@ from kvpool.common.types import Extent, NodeEndpoints, SegmentInfo
 from kvpool.master.chains import Chains
 from kvpool.master.eviction import LRUPolicy
 from kvpool.master.index import COMPLETE, ObjectIndex
+from kvpool.master.leases import Leases
 from kvpool.master.manifest_log import ManifestLog
 from kvpool.master.membership import Membership
 from kvpool.master.pins import Pins
@@ -30,19 +31,25 @@ class Units:
         for sid, tier, blocks in (("m", "dram", 4), ("d", "disk", 8)):
             self.members.mount(node, SegmentInfo(sid, blocks * B, tier), 0.0, self.log.keep("n"))
         self.index, self.chains = ObjectIndex(), Chains(LRUPolicy(), LRUPolicy())
-        self.space = Space(self.members.segments)
-        self.tiers = Tiers(CFG, self.members, set(), self.index, self.chains, self.space)
+        more = self.index.more
+        self.space = Space(self.members.segments, more)
+        pins = Pins(CFG, self.members.segments, more)
+        self.leases = Leases(CFG.lease_ttl_s, CFG.max_lease_s, self.members.segments, pins.held,
+                             more)
+        self.tiers = Tiers(CFG, self.members, set(), self.index, self.chains, self.space,
+                           pins.held, self.leases)
         self.evicted: list[str] = []
-        self.pressure = Pressure(CFG, self.members, set(), self.index, self.chains,
-                                 Pins(CFG, self.members.segments), self.tiers, self.evict)
+        self.pressure = Pressure(CFG, self.members, set(), self.index, self.chains, pins,
+                                 self.leases, self.tiers, self.evict)
 
     def evict(self, obj) -> None:   # as MasterState does, tombstones and counters aside
         self.evicted.append(obj.key)
+        replicas = self.index.replicas(obj)
         self.index.discard(obj)
         self.chains.forget(obj.key)
-        for e in obj.replicas:
+        for e in replicas:
             self.members.segments[e.segment_id].objects -= 1
-        self.space.free_now(obj.replicas)
+        self.space.free_now(replicas)
 
     def put(self, key: str, sid: str):
         seg = self.members.segments[sid]
@@ -56,15 +63,15 @@ class Units:
 def test_a_finished_move_switches_the_index_and_frees_the_source_after_its_lease():
     u = Units()
     obj = u.put("k", "m")
-    obj.lease_until = 5.0
+    u.leases.running[obj] = (5.0, 5.0)   # read under a lease until 5.0 (its cap)
     m, d = u.members.segments["m"], u.members.segments["d"]
-    assert u.tiers.start(obj, obj.replicas[0], m, d, 0.0)
+    assert u.tiers.start(obj, u.index.replicas(obj)[0], m, d, 0.0)
     [move] = u.tiers.take("n")
     assert u.tiers.take("n") == [] and u.tiers.moving == {"k": move.move_id}
     u.tiers.finished("other-node", move.move_id, True, 1.0)   # not its move: ignored
     assert obj.segment_id == "m"
     u.tiers.finished("n", move.move_id, True, 1.0)
-    assert obj.replicas == [move.dst] and obj.version > move.version and not u.tiers.moving
+    assert u.index.replicas(obj) == [move.dst] and obj.version > move.version and not u.tiers.moving
     assert "k" in u.chains.disk_policy and "k" not in u.chains.policy
     delta = u.log.take("n")
     assert [(r.key, r.segment_id, r.version) for r in delta.committed] == \
@@ -77,8 +84,8 @@ def test_a_failed_move_frees_its_destination_now_and_an_expired_one_after_the_qu
     u = Units()
     a, b = u.put("a", "m"), u.put("b", "m")
     m, d = u.members.segments["m"], u.members.segments["d"]
-    u.tiers.start(a, a.replicas[0], m, d, 0.0)
-    u.tiers.start(b, b.replicas[0], m, d, 0.0)
+    u.tiers.start(a, u.index.replicas(a)[0], m, d, 0.0)
+    u.tiers.start(b, u.index.replicas(b)[0], m, d, 0.0)
     [first, _] = u.tiers.take("n")
     u.tiers.finished("n", first.move_id, False, 1.0)
     assert d.allocator.used_bytes == B and a.segment_id == "m"
