@@ -23,11 +23,13 @@ from kvpool.common.security import MASTER_NAME, ROLES
 
 CA_DAYS = 3650
 CERT_DAYS = 365
-_NAME = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
+NAME = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
 
 
-def _write(path: Path, data: bytes) -> None:
+def write_private(path: Path, data: bytes) -> None:
+    """Write ``path`` 0600 (also when it exists with another mode)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
 
@@ -61,9 +63,9 @@ def make_ca(directory: str | os.PathLike, name: str = "kvpool local CA") -> Path
             .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False,
                                          False), critical=True)
             .sign(key, hashes.SHA256()))
-    _write(directory / "ca.key", _key_pem(key))
+    write_private(directory / "ca.key", _key_pem(key))
     from cryptography.hazmat.primitives import serialization
-    _write(directory / "ca.pem", cert.public_bytes(serialization.Encoding.PEM))
+    write_private(directory / "ca.pem", cert.public_bytes(serialization.Encoding.PEM))
     return directory / "ca.pem"
 
 
@@ -79,7 +81,7 @@ def issue(directory: str | os.PathLike, role: str, name: str, hosts: tuple[str, 
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}: expected one of {', '.join(ROLES)}")
-    if not _NAME.match(name):
+    if not NAME.match(name):
         raise ValueError(f"invalid name {name!r} for a {role}: 1-128 of A-Z a-z 0-9 . _ : @ -")
     if role == "etcd" and not hosts:
         raise ValueError("an etcd server's certificate names the hosts it serves on: give hosts")
@@ -109,10 +111,10 @@ def issue(directory: str | os.PathLike, role: str, name: str, hosts: tuple[str, 
     cert = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False).sign(
         ca_key, hashes.SHA256())
     stem = f"{role}-{name.replace(':', '_')}"
-    _write(directory / f"{stem}.key", _key_pem(key))
-    _write(directory / f"{stem}.pem", cert.public_bytes(serialization.Encoding.PEM))
+    write_private(directory / f"{stem}.key", _key_pem(key))
+    write_private(directory / f"{stem}.pem", cert.public_bytes(serialization.Encoding.PEM))
     creds = directory / f"{stem}.yaml"
-    _write(creds, f"ca: ca.pem\ncert: {stem}.pem\nkey: {stem}.key\n".encode())
+    write_private(creds, f"ca: ca.pem\ncert: {stem}.pem\nkey: {stem}.key\n".encode())
     return creds
 
 
@@ -155,7 +157,7 @@ def make_token(directory: str | os.PathLike, role: str, name: str) -> Path:
     import secrets
 
     import yaml
-    if role not in ROLES or not _NAME.match(name):
+    if role not in ROLES or not NAME.match(name):
         raise ValueError(f"invalid role {role!r} or name {name!r}")
     directory = Path(directory)
     token = secrets.token_urlsafe(32)
@@ -163,8 +165,8 @@ def make_token(directory: str | os.PathLike, role: str, name: str) -> Path:
     entries = (yaml.safe_load(tokens.read_text()) or []) if tokens.exists() else []
     entries.append({"role": role, "name": name,
                     "sha256": hashlib.sha256(token.encode()).hexdigest()})
-    _write(tokens, yaml.safe_dump(entries).encode())
+    write_private(tokens, yaml.safe_dump(entries).encode())
     creds = directory / f"token-{role}-{name.replace(':', '_')}.yaml"
-    _write(creds, yaml.safe_dump({"ca": "ca.pem", "token": token, "role": role,
+    write_private(creds, yaml.safe_dump({"ca": "ca.pem", "token": token, "role": role,
                                   "name": name}).encode())
     return creds

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import base64
-import os
 import re
 import sys
 from pathlib import Path
+
+from kvpool.common import pki
+from kvpool.tools.argtypes import count_type
 
 EXAMPLES = """\
 examples:
@@ -38,9 +40,6 @@ processes that hold them; SECURITY.md). Keep CA_DIR offline: whoever holds ca.ke
 any peer of the cluster.
 """
 
-# The names common/pki.py issues for (checked here first, so that nothing is written when one
-# of several is wrong).
-_NAME = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
 # What Kubernetes takes as a Secret's name (a DNS subdomain) and as a key of its data.
 _SECRET_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
@@ -77,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin", action="append", default=[], metavar="NAME",
                    help="an admin's certificate (a client that may also audit); repeatable")
     from kvpool.common.pki import CERT_DAYS
-    p.add_argument("--days", type=_positive_int, default=CERT_DAYS, metavar="N",
+    p.add_argument("--days", type=count_type, default=CERT_DAYS, metavar="N",
                    help="how long the certificates issued now are valid (default: %(default)s; "
                         "a new CA: 10 years)")
     p.add_argument("--export", metavar="DIR",
@@ -98,16 +97,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --kubernetes-secrets: a label for every Secret; repeatable")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number of days {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"invalid number of days {text!r}: must be > 0")
-    return value
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         made = issue(args)
@@ -122,7 +111,6 @@ def run(args: argparse.Namespace) -> int:
 def issue(args: argparse.Namespace) -> list[str]:
     """Do what ``args`` ask; the lines to print. ValueError names what is wrong before a
     file is written."""
-    from kvpool.common import pki
     if args.host and not args.master:
         raise ValueError("--host names the master's addresses: give --master too")
     labels = {}
@@ -135,7 +123,7 @@ def issue(args: argparse.Namespace) -> list[str]:
         ("node", n) for n in args.node] + [("client", n) for n in args.client] + [
         ("admin", n) for n in args.admin]
     for role, name in identities:
-        if not _NAME.match(name):
+        if not pki.NAME.match(name):   # all checked before anything is written
             raise ValueError(f"invalid name {name!r} for a {role}: 1-128 of A-Z a-z 0-9 "
                              ". _ : @ -")
     if args.kubernetes_secrets:
@@ -152,7 +140,7 @@ def issue(args: argparse.Namespace) -> list[str]:
         if not missing:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             for f in ("ca.pem", "ca.key"):
-                _write_private(directory / f, (source / f).read_bytes())
+                pki.write_private(directory / f, (source / f).read_bytes())
             lines.append(f"CA taken from {source}")
     if not (directory / "ca.pem").exists():
         pki.make_ca(directory)
@@ -174,7 +162,7 @@ def issue(args: argparse.Namespace) -> list[str]:
             lines.append(f"exported {role} {name}: {out}")
     if args.kubernetes_secrets:
         text = kubernetes_secrets(directory, issued, args.secret_prefix, args.namespace, labels)
-        _write_private(Path(args.kubernetes_secrets), text.encode())
+        pki.write_private(Path(args.kubernetes_secrets), text.encode())
         lines.append(f"Kubernetes Secrets: {args.kubernetes_secrets} "
                      f"(kubectl apply -f {args.kubernetes_secrets})")
     return lines
@@ -191,16 +179,8 @@ def export(creds: Path, root: Path) -> Path:
     out = root / creds.stem
     out.mkdir(mode=0o700, parents=True, exist_ok=True)
     for f in [creds.with_name("ca.pem"), *_files(creds)]:
-        _write_private(out / f.name, f.read_bytes())
+        pki.write_private(out / f.name, f.read_bytes())
     return out / creds.name
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    """Write ``path`` 0600 (also when it exists with another mode)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
 
 
 def _check_secret_names(prefix: str, identities: list[tuple[str, str]]) -> None:

@@ -168,4 +168,4 @@ def test_a_half_ca_is_refused(tmp_path, capsys):
 def test_days_must_be_positive(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         credentials(tmp_path / "ca", "--days", "0")
-    assert e.value.code == 2 and "must be > 0" in capsys.readouterr().err
+    assert e.value.code == 2 and "expected a whole number >= 1" in capsys.readouterr().err
