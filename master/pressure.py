@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterator
 
 from kvpool.common.config import MasterConfig
+from kvpool.common.tenants import tenant_of
 from kvpool.common.types import Extent
 from kvpool.master.chains import Chains
 from kvpool.master.index import COMPLETE, PENDING, ObjectEntry, ObjectIndex
@@ -61,7 +62,7 @@ class Pressure:
                 if only is not None:
                     if seen >= FAIR_SCAN:
                         break
-                    if tenants.tenant(key) not in only:
+                    if tenant_of(key)[0] not in only:
                         continue
                 obj = self._index.objects.get(key)
                 if obj is None or not self._evictable(obj, now):

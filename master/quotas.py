@@ -86,9 +86,6 @@ class TenantUsage:
         return {t for t, u in self.usage.items()
                 if u.bytes > (q if (q := self.quota(t)) is not None else equal)}
 
-    def tenant(self, key: str) -> str:
-        return tenant_of(key)[0]
-
     def table(self) -> tuple[tuple[str, int, int, int | None], ...]:
         """(tenant, objects, bytes, quota or None) of each tenant holding objects, by name."""
         return tuple((t, u.objects, u.bytes, self.quota(t)) for t, u in sorted(self.usage.items()))

@@ -110,13 +110,14 @@ class RouterServicer(routing_pb2_grpc.RouterServicer):
 
     async def ListInstances(self, request, context):
         tenant = caller_tenant()   # a client sees its tenant's instances only
-        return pb.ListInstancesResponse(instances=[
-            pb.InstanceInfo(instance_id=named, url=v.url, role=v.role,
-                            gpu_blocks=v.gpu_blocks, cpu_blocks=v.cpu_blocks,
-                            seen_s_ago=v.seen_s_ago)
-            for v in self.index.describe()
-            for owner, named in [tenant_of(v.instance_id) if tenant else ("", v.instance_id)]
-            if not tenant or owner == tenant])
+        infos = []
+        for v in self.index.describe():
+            owner, named = tenant_of(v.instance_id)
+            if not tenant or owner == tenant:
+                infos.append(pb.InstanceInfo(
+                    instance_id=named if tenant else v.instance_id, url=v.url, role=v.role,
+                    gpu_blocks=v.gpu_blocks, cpu_blocks=v.cpu_blocks, seen_s_ago=v.seen_s_ago))
+        return pb.ListInstancesResponse(instances=infos)
 
     def _policy(self, name: str) -> RoutingPolicy:
         policy = make_policy(name, self._seed)
