@@ -30,6 +30,9 @@ if [ "$tests" = 1 ]; then
     command -v iptables >/dev/null || need+=(iptables)           # ... partitions, packet loss
     # tests/unit/test_alert_rules.py: promtool (its server is not started: no init system here)
     command -v promtool >/dev/null || need+=(prometheus)
+    # tests/unit/test_systemd_units.py: `systemd-analyze verify` of deploy/systemd's units
+    # (nothing is started; a container has no systemd, a machine has it already)
+    command -v systemd-analyze >/dev/null || need+=(systemd)
     # tests/unit/test_grafana_dashboard.py: tsc (npm, below) checks the dashboard's types
     command -v node >/dev/null || need+=(nodejs)
     command -v npm >/dev/null || need+=(npm)
