@@ -46,6 +46,7 @@ MOONCAKE_ENV = {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "MC_STORE_MEMCPY": "0",
                 "MC_LOG_LEVEL": "WARNING", "GLOG_minloglevel": "1"}
 _HOST = "127.0.0.1"
 _START_TIMEOUT_S = 30.0
+_START_TRIES = 3
 _READY = "kvpool: holder ready"
 _LOCAL_BUFFER_BYTES = 16 << 20   # staging for unregistered buffers; ours are registered
 _INSTALL = ("pip install mooncake-transfer-engine-non-cuda (Linux x86-64; it is in "
@@ -114,23 +115,7 @@ class MooncakePeer:
         self._logs = tempfile.TemporaryDirectory(prefix="kvpool-bench-mooncake-")
         logs = Path(self._logs.name)
         try:
-            rpc, http = _free_port(), _free_port()
-            metadata = f"http://{_HOST}:{http}/metadata"
-            master = f"{_HOST}:{rpc}"
-            self._master = _spawn([
-                # The package's own launcher: it execs the mooncake_master binary it ships,
-                # wherever pip put the scripts (beside python3 or not, e.g. /usr/local/bin).
-                sys.executable, "-m", "mooncake.cli", f"--rpc_port={rpc}", f"--rpc_address={_HOST}",
-                "--enable_http_metadata_server=true", f"--http_metadata_server_host={_HOST}",
-                f"--http_metadata_server_port={http}", f"--metrics_port={_free_port()}",
-                "--enable_metric_reporting=false", "--rpc_thread_num=2"],
-                log=(logs / "master.log").open("wb"))
-            _wait_for_ports(self._master, [rpc, http], logs / "master.log")
-            if not self.local:
-                self._holder = _spawn([sys.executable, "-m", "kvpool.tools.bench_mooncake",
-                                       "holder", metadata, master, str(self.segment_bytes)],
-                                      log=(logs / "holder.log").open("wb"))
-                _wait_for_line(self._holder, logs / "holder.log", _READY)
+            metadata, master = self._start_servers(logs)
             self._store = MooncakeDistributedStore()
             # MC_STORE_MEMCPY is read as the client is set up (its transfer submitter is
             # built): on for the local client only, whatever the tcp one was given.
@@ -151,6 +136,45 @@ class MooncakePeer:
             self.close()
             raise
         return self
+
+    def _start_servers(self, logs: Path) -> tuple[str, str]:
+        """Start the master (and the holder) on fresh ports: ``(metadata URL, master address)``.
+        A start that fails is tried again on new ports, up to ``_START_TRIES`` times: the free
+        ports are picked before the master binds them (another process can take one first), and
+        under load Mooncake's client has been seen to give up on a master that did answer its
+        port (CI, stop 27: "Client not available" for 30 s)."""
+        for attempt in range(1, _START_TRIES + 1):
+            rpc, http = _free_port(), _free_port()
+            metadata = f"http://{_HOST}:{http}/metadata"
+            master = f"{_HOST}:{rpc}"
+            try:
+                self._master = _spawn([
+                    # The package's own launcher: it execs the mooncake_master binary it ships,
+                    # wherever pip put the scripts (beside python3 or not, e.g. /usr/local/bin).
+                    sys.executable, "-m", "mooncake.cli", f"--rpc_port={rpc}",
+                    f"--rpc_address={_HOST}", "--enable_http_metadata_server=true",
+                    f"--http_metadata_server_host={_HOST}", f"--http_metadata_server_port={http}",
+                    f"--metrics_port={_free_port()}", "--enable_metric_reporting=false",
+                    "--rpc_thread_num=2"],
+                    log=(logs / "master.log").open("wb"))
+                _wait_for_ports(self._master, [rpc, http], logs / "master.log")
+                if not self.local:
+                    self._holder = _spawn([sys.executable, "-m", "kvpool.tools.bench_mooncake",
+                                           "holder", metadata, master, str(self.segment_bytes)],
+                                          log=(logs / "holder.log").open("wb"))
+                    _wait_for_line(self._holder, logs / "holder.log", _READY)
+                return metadata, master
+            except PeerUnavailable as e:
+                master_said = "mooncake_master " + _said(self._master, logs / "master.log")
+                _stop(self._holder)
+                _stop(self._master)
+                self._holder = self._master = None
+                if attempt == _START_TRIES:
+                    raise PeerUnavailable(f"{e} (tried {attempt} times; {master_said})") from None
+                print(f"[bench {time.strftime('%H:%M:%S')}] Mooncake did not start (try {attempt} "
+                      f"of {_START_TRIES}): {str(e)[-200:]}; trying again on new ports",
+                      file=sys.stderr, flush=True)
+        raise AssertionError("unreachable")
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -219,8 +243,14 @@ def _wait_for_line(proc, log: Path, line: str) -> None:
 
 
 def _failed(name: str, proc, log: Path) -> str:
-    tail = log.read_text(errors="replace").strip()[-400:]
-    return f"{name} did not start (exit code {proc.poll()}): {tail or 'no output'}"
+    return f"{name} did not start {_said(proc, log)}"
+
+
+def _said(proc, log: Path) -> str:
+    """``(exit code N): the log's tail``; N is None while the process runs."""
+    tail = log.read_text(errors="replace").strip()[-400:] if log.exists() else ""
+    code = proc.poll() if proc is not None else None
+    return f"(exit code {code}): {tail or 'no output'}"
 
 
 def _hold(metadata: str, master: str, segment_bytes: int) -> int:
