@@ -124,6 +124,7 @@ class MasterConfig:
     # What KV events may make the routing index hold (master/routing.py RoutingLimits: blocks
     # past a cap are dropped, an instance past the limit is refused).
     max_routing_instances: int = 1024
+    max_routing_instances_per_tenant: int = 256
     max_routing_blocks_per_instance: int = 1_000_000
     max_routing_blocks: int = 4_000_000
     # Tenants' byte quotas (master/quotas.py): "NAME=SIZE,...", "*" for every tenant not named;
@@ -145,7 +146,8 @@ class MasterConfig:
                               f"({self.lease_ttl_s})")
         if self.namespace_depth < 0:
             raise ConfigError("namespace_depth must be 0 or more")
-        for f in ("max_routing_instances", "max_routing_blocks_per_instance",
+        for f in ("max_routing_instances", "max_routing_instances_per_tenant",
+                  "max_routing_blocks_per_instance",
                   "max_routing_blocks"):
             if getattr(self, f) < 1:
                 raise ConfigError(f"{f} must be at least 1")

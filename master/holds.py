@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from kvpool.common.tenants import tenant_of
 from kvpool.common.types import Extent
 from kvpool.master.index import ObjectEntry
 from kvpool.master.membership import Segment
@@ -22,12 +23,16 @@ FurtherReplicas = Mapping[ObjectEntry, tuple[Extent, ...]]
 class Holds:
     """One kind of hold: ``kind`` indexes ``Segment.held`` (membership.PENDING_HELD, ...)."""
 
-    def __init__(self, kind: int, segments: dict[str, Segment], more: FurtherReplicas) -> None:
+    def __init__(self, kind: int, segments: dict[str, Segment], more: FurtherReplicas,
+                 per_tenant: bool = False) -> None:
+        """``per_tenant``: count ``by_tenant`` too (common/tenants.py)."""
         self._kind = kind
         self._segments = segments
         self._more = more
         self._credits: dict[ObjectEntry, tuple[tuple[Segment, int], ...]] = {}
         self.total_bytes = 0   # aligned bytes, every replica counted
+        # Of ``total_bytes``, each tenant's (None: not counted); a tenant holding none is absent.
+        self.by_tenant: dict[str, int] | None = {} if per_tenant else None
 
     def credit(self, obj: ObjectEntry) -> None:
         """Count ``obj``'s replicas as they are now (again, if it was counted already)."""
@@ -42,6 +47,8 @@ class Holds:
             seg.held[kind] += n
             self.total_bytes += n
             credits[obj] = ((seg, n),)
+            if self.by_tenant is not None:
+                self._tenant_holds(obj, n)
             return
         out = []
         sids = [obj.segment_id, *(e.segment_id for e in more or ())] if obj.segment_id else []
@@ -52,6 +59,8 @@ class Holds:
                 self.total_bytes += n
                 out.append((seg, n))
         credits[obj] = tuple(out)
+        if self.by_tenant is not None:
+            self._tenant_holds(obj, sum(n for _, n in out))
 
     def debit(self, obj: ObjectEntry) -> None:
         """Stop counting ``obj`` (a no-op if it is not counted)."""
@@ -62,6 +71,15 @@ class Holds:
         for seg, n in credits:   # a dropped segment's count goes with it: harmless
             seg.held[kind] -= n
             self.total_bytes -= n
+        if self.by_tenant is not None:
+            self._tenant_holds(obj, -sum(n for _, n in credits))
+
+    def _tenant_holds(self, obj: ObjectEntry, n: int) -> None:
+        tenant = tenant_of(obj.key)[0]
+        if held := self.by_tenant.get(tenant, 0) + n:
+            self.by_tenant[tenant] = held
+        else:
+            self.by_tenant.pop(tenant, None)
 
     @property
     def objects(self) -> Mapping[ObjectEntry, object]:

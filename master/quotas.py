@@ -82,9 +82,14 @@ class TenantUsage:
         docstring); None when fewness makes the question moot (one tenant or none)."""
         if len(self.usage) < 2:
             return None
-        equal = capacity // len(self.usage)
-        return {t for t, u in self.usage.items()
-                if u.bytes > (q if (q := self.quota(t)) is not None else equal)}
+        return {t for t, u in self.usage.items() if u.bytes > self.share(t, capacity)}
+
+    def share(self, tenant: str, capacity: int) -> int:
+        """``tenant``'s share of ``capacity`` bytes: its quota, or without one an equal part
+        among the tenants holding objects (``tenant`` one of them)."""
+        if self.quotas and (quota := self.quota(tenant)) is not None:
+            return quota
+        return capacity // (len(self.usage) + (tenant not in self.usage))
 
     def table(self) -> tuple[tuple[str, int, int, int | None], ...]:
         """(tenant, objects, bytes, quota or None) of each tenant holding objects, by name."""

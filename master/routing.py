@@ -94,6 +94,7 @@ from kvpool.common.kv_events import (  # noqa: F401  (re-exported: the index's v
     tier_of_medium,
 )
 from kvpool.common.logging import RateLimited, get_logger
+from kvpool.common.tenants import tenant_of
 
 STORE = "store"
 TIERS = (GPU, CPU, STORE)
@@ -248,10 +249,13 @@ class RoutingLimits:
     """What KV events may make the index hold: anyone who reaches the master can publish them,
     and each block is ~75 bytes of the master's memory. Blocks past a cap are dropped (the
     instance's routing knows less of its cache; nothing else is affected); an instance past
-    ``max_instances`` is refused. Defaults: a fleet of 1,024 engines, an engine with a million
+    ``max_instances`` is refused, and so is one past ``max_instances_per_tenant`` of its tenant
+    (common/tenants.py: one tenant's publishers cannot take every other tenant's room).
+    Defaults: a fleet of 1,024 engines, 256 of them one tenant's, an engine with a million
     blocks (a GPU and a CPU tier of 16-token blocks), ~4M blocks in all (~300 MiB)."""
 
     max_instances: int = 1024
+    max_instances_per_tenant: int = 256
     max_blocks_per_instance: int = 1_000_000
     max_blocks: int = 4_000_000
 
@@ -269,6 +273,7 @@ class RoutingIndex:
         self.cost = cost or CostModel()
         self.limits = limits or RoutingLimits()
         self._instances: dict[str, _Instance] = {}
+        self._per_tenant: dict[str, int] = {}   # instances, by tenant
         self._blocks = 0           # held by every instance, every tier
         self.dropped_blocks = 0    # BlockStored hashes the caps refused
 
@@ -280,12 +285,7 @@ class RoutingIndex:
             raise InvalidArgument("an instance id is required")
         inst = self._instances.get(instance_id)
         if inst is None:
-            if len(self._instances) >= self.limits.max_instances:
-                self.tick()   # room held by instances that went silent
-            if len(self._instances) >= self.limits.max_instances:
-                raise LimitExceeded(f"the routing index holds {len(self._instances)} instances, "
-                                    "its limit (kvpool master --max-routing-instances)")
-            inst = self._instances[instance_id] = _Instance(self._clock())
+            inst = self._add(instance_id)
         inst.last_seen = self._clock()
         for ev in events:
             held = inst.blocks()
@@ -328,9 +328,33 @@ class RoutingIndex:
         if inst is not None and url:
             inst.url, inst.role = url, role
 
+    def _add(self, instance_id: str) -> _Instance:
+        """A new instance, unless it would pass the limits (LimitExceeded)."""
+        tenant = tenant_of(instance_id)[0]
+        limits = self.limits
+        if len(self._instances) >= limits.max_instances \
+                or self._per_tenant.get(tenant, 0) >= limits.max_instances_per_tenant:
+            self.tick()   # room held by instances that went silent
+        if len(self._instances) >= limits.max_instances:
+            raise LimitExceeded(f"the routing index holds {len(self._instances)} instances, "
+                                "its limit (kvpool master --max-routing-instances)")
+        if (held := self._per_tenant.get(tenant, 0)) >= limits.max_instances_per_tenant:
+            raise LimitExceeded(
+                f"tenant {tenant!r} has {held} serving instances in the routing index, its "
+                "limit (kvpool master --max-routing-instances-per-tenant); an instance is "
+                f"dropped {self.instance_ttl_s:g} s after its last KV event")
+        self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
+        inst = self._instances[instance_id] = _Instance(self._clock())
+        return inst
+
     def forget(self, instance_id: str) -> None:
         if (inst := self._instances.pop(instance_id, None)) is not None:
             self._blocks -= inst.blocks()
+            tenant = tenant_of(instance_id)[0]
+            if (left := self._per_tenant[tenant] - 1) > 0:
+                self._per_tenant[tenant] = left
+            else:
+                del self._per_tenant[tenant]
 
     def tick(self) -> list[str]:
         """Drop instances silent for longer than the TTL; return their ids."""

@@ -78,9 +78,11 @@ class MasterServer:
         # The routing index (instances' own caches, from KV events) reads the object index
         # as its "store" tier; both live on this process's one event loop.
         self.routing = RoutingIndex(clock, store_lookup=store_lookup(self.state),
-                                    limits=RoutingLimits(config.max_routing_instances,
-                                                         config.max_routing_blocks_per_instance,
-                                                         config.max_routing_blocks))
+                                    limits=RoutingLimits(
+                                        config.max_routing_instances,
+                                        config.max_routing_instances_per_tenant,
+                                        config.max_routing_blocks_per_instance,
+                                        config.max_routing_blocks))
         self._host, self._port = host, port
         self._server: grpc.aio.Server | None = None
         self._ticker: asyncio.Task | None = None

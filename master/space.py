@@ -22,7 +22,7 @@ class Space:
         # quarantine alike; ``abandoned``: the quarantine of reclaimed puts.
         self.deferred: list[tuple[float, int, list[tuple[Segment, Extent]], bool]] = []
         # What PENDING puts hold, and the quarantine of those reclaimed (aligned, every replica).
-        self.pending = Holds(PENDING_HELD, segments, more)
+        self.pending = Holds(PENDING_HELD, segments, more, per_tenant=True)
         self.abandoned_bytes = 0
         # (deadline, seq, objects): one entry per PutStart batch, not per object.
         self._put_deadlines: list[tuple[float, int, list[ObjectEntry]]] = []

@@ -23,8 +23,10 @@ from kvpool.common.errors import (
     KVPoolError,
     NoSpace,
     ObjectNotFound,
+    QuotaExceeded,
     ValueTooLarge,
 )
+from kvpool.common.tenants import tenant_of
 from kvpool.common.tenants import validate_stored_key as validate_key  # keys as stored
 from kvpool.common.types import (
     Extent,
@@ -294,8 +296,8 @@ class MasterState:
         now = self._clock()
         self._leasing.expire(now)   # admission counts only the leases still running
         self._refused_why = None
-        self._pending_limit = self._config.max_pending_fraction * sum(
-            s.allocator.capacity_bytes for s in self._segments.values())
+        self._capacity = sum(s.allocator.capacity_bytes for s in self._segments.values())
+        self._pending_limit = self._config.max_pending_fraction * self._capacity
         seen: set[str] = set()
         started: list[ObjectEntry] = []
         # One version for every object of this PutStart: a version tells one object of a key
@@ -529,6 +531,18 @@ class MasterState:
                           f"pass the limit of {int(self._pending_limit)} (max_pending_fraction "
                           f"{self._config.max_pending_fraction} of the capacity). End or revoke "
                           "puts before starting more")
+        # Each tenant's own puts may hold that fraction of its share only, so one tenant's
+        # puts started and not ended cannot take the room of every other's.
+        tenant = tenant_of(key)[0]
+        mine = space.pending.by_tenant.get(tenant, 0)
+        share = self._index.tenants.share(tenant, self._capacity)
+        if mine + need > self._config.max_pending_fraction * share:
+            raise QuotaExceeded(
+                f"{key!r}: tenant {tenant!r} has {mine} bytes in puts started and not ended; "
+                f"{need} more would pass max_pending_fraction "
+                f"{self._config.max_pending_fraction} of its share of {share} bytes (its "
+                "quota, or an equal part of the capacity among the tenants holding objects). "
+                "End or revoke puts before starting more")
 
     def space_summary(self) -> str:
         """How much room the cluster has for new objects, for a NoSpace message; first why

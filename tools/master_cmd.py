@@ -89,6 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-routing-instances", type=count_type, metavar="N",
                    help="serving instances the routing index keeps from KV events; another "
                         "is refused until one goes silent (default: 1024)")
+    p.add_argument("--max-routing-instances-per-tenant", type=count_type, metavar="N",
+                   help="of those, the most one tenant's KV events may name, so one tenant's "
+                        "publishers cannot take every other's room (default: 256)")
     p.add_argument("--max-routing-blocks-per-instance", type=count_type, metavar="N",
                    help="blocks the routing index keeps per instance (its GPU and CPU tiers); "
                         "events past it are dropped and counted (default: 1000000)")
@@ -139,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
                   pin_quota_fraction=args.pin_quota, namespace_depth=args.namespace_depth,
                   max_pending_fraction=args.max_pending, max_lease_s=args.max_lease,
                   max_routing_instances=args.max_routing_instances,
+                  max_routing_instances_per_tenant=args.max_routing_instances_per_tenant,
                   max_routing_blocks_per_instance=args.max_routing_blocks_per_instance,
                   max_routing_blocks=args.max_routing_blocks,
                   tenant_quotas=args.tenant_quotas)

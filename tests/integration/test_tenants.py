@@ -11,7 +11,7 @@ import pytest
 from kvpool.client import KVClient
 from kvpool.client.router import Candidate, RouterClient
 from kvpool.common import capabilities, tenants
-from kvpool.common.errors import NoSpace, ObjectNotFound, QuotaExceeded
+from kvpool.common.errors import LimitExceeded, NoSpace, ObjectNotFound, QuotaExceeded
 from kvpool.common.hashing import HashSpec, block_key
 from kvpool.common.kv_events import AllBlocksCleared, BlockStored
 from kvpool.net.data_port import RESPONSE, FrameStatus, Op, PutRecord, encode_record_request
@@ -21,12 +21,15 @@ from kvpool.rpc.master_client import MasterClient
 from .conftest import run_cluster
 
 QUOTA = 256 << 10
+INSTANCES = 2   # serving instances per tenant in the routing index
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     yield from run_cluster(tmp_path_factory.mktemp("tenants"),
-                           master_args=["--tenant-quotas", f"tenant-q={QUOTA}"])
+                           master_args=["--tenant-quotas", f"tenant-q={QUOTA}",
+                                        "--max-routing-instances-per-tenant",
+                                        str(INSTANCES)])
 
 
 def client(cluster, tenant: str) -> KVClient:
@@ -209,3 +212,20 @@ def test_a_tenants_engines_and_their_caches_are_its_own_to_route_to(cluster):
         assert b.route(block_hashes=hashes).instance_id == "b-engine"   # its only hit
         assert a.route(block_hashes=hashes).instance_id == "engine"
         assert "b-engine" not in {i.instance_id for i in a.list_instances()}
+
+
+def test_one_tenants_publishers_cannot_fill_the_routing_index(cluster):
+    def router(tenant):
+        return RouterClient(cluster.master,
+                            credentials=str(cluster.credentials("client", tenant)))
+
+    h = HashSpec.of(16, model="tenants").hashes(list(range(4 * 16)))
+    with router("tenant-c") as c, router("tenant-d") as d:
+        for i in range(INSTANCES):
+            c.publish(f"c{i}", [BlockStored((h[i],))])
+        with pytest.raises(LimitExceeded, match="tenant 'tenant-c' has 2 serving instances"):
+            c.publish("one-more", [BlockStored((h[2],))])
+        c.publish("c0", [BlockStored((h[3],))])   # its own instances still publish
+        d.publish("d0", [BlockStored((h[0],))])   # and another tenant's are let in
+        assert {i.instance_id for i in c.list_instances()} == {"c0", "c1"}
+        assert {i.instance_id for i in d.list_instances()} == {"d0"}

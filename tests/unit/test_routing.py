@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from kvpool.common.errors import InvalidArgument, LimitExceeded
+from kvpool.common.tenants import scoped
 from kvpool.master.routing import (
     CPU,
     GPU,
@@ -199,3 +200,20 @@ def test_kv_events_are_held_within_the_routing_limits(clock):
     index.apply("b", [])                                   # b heard from; a went silent
     index.apply("c", [BlockStored((1,))])                  # a's place, taken back by tick
     assert sorted(index.instances()) == ["b", "c"] and index.total_blocks == 6
+
+
+def test_one_tenant_cannot_take_every_other_tenants_instance_room(clock):
+    index = RoutingIndex(clock, instance_ttl_s=30.0,
+                         limits=RoutingLimits(max_instances=4, max_instances_per_tenant=2))
+    a = [scoped("a", f"engine{i}") for i in range(3)]
+    index.apply(a[0], [])
+    index.apply(a[1], [BlockStored((1, 2))])
+    with pytest.raises(LimitExceeded, match="tenant 'a' has 2 .*per-tenant"):
+        index.apply(a[2], [])
+    index.apply(a[1], [BlockStored((3,))])          # a known instance is not a new one
+    index.apply(scoped("b", "engine0"), [])         # another tenant still has room
+    index.apply("engine0", [])                      # and so has the default tenant
+    clock.advance(31.0)
+    index.apply(a[0], [])                           # heard from; a[1] went silent
+    index.apply(a[2], [])                           # a[1]'s place, taken back by tick
+    assert sorted(index.instances()) == sorted([a[0], a[2]])

@@ -52,3 +52,21 @@ def test_a_put_that_must_evict_takes_from_tenants_over_their_share_first(clock):
     # Once b is within its share, the policy's order holds again.
     put(state, scoped("a", "newer"), 1024)
     assert state.exists([scoped("a", "old")]) == [False]
+
+
+def test_one_tenants_puts_not_ended_hold_at_most_its_share_of_the_pending_room(clock):
+    """4 KiB, max_pending_fraction 0.5, two tenants holding objects (a share of 2 KiB each):
+    a's pending puts stop at 1 KiB, leaving b room to start its own; an ended put frees a's."""
+    state = make_state(clock, max_pending_fraction=0.5)
+    mount(state, "n1", "s1", size=4096)
+    put(state, scoped("b", "held"), 64)
+    assert isinstance(state.put_start([scoped("a", "p0")], [512])[0], tuple)
+    assert isinstance(state.put_start([scoped("a", "p1")], [512])[0], tuple)
+    [refused] = state.put_start([scoped("a", "p2")], [512])
+    assert isinstance(refused, QuotaExceeded), refused
+    assert "tenant 'a' has 1024 bytes in puts started and not ended" in str(refused)
+    assert isinstance(state.put_start([scoped("b", "p0")], [512])[0], tuple)
+    assert state.put_end([scoped("a", "p0")]) == [None]
+    assert isinstance(state.put_start([scoped("a", "p2")], [512])[0], tuple)
+    assert state.put_revoke([scoped("a", "p1")]) == [None]
+    assert state.put_end([scoped("a", "p2"), scoped("b", "p0")]) == [None, None]
