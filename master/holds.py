@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvpool.common.tenants import tenant_of
+from kvpool.common.tenants import DEFAULT, MARK, tenant_of
 from kvpool.common.types import Extent
 from kvpool.master.index import ObjectEntry
 from kvpool.master.membership import Segment
@@ -31,8 +31,10 @@ class Holds:
         self._more = more
         self._credits: dict[ObjectEntry, tuple[tuple[Segment, int], ...]] = {}
         self.total_bytes = 0   # aligned bytes, every replica counted
-        # Of ``total_bytes``, each tenant's (None: not counted); a tenant holding none is absent.
+        # Of ``total_bytes``, each namespaced tenant's (None: not counted; a tenant holding
+        # none is absent); the default tenant's is the rest (:meth:`tenant_bytes`).
         self.by_tenant: dict[str, int] | None = {} if per_tenant else None
+        self._namespaced_bytes = 0
 
     def credit(self, obj: ObjectEntry) -> None:
         """Count ``obj``'s replicas as they are now (again, if it was counted already)."""
@@ -47,7 +49,7 @@ class Holds:
             seg.held[kind] += n
             self.total_bytes += n
             credits[obj] = ((seg, n),)
-            if self.by_tenant is not None:
+            if self.by_tenant is not None and obj.key.startswith(MARK):
                 self._tenant_holds(obj, n)
             return
         out = []
@@ -59,7 +61,7 @@ class Holds:
                 self.total_bytes += n
                 out.append((seg, n))
         credits[obj] = tuple(out)
-        if self.by_tenant is not None:
+        if self.by_tenant is not None and obj.key.startswith(MARK):
             self._tenant_holds(obj, sum(n for _, n in out))
 
     def debit(self, obj: ObjectEntry) -> None:
@@ -71,15 +73,22 @@ class Holds:
         for seg, n in credits:   # a dropped segment's count goes with it: harmless
             seg.held[kind] -= n
             self.total_bytes -= n
-        if self.by_tenant is not None:
+        if self.by_tenant is not None and obj.key.startswith(MARK):
             self._tenant_holds(obj, -sum(n for _, n in credits))
 
     def _tenant_holds(self, obj: ObjectEntry, n: int) -> None:
         tenant = tenant_of(obj.key)[0]
+        self._namespaced_bytes += n
         if held := self.by_tenant.get(tenant, 0) + n:
             self.by_tenant[tenant] = held
         else:
             self.by_tenant.pop(tenant, None)
+
+    def tenant_bytes(self, tenant: str) -> int:
+        """What ``tenant``'s objects hold (counted ``per_tenant`` only)."""
+        if tenant == DEFAULT:
+            return self.total_bytes - self._namespaced_bytes
+        return self.by_tenant.get(tenant, 0)
 
     @property
     def objects(self) -> Mapping[ObjectEntry, object]:

@@ -26,7 +26,7 @@ from kvpool.common.errors import (
     QuotaExceeded,
     ValueTooLarge,
 )
-from kvpool.common.tenants import tenant_of
+from kvpool.common.tenants import DEFAULT, MARK, tenant_of
 from kvpool.common.tenants import validate_stored_key as validate_key  # keys as stored
 from kvpool.common.types import (
     Extent,
@@ -533,9 +533,13 @@ class MasterState:
                           "puts before starting more")
         # Each tenant's own puts may hold that fraction of its share only, so one tenant's
         # puts started and not ended cannot take the room of every other's.
+        tenants = self._index.tenants
+        if not tenants.quotas and not key.startswith(MARK) and len(tenants.usage) < 2 \
+                and (not tenants.usage or DEFAULT in tenants.usage):
+            return   # the default tenant alone: its share is the capacity, checked above
         tenant = tenant_of(key)[0]
-        mine = space.pending.by_tenant.get(tenant, 0)
-        share = self._index.tenants.share(tenant, self._capacity)
+        mine = space.pending.tenant_bytes(tenant)
+        share = tenants.share(tenant, self._capacity)
         if mine + need > self._config.max_pending_fraction * share:
             raise QuotaExceeded(
                 f"{key!r}: tenant {tenant!r} has {mine} bytes in puts started and not ended; "

@@ -70,3 +70,7 @@ def test_one_tenants_puts_not_ended_hold_at_most_its_share_of_the_pending_room(c
     assert isinstance(state.put_start([scoped("a", "p2")], [512])[0], tuple)
     assert state.put_revoke([scoped("a", "p1")]) == [None]
     assert state.put_end([scoped("a", "p2"), scoped("b", "p0")]) == [None, None]
+    # The default tenant is one of three now (a share of 1365 bytes): 682 of them pending.
+    assert isinstance(state.put_start(["d0"], [512])[0], tuple)
+    [refused] = state.put_start(["d1"], [512])
+    assert isinstance(refused, QuotaExceeded) and "tenant 'default' has 512" in str(refused)
