@@ -1,0 +1,105 @@
+"""Where a single put's (and get's) time goes: one local cluster (one node), one client, values
+of one size put one at a time, each phase of the client's put timed on the way (PutStart, the
+node's RESERVE, the copy, SEAL with PutEnd overlapped inside it, PutEnd alone) and the master's
+own time per call (its /metrics), so that what is left of a phase is wire, wake-ups and the
+other end's framing. Secure (mutual TLS, grants) unless --insecure.
+
+    python3 scripts/put_phases.py [--transport shm|tcp] [--size 64KiB] [--calls 1000]
+                                  [--insecure]
+
+The phases are timed by wrapping the client's own methods (a diagnostic, not the bench: each
+wrapper adds ~1 us); `kvpool bench` gives the figures the targets are measured by.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import statistics
+import sys
+import time
+import urllib.request
+
+from kvpool.client import KVClient
+from kvpool.tools.argtypes import count_type, size_type
+from kvpool.tools.cluster import LocalCluster
+
+
+def _wrap(cls_or_obj, name: str, label, times: dict[str, list[float]]) -> None:
+    """Time every call of ``name`` under ``label(args)`` (a name, or a function of the
+    call's arguments)."""
+    f = getattr(cls_or_obj, name)
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return f(*args, **kwargs)
+        finally:
+            times[label(args) if callable(label) else label].append(time.perf_counter() - t)
+    setattr(cls_or_obj, name, timed)
+
+
+def _master_means(address: str) -> dict[str, float]:
+    """Mean seconds the master spent per call, by method (kvpool_master_rpc_seconds)."""
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    parts: dict[str, dict[str, float]] = {}
+    for m in re.finditer(r'^kvpool_master_rpc_seconds_(sum|count)\{method="(\w+)"\} (\S+)$',
+                         text, re.M):
+        parts.setdefault(m.group(2), {})[m.group(1)] = float(m.group(3))
+    return {k: v["sum"] / v["count"] for k, v in parts.items() if v.get("count")}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.splitlines()[1:]))
+    p.add_argument("--transport", choices=("shm", "tcp"), default="shm")
+    p.add_argument("--size", type=size_type, default=64 << 10, help="value size (64KiB)")
+    p.add_argument("--calls", type=count_type, default=1000, help="puts, then as many gets")
+    p.add_argument("--insecure", action="store_true", help="a plain-text cluster")
+    args = p.parse_args()
+    times: dict[str, list[float]] = collections.defaultdict(list)
+    value = os.urandom(args.size)
+    with LocalCluster(nodes=1, segment_size=str(max(256 << 20, 4 * args.size * args.calls)),
+                      secure=not args.insecure, metrics=True) as cluster, \
+            KVClient(cluster.master, transports=[args.transport]) as kv:
+        for i in range(min(200, args.calls)):   # warm: connections, mappings
+            kv.put(f"warm{i}", value)
+        [transport] = kv._transports
+        _wrap(kv._master, "put_start_grant", "PutStart (master round trip)", times)
+        _wrap(kv._master, "put_end", "PutEnd (master round trip)", times)
+        if args.transport == "shm":
+            _wrap(transport, "_records", lambda a: f"{a[0].name} (node round trip"
+                  + (", PutEnd overlapped)" if a[0].name == "SEAL" else ")"), times)
+            _wrap(transport, "write_summed", "copy + CRC-32C", times)
+        else:
+            _wrap(transport, "write_sealed", "RESERVE+WRITE+SEAL (node round trip, PutEnd "
+                  "overlapped)", times)
+        puts, gets = [], []
+        for i in range(args.calls):
+            t = time.perf_counter()
+            kv.put(f"k{i}", value)
+            puts.append(time.perf_counter() - t)
+        for i in range(args.calls):
+            t = time.perf_counter()
+            kv.get(f"k{i}")
+            gets.append(time.perf_counter() - t)
+        master = _master_means(cluster.metrics_addresses["master"])
+    ms = 1e3
+    print(f"{args.transport}, {'plain' if args.insecure else 'secure'}, "
+          f"{args.size} B values, {args.calls} calls (p50, ms)")
+    print(f"  put {statistics.median(puts) * ms:.3f}   get {statistics.median(gets) * ms:.3f}")
+    print("  put phases, client side:")
+    for label, xs in times.items():
+        print(f"    {label:58s} {statistics.median(xs) * ms:.3f}")
+    print("  master's own time per call (mean):")
+    for method in ("PutStart", "PutEnd", "GetReplicas"):
+        if method in master:
+            print(f"    {method:58s} {master[method] * ms:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
