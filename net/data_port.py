@@ -45,6 +45,17 @@ queue pair, brings it to ready-to-receive with the client's values, and answers 
 own ``QP_INFO``; or UNSUPPORTED (no RDMA device) with a message, keeping the connection. The
 node's queue pair lives as long as that tcp connection: the client keeps it open (its EOF also
 tells the client that the node died), and closing it tears the queue pair down.
+
+RKEY_READ and RKEY_WRITE (on the CONNECT_QP connection, after the handshake): the header names
+an extent, a grant follows the segment id as for READ and WRITE (checked as one: an RKEY_WRITE
+spends its write grant), and the node registers a memory region over exactly that extent, for
+remote reads or remote writes only, answering OK with ``RKEY`` (``!QI4x``: the region's remote
+address, its rkey). Segments themselves are registered for local access only, so a client
+never holds an rkey that reaches bytes it was not granted. A region lives until its grant
+expires, a write region until the master's commit of its extent reaches the node too (a
+committed object is never writable again), and none outlives its connection. Refused with a
+message (DENIED, OUT_OF_BOUNDS, UNKNOWN_SEGMENT, UNSUPPORTED: no RDMA, a device-memory segment,
+or ``MAX_REGIONS_PER_CONNECTION`` regions live); the connection stays usable either way.
 """
 
 from __future__ import annotations
@@ -90,6 +101,8 @@ class Op(IntEnum):
     CONNECT_QP = 3
     RESERVE = 4
     SEAL = 5
+    RKEY_READ = 6
+    RKEY_WRITE = 7
 
 
 class FrameStatus(IntEnum):
@@ -104,6 +117,10 @@ class FrameStatus(IntEnum):
 
 
 QP_INFO = struct.Struct("!II16sB3x")
+RKEY = struct.Struct("!QI4x")
+# Regions one connection may hold at once (RKEY_READ/RKEY_WRITE past it: UNSUPPORTED). A region
+# is a few hundred bytes of the device's tables; rxe holds ~256K in all.
+MAX_REGIONS_PER_CONNECTION = 4096
 
 
 def encode_qp_info(qp_num: int, psn: int, gid: str, mtu: int) -> bytes:
@@ -219,7 +236,7 @@ def malformed_request(magic: bytes, op: int, sid_len: int, offset: int, length: 
     if op == Op.CONNECT_QP:
         ok = magic == MAGIC and not sid_len and not offset and length == QP_INFO.size
         return "" if ok else "malformed CONNECT_QP"
-    if op not in (Op.READ, Op.WRITE, Op.RESERVE, Op.SEAL):
+    if op not in (Op.READ, Op.WRITE, Op.RESERVE, Op.SEAL, Op.RKEY_READ, Op.RKEY_WRITE):
         return f"unknown op {op}"
     return check_segment_id_length(sid_len)
 

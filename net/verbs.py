@@ -32,6 +32,10 @@ from kvpool.common.errors import InvalidArgument, TransportError
 LOCAL_ACCESS = e.IBV_ACCESS_LOCAL_WRITE
 REMOTE_ACCESS = (e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ
                  | e.IBV_ACCESS_REMOTE_WRITE)
+# A granted region (store_node/rdma.py): remote reads only, or remote writes only (verbs asks
+# local write of any region remote writes may reach).
+REMOTE_READ_ONLY = e.IBV_ACCESS_REMOTE_READ
+REMOTE_WRITE_ONLY = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
 # RC retransmission: local ACK timeout 4.096 us * 2**17 ~= 0.54 s per try, 7 retries. Generous
 # because soft-RoCE under emulation can stall for hundreds of ms; a dead node is detected
 # sooner through the handshake connection's EOF (see rdma.py), not through these retries.
@@ -112,14 +116,15 @@ class Device:
         """Register caller-owned memory (pinned until the MR is closed)."""
         return MR(self.pd, length, access, address=address)
 
-    def register_dmabuf(self, fd: int, length: int, access: int = REMOTE_ACCESS) -> MR:
+    def register_dmabuf(self, fd: int, length: int, access: int = REMOTE_ACCESS,
+                        offset: int = 0) -> MR:
         """Register ``length`` bytes of a dma-buf (e.g. GPU memory exported by its driver)
-        from its start. pyverbs passes the dma-buf offset (0) as the region's I/O virtual
-        address: remote reads and writes address its byte k as ``0 + k``. Raises
-        PyverbsError where the device or its driver cannot (EOPNOTSUPP on soft-RoCE, and on
-        NICs without peer-memory support)."""
+        from ``offset``. pyverbs passes the dma-buf offset as the region's I/O virtual
+        address: remote reads and writes address the dma-buf's byte k as ``k`` (from
+        ``offset`` on). Raises PyverbsError where the device or its driver cannot
+        (EOPNOTSUPP on soft-RoCE, and on NICs without peer-memory support)."""
         from pyverbs.mr import DmaBufMR
-        return DmaBufMR(self.pd, length, access, dmabuf=fd, offset=0)
+        return DmaBufMR(self.pd, length, access, dmabuf=fd, offset=offset)
 
     def create_qp(self, depth: int) -> tuple[QP, CQ]:
         """An RC queue pair (in RESET) with its own completion queue of ``depth`` entries."""

@@ -63,6 +63,7 @@ from kvpool.net.data_port import (
     MAX_SEGMENT_ID_BYTES,
     QP_INFO,
     REQUEST,
+    RKEY,
     FrameStatus,
     Op,
     PutRecord,
@@ -76,6 +77,7 @@ from kvpool.net.data_port import (
 from kvpool.net.sockets import PeerClosed, recv_exact_into
 from kvpool.store_node.manifest import Manifest, StaleEpoch
 from kvpool.store_node.memory import Segment
+from kvpool.store_node.rdma import RegionRefused
 
 log = get_logger(__name__)
 # What clients get wrong, once per request: a few lines a minute per kind, then counts.
@@ -419,6 +421,8 @@ class DataServer:
             if time.monotonic() >= next_sweep:
                 self._close_idle()
                 self._grants.forget_expired()
+                if self._rdma is not None:
+                    self._rdma.expire()
                 next_sweep = time.monotonic() + sweep_every
 
     def _accept(self, listener: socket.socket) -> None:
@@ -499,6 +503,8 @@ class DataServer:
             pass
         for qp in c.queue_pairs:
             qp.close()
+        if self._rdma is not None:
+            self._rdma.release(c)
         c.sock.close()
 
     def _work(self, c: _Conn) -> None:
@@ -560,6 +566,9 @@ class DataServer:
             return False
         grant = _recv_bytes(conn, GRANT_BYTES) if granted else b""
         op = Op(op)
+        if op is Op.RKEY_READ or op is Op.RKEY_WRITE:
+            self._grant_region(c, op, segment_id, sid_bytes, offset, length, grant)
+            return True
         if op in (Op.RESERVE, Op.SEAL):
             got = recv_record(lambda n: _recv_bytes(conn, n))
             if isinstance(got, str):
@@ -602,6 +611,38 @@ class DataServer:
             _linger_close(conn)
             return False
         return True
+
+    def _grant_region(self, c: _Conn, op: Op, segment_id: str, sid_bytes: bytes, offset: int,
+                      length: int, grant: bytes) -> None:
+        """Answer an RKEY_READ or RKEY_WRITE: a memory region over exactly the granted extent
+        (store_node/rdma.py), or a refusal; the connection stays usable either way."""
+        self._count(op.name)
+        write = op is Op.RKEY_WRITE
+        segment = self._segments.get(segment_id)
+        if segment is None or offset + length > segment.info.size_bytes or not length:
+            status, message = self._refusal(segment_id, offset, length) if length else (
+                FrameStatus.OUT_OF_BOUNDS, "an empty extent has no region")
+        elif why := self._grants.denied(Op.WRITE if write else Op.READ, grant, sid_bytes,
+                                        offset, length):
+            status, message = FrameStatus.DENIED, why
+        elif self._rdma is None:
+            status, message = FrameStatus.UNSUPPORTED, "this node has no RDMA device"
+        else:
+            expiry = capabilities.GRANT.unpack(grant)[1] if grant else None
+            try:
+                addr, rkey = self._rdma.region(c, segment_id, offset, length, write, expiry)
+            except RegionRefused as exc:
+                status, message = FrameStatus.UNSUPPORTED, str(exc)
+            except Exception as exc:  # noqa: BLE001 - pyverbs errors: refuse, keep serving
+                log.warning("region_refused", peer=c.peer, segment=segment_id, error=str(exc))
+                status, message = FrameStatus.UNSUPPORTED, f"registering the region failed: {exc}"
+            else:
+                send_reply(c.sock, FrameStatus.OK, RKEY.pack(addr, rkey))
+                return
+        client_errors.warning("request_refused", kind=status.name, peer=c.peer, op=op.name,
+                              segment=segment_id, offset=offset, length=length,
+                              status=status.name)
+        send_refusal(c.sock, status, message)
 
     def _connect_qp(self, conn: socket.socket, peer: str, queue_pairs: list) -> bool:
         """Answer a CONNECT_QP; False if the connection was refused and must end."""

@@ -327,6 +327,9 @@ class StoreNode:
         return True
 
     def _apply_manifest(self, committed, removed, reserved=()) -> None:
+        if self._rdma is not None:   # a committed object is never writable again
+            committed = list(committed)
+            self._rdma.committed(committed)
         self.manifest.apply(committed, removed, reserved)
         if self._disk is not None and self._disk.manifest is not None:
             self._disk.manifest.apply(committed, removed)

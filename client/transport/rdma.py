@@ -1,8 +1,11 @@
 """The rdma transport: one-sided RDMA READ and WRITE into store nodes' registered segments.
 
-The store node's CPU takes no part in moving the bytes: it registered each segment as a memory
-region (its address and rkey travel in every descriptor, see ``Replica.rdma_*``), and the
-client's RC queue pair reads and writes that memory directly.
+The store node's CPU takes no part in moving the bytes: for each op the client asks the node,
+with the master's grant, for a memory region over exactly the op's extent (RKEY_READ or
+RKEY_WRITE on the handshake connection, a wave of ops in one round trip: store_node/rdma.py),
+and the client's RC queue pair then reads or writes that memory directly. A segment's own
+region (``Replica.rdma_rkey``) is registered for local access only: non-zero, it says the
+segment is served over RDMA.
 
 Connection setup: one RC queue pair per (client transport, node), created on first use through
 the CONNECT_QP handshake on the node's tcp data port (:mod:`kvpool.net.data_port`), then reused.
@@ -36,12 +39,14 @@ from dataclasses import dataclass
 
 from kvpool.client.buffers import byte_view
 from kvpool.client.transport.base import IoOp, Transport, byte_views, group_by
+from kvpool.common import capabilities
 from kvpool.common.errors import ClientClosed, KVPoolError, SegmentBoundsError, TransportError
 from kvpool.common.logging import get_logger
 from kvpool.common.types import NodeEndpoints
 from kvpool.net.data_port import (
     QP_INFO,
     RESPONSE,
+    RKEY,
     FrameStatus,
     Op,
     decode_qp_info,
@@ -60,7 +65,10 @@ _STAGE_ALIGN = 64
 _SPINS_BEFORE_SLEEP = 64
 _POLL_SLEEP_S = 0.0002
 _LIVENESS_EVERY_S = 0.02
-# The handshake connection carries nothing after the handshake: readable or hung up = node gone.
+# Ops whose regions are asked for at once (net/data_port.py MAX_REGIONS_PER_CONNECTION: 4096).
+_REGION_WAVE = 1024
+# The handshake connection carries nothing between our own exchanges on it (RKEY_READ/WRITE,
+# each answered before the ops run): readable or hung up = node gone.
 _GONE = select.POLLIN | select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 
@@ -256,7 +264,14 @@ class RDMATransport(Transport):
                     else:
                         pieces += self._split(i, ops[i], views[i])
                 if pieces:
-                    self._run_node(endpoint, pieces, views, write, results)
+                    # Regions are asked for a wave of ops at a time (the node keeps a bounded
+                    # number per connection, dropping the oldest).
+                    wave_of = {i: k // _REGION_WAVE for k, i in enumerate(indexes)}
+                    waves: dict[int, list[_Piece]] = {}
+                    for piece in pieces:
+                        waves.setdefault(wave_of[piece.op], []).append(piece)
+                    for wave in waves.values():
+                        self._run_node(endpoint, wave, ops, views, write, results)
         return results
 
     def _split(self, i: int, op: IoOp, view: memoryview) -> list[_Piece]:
@@ -276,15 +291,21 @@ class RDMATransport(Transport):
             pieces.append(piece)
         return pieces
 
-    def _run_node(self, endpoint: str, pieces: list[_Piece], views: list[memoryview],
-                  write: bool, results: list) -> None:
+    def _run_node(self, endpoint: str, pieces: list[_Piece], ops: Sequence[IoOp],
+                  views: list[memoryview], write: bool, results: list) -> None:
         """Run one node's pieces, re-creating a broken queue pair once; fills ``results``."""
         rebuilds_left = 1
         while pieces:
             try:
                 link = self._link(endpoint)
+                refused = self._grant_regions(link, pieces, ops, write)
             except TransportError as exc:
                 _fail(pieces, results, exc)
+                return
+            for i, err in refused.items():
+                results[i] = err
+            pieces = [p for p in pieces if p.op not in refused]
+            if not pieces:
                 return
             outcome = self._execute(link, pieces, views, write)
             for i, err in outcome.refused.items():
@@ -305,6 +326,43 @@ class RDMATransport(Transport):
                         "treating the node as unavailable"))
                     return
                 rebuilds_left -= 1
+
+    def _grant_regions(self, link: _Link, pieces: list[_Piece], ops: Sequence[IoOp],
+                       write: bool) -> dict[int, KVPoolError]:
+        """Ask the node for a region over each op's extent (RKEY_READ or RKEY_WRITE with the
+        op's grant, all sent at once on the handshake connection) and aim ``pieces`` at them;
+        returns the ops refused. TransportError (the link dropped) if the exchange failed."""
+        wanted = list(dict.fromkeys(p.op for p in pieces))
+        kind = Op.RKEY_WRITE if write else Op.RKEY_READ
+        regions: dict[int, tuple[int, int]] = {}
+        refused: dict[int, KVPoolError] = {}
+        try:
+            # A write grant goes without its record tag (RESERVE and SEAL's), as on tcp.
+            link.sock.sendall(b"".join(
+                encode_request(kind, e.segment_id, e.offset, e.length,
+                               capabilities.write_grant(ops[i].replica.grant))
+                for i in wanted for e in (ops[i].replica.extent,)))
+            for i in wanted:
+                status, length = RESPONSE.unpack(recv_exact(link.sock, RESPONSE.size))
+                if status == FrameStatus.OK and length == RKEY.size:
+                    regions[i] = RKEY.unpack(recv_exact(link.sock, RKEY.size))
+                    continue
+                if status == FrameStatus.OK:
+                    raise TransportError(f"malformed {kind.name} reply: {length} bytes")
+                extent = ops[i].replica.extent
+                why = (f"rdma {link.endpoint}: no region for [{extent.offset}, {extent.end}) of "
+                       f"segment {extent.segment_id!r}: {recv_refusal(link.sock, status, length)}")
+                refused[i] = SegmentBoundsError(why) if status in (
+                    FrameStatus.OUT_OF_BOUNDS, FrameStatus.UNKNOWN_SEGMENT) \
+                    else TransportError(why)
+        except (OSError, TransportError) as exc:   # out of step, or gone: the link is done
+            self._drop(link, f"{kind.name} failed: {exc}")
+            raise TransportError(f"rdma {link.endpoint}: {kind.name} failed: {exc}") from None
+        for p in pieces:
+            if p.op in regions:
+                addr, rkey = regions[p.op]
+                p.remote_addr, p.rkey = addr + p.start, rkey
+        return refused
 
     def _execute(self, link: _Link, pieces: list[_Piece], views: list[memoryview],
                  write: bool) -> _Outcome:

@@ -285,6 +285,27 @@ def test_a_whole_segment_cannot_be_read_through_the_data_port(cluster):
     assert status == FrameStatus.OK and data == b"s" * 4096
 
 
+def test_an_rdma_region_needs_the_grant_of_its_extent(cluster):
+    """RKEY_READ/RKEY_WRITE (a region over one extent, net/data_port.py) are checked as READ
+    and WRITE are: no grant, or a grant of another extent or operation, is DENIED before the
+    node looks for a device; a node without RDMA answers a granted one UNSUPPORTED (the rdma
+    tests get regions for real, in the soft-RoCE VM)."""
+    from kvpool.net.data_port import FrameStatus, Op, encode_request
+
+    with KVClient(cluster.master, replicas=1) as kv:
+        kv.put("region", b"r" * 4096)
+    [r] = _located(cluster.master, "region").replicas
+    sid, offset = r.extent.segment_id, r.extent.offset
+    for op in (Op.RKEY_READ, Op.RKEY_WRITE):
+        assert _send(r, encode_request(op, sid, 0, 64 * MiB))[0] == FrameStatus.DENIED
+        assert _send(r, encode_request(op, sid, offset, 8192, r.grant))[0] == FrameStatus.DENIED
+    # A read grant grants no write region; its own extent's read region, where RDMA runs.
+    assert _send(r, encode_request(Op.RKEY_WRITE, sid, offset, 4096, r.grant))[0] \
+        == FrameStatus.DENIED
+    status, message = _send(r, encode_request(Op.RKEY_READ, sid, offset, 4096, r.grant))
+    assert status == FrameStatus.UNSUPPORTED and b"no RDMA device" in message, message
+
+
 def test_a_reserve_over_another_objects_extent_needs_a_grant(cluster):
     """A RESERVE without a grant for the extent would drop the victim's record from the
     node's manifest (it takes the place as stale): after a master restart the object would

@@ -117,6 +117,47 @@ def test_torch_kv_caches_move_over_rdma_registered_or_staged(cluster):
             kv.put("torch-strided", src.t())
 
 
+def test_a_puts_write_region_closes_when_the_put_commits(cluster):
+    """A writer's region over its put's extent (granted by the master's write grant) takes
+    its bytes until the master commits the put; from then on the device refuses it: a
+    committed object is never writable again, whatever the writer kept."""
+    from kvpool.common.capabilities import write_grant
+    from kvpool.common.checksum import checksum
+    from kvpool.net import verbs
+    from kvpool.net.data_port import RESPONSE, RKEY, FrameStatus, Op, encode_request
+    from kvpool.net.sockets import recv_exact
+    data = value(9, 0, 4096).tobytes()
+    with KVClient(master=cluster.master, transports=["rdma"]) as kv:
+        [rdma] = kv._transports
+        [placed], _, _ = kv._master.put_start_grant(["sealed-by-commit"], [len(data)])
+        [replica] = placed
+        with rdma._lock:
+            link = rdma._link(replica.node.tcp_endpoint)
+            e = replica.extent
+            link.sock.sendall(encode_request(Op.RKEY_WRITE, e.segment_id, e.offset, e.length,
+                                             write_grant(replica.grant)))
+            status, length = RESPONSE.unpack(recv_exact(link.sock, RESPONSE.size))
+            assert (status, length) == (FrameStatus.OK, RKEY.size)
+            addr, rkey = RKEY.unpack(recv_exact(link.sock, RKEY.size))
+
+            def write(payload: bytes) -> int:
+                link = rdma._link(replica.node.tcp_endpoint)
+                rdma._stage[:len(payload)] = payload
+                verbs.post_rdma(link.qp, 0, verbs.RDMA_WRITE, verbs.buffer_address(rdma._stage),
+                                len(payload), rdma._stage_mr.lkey, addr, rkey)
+                statuses, fatal = rdma._wait(link, 1)
+                assert fatal is None, fatal
+                if statuses[0] != verbs.SUCCESS:
+                    rdma._drop(link, "refused, as the test meant")
+                return statuses[0]
+
+            assert write(data) == verbs.SUCCESS
+        assert kv._master.put_end(["sealed-by-commit"], [checksum(data)]) == [None]
+        with rdma._lock:
+            assert write(bytes(len(data))) in verbs.REMOTE_REFUSALS
+        assert kv.get("sealed-by-commit", verify=True) == data
+
+
 def test_node_killed_mid_read_never_hangs_nor_returns_wrong_bytes(cluster):
     """Every object has a replica on each node; node0 is SIGKILLed during a batch read."""
     size, n = 4 * MiB, 16

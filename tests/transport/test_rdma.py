@@ -14,7 +14,9 @@ import time
 import pytest
 from kvpool.client.transport.base import IoOp
 from kvpool.common.errors import SegmentBoundsError, TransportError
+from kvpool.net.data_port import RESPONSE, RKEY, FrameStatus, Op, encode_request
 from kvpool.net.rdma_probe import unavailable_reason
+from kvpool.net.sockets import recv_exact
 
 pytestmark = pytest.mark.rdma
 MiB = 1 << 20
@@ -47,7 +49,9 @@ def make_transport_of():
 
 
 def test_reads_are_one_sided(rdma, make_transport_of, node):
-    """100 objects read over rdma cost the node's data server zero requests."""
+    """100 objects read over rdma cost the node's data server no READ: it registers a region
+    per object (RKEY_READ, asked for ten at a time here, one batch per call) and moves no
+    byte itself."""
     rng = random.Random(11)
     replicas = [node.replica(i % 2, i * 8192, 4096 + i) for i in range(100)]
     payloads = [rng.randbytes(r.extent.length) for r in replicas]
@@ -60,39 +64,74 @@ def test_reads_are_one_sided(rdma, make_transport_of, node):
                           zip(replicas[i:i + 10], outs[i:i + 10])]) == [None] * 10
     after = node.request_counts()
     assert [bytes(o) for o in outs] == payloads
-    assert after == before, (before, after)
+    moved = {op: after.get(op, 0) - before.get(op, 0) for op in after}
+    assert {op: n for op, n in moved.items() if n} == {"RKEY_READ": 100}, (before, after)
     # the counter does count: the same reads over tcp are 100 requests
     tcp = make_transport_of("tcp")
     assert tcp.read([IoOp(r, memoryview(o)) for r, o in zip(replicas, outs)]) == [None] * 100
     assert node.request_counts().get("READ", 0) - before.get("READ", 0) == 100
 
 
-def test_wrong_rkey_is_a_typed_refusal_and_the_node_keeps_serving(rdma, node):
-    good = node.replica(0, 0, 64)
-    bad = dataclasses.replace(good, rdma_rkey=good.rdma_rkey ^ 0x5A5A00)
-    data = bytes(range(64))
-    results = rdma.write([IoOp(good, memoryview(data)), IoOp(bad, memoryview(data)),
-                          IoOp(node.replica(1, 0, 64), memoryview(data))])
-    assert results[0] is None and results[2] is None, results
-    assert isinstance(results[1], SegmentBoundsError), results
-    out = bytearray(64)
-    assert isinstance(rdma.read([IoOp(bad, memoryview(out))])[0], SegmentBoundsError)
-    assert rdma.read([IoOp(good, memoryview(out))]) == [None] and out == data
+def _region(rdma, replica, op: Op) -> tuple[int, int]:
+    """Ask the node for a region over ``replica``'s extent, as any client may."""
+    link = rdma._link(replica.node.tcp_endpoint)
+    e = replica.extent
+    link.sock.sendall(encode_request(op, e.segment_id, e.offset, e.length, replica.grant))
+    status, length = RESPONSE.unpack(recv_exact(link.sock, RESPONSE.size))
+    assert (status, length) == (FrameStatus.OK, RKEY.size)
+    return RKEY.unpack(recv_exact(link.sock, RKEY.size))
 
 
-def test_address_outside_the_region_is_a_typed_refusal(rdma, node):
+def _post(rdma, endpoint: str, opcode: int, addr: int, rkey: int, length: int) -> int:
+    """One RDMA op posted by hand at (addr, rkey), as a client forging its descriptor would;
+    its completion status (a refused op breaks the queue pair: the next call makes a new
+    one)."""
+    from kvpool.net import verbs
+    link = rdma._link(endpoint)
+    stage = verbs.buffer_address(rdma._stage)
+    verbs.post_rdma(link.qp, 0, opcode, stage, length, rdma._stage_mr.lkey, addr, rkey)
+    statuses, fatal = rdma._wait(link, 1)
+    assert fatal is None, fatal
+    if statuses[0] != verbs.SUCCESS:
+        rdma._drop(link, "refused, as the test meant")
+    return statuses[0]
+
+
+def test_a_region_reaches_only_the_extent_it_was_granted_for(rdma, node):
+    """The rkey a client gets reaches exactly its extent, that way only: bytes beside it, a
+    write through a read region, and the segment's own rkey are refused by the device."""
+    from kvpool.net import verbs
+    data = random.Random(5).randbytes(8192)
+    assert rdma.write([IoOp(node.replica(0, 0, 8192), memoryview(data))]) == [None]
+    endpoint = node.node.tcp_endpoint
+    with rdma._lock:
+        addr, rkey = _region(rdma, node.replica(0, 4096, 64), Op.RKEY_READ)
+        assert _post(rdma, endpoint, verbs.RDMA_READ, addr, rkey, 64) == verbs.SUCCESS
+        assert bytes(rdma._stage[:64]) == data[4096:4160]
+        refusals = verbs.REMOTE_REFUSALS
+        for where, n in ((addr + 64, 64), (addr - 64, 64), (addr, 65), (addr + 32, 64)):
+            assert _post(rdma, endpoint, verbs.RDMA_READ, where, rkey, n) in refusals, where
+        addr, rkey = _region(rdma, node.replica(0, 4096, 64), Op.RKEY_READ)
+        assert _post(rdma, endpoint, verbs.RDMA_WRITE, addr, rkey, 64) in refusals
+        whole = node.replica(0, 0, 64)
+        assert _post(rdma, endpoint, verbs.RDMA_READ, whole.rdma_addr, whole.rdma_rkey, 64) \
+            in refusals
+    out = bytearray(8192)
+    assert rdma.read([IoOp(node.replica(0, 0, 8192), memoryview(out))]) == [None]
+    assert out == data   # nothing written through any of it
+
+
+def test_an_extent_outside_the_segment_gets_no_region(rdma, node):
+    """A descriptor that claims more than the segment holds: the node registers nothing past
+    it (OUT_OF_BOUNDS, a typed refusal), and keeps serving."""
     size = node.segments[0].size_bytes
     good = node.replica(0, 0, 4096)
-    # A descriptor whose base address lies past the region: the client cannot tell, the
-    # node's device refuses it.
-    shifted = dataclasses.replace(good, rdma_addr=good.rdma_addr + size)
-    below = dataclasses.replace(good, rdma_addr=good.rdma_addr - 2 * 4096)
-    for bad in (shifted, below):
-        out = bytearray(4096)
-        results = rdma.read([IoOp(good, memoryview(bytearray(4096))), IoOp(bad, memoryview(out))])
-        assert results[0] is None and isinstance(results[1], SegmentBoundsError), results
-        assert isinstance(rdma.write([IoOp(bad, memoryview(bytes(4096)))])[0],
-                          SegmentBoundsError)
+    past = dataclasses.replace(good, extent=dataclasses.replace(good.extent, offset=size),
+                               rdma_length=2 * size)
+    out = bytearray(4096)
+    results = rdma.read([IoOp(good, memoryview(bytearray(4096))), IoOp(past, memoryview(out))])
+    assert results[0] is None and isinstance(results[1], SegmentBoundsError), results
+    assert isinstance(rdma.write([IoOp(past, memoryview(bytes(4096)))])[0], SegmentBoundsError)
     data = b"still serving"
     replica = node.replica(0, 0, len(data))
     assert rdma.write([IoOp(replica, memoryview(data))]) == [None]
