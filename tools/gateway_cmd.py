@@ -8,6 +8,7 @@ import importlib
 import signal
 import sys
 
+from kvpool.common import loops
 from kvpool.master.routing import DEFAULT_POLICY, POLICIES
 from kvpool.tools.argtypes import duration_type, log_arg, master_arg, port_type
 
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout, read_timeout_s=args.read_timeout,
         connect_timeout_s=args.connect_timeout, probe_interval_s=args.probe_interval,
         calibrate=args.calibrate, discover=args.discover)
-    return asyncio.run(_serve(config, args.host, args.port))
+    return loops.run(_serve(config, args.host, args.port))
 
 
 def _engines(args: argparse.Namespace) -> list:
