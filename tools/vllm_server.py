@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -22,6 +23,23 @@ BLOCK_TOKENS = 32
 
 
 def free_port() -> int:
+    """A port free now, for a server that binds it later (vLLM binds its ports a minute into
+    its start): one below the kernel's ephemeral range, which no outgoing connection is given
+    meanwhile. A port from ``bind(0)`` is an ephemeral one, and was taken so: an engine failed
+    "Address already in use" on its KV-events port (CI, session 14)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    rng = random.Random()
+    for _ in range(200 if low > 12000 else 0):
+        port = rng.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
