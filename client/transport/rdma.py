@@ -275,8 +275,7 @@ class RDMATransport(Transport):
         return results
 
     def _split(self, i: int, op: IoOp, view: memoryview) -> list[_Piece]:
-        replica = op.replica
-        length = replica.extent.length
+        length = op.replica.extent.length
         if length == 0:
             return []
         base = self._verbs.buffer_address(view)
@@ -284,8 +283,7 @@ class RDMATransport(Transport):
         pieces = []
         for start in range(0, length, self._max_wr_bytes):
             n = min(self._max_wr_bytes, length - start)
-            piece = _Piece(i, start, n, replica.rdma_addr + replica.extent.offset + start,
-                           replica.rdma_rkey)
+            piece = _Piece(i, start, n, 0, 0)   # aimed at its region by _grant_regions
             if reg is not None:
                 piece.local_addr, piece.lkey = base + start, reg.mr.lkey
             pieces.append(piece)
