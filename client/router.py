@@ -12,6 +12,7 @@ and sends each ``send(events)`` as a batch on it.
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 from collections.abc import Iterator, Sequence
@@ -110,22 +111,48 @@ class RouterClient(GrpcClient):
               extra_keys: dict[str, str] | None = None) -> RouteChoice:
         """Choose an instance for a prompt given as token ids (hashed by the master with the
         cluster's spec and ``extra_keys``) or block hashes. No candidates: every live instance."""
-        req = pb.RouteRequest(
-            token_ids=list(token_ids or ()), block_hashes=list(block_hashes or ()),
-            prompt_tokens=prompt_tokens, policy=policy,
-            extra_keys=[pb.ExtraKey(name=k, value=str(v)) for k, v in (extra_keys or {}).items()],
-            candidates=[pb.Candidate(instance_id=c.instance_id, queue_depth=c.queue_depth,
-                                     inflight_prefill_tokens=c.inflight_prefill_tokens,
-                                     prefill_tokens_per_s=c.prefill_tokens_per_s,
-                                     store_tokens_per_s=c.store_tokens_per_s,
-                                     decoding_requests=c.decoding_requests)
-                        for c in candidates])
+        req = _route_request(token_ids, block_hashes, prompt_tokens, candidates, policy,
+                             extra_keys)
         r = self._call_port(self._lookups, lookup_port.ROUTE, req, pb.RouteResponse)
         if r is None:
             r = self._call("Route", req)
             self._lookups.learn(self.address, r.lookup_port)
-        return RouteChoice(r.instance_id, r.policy, {h.tier: h.blocks for h in r.hits},
-                           r.blocks, r.estimated_ttft_s)
+        return _choice(r)
+
+    async def route_async(self, *, token_ids: Sequence[int] | None = None,
+                          block_hashes: Sequence[bytes] | None = None, prompt_tokens: int = 0,
+                          candidates: Sequence[Candidate] = (), policy: str = "",
+                          extra_keys: dict[str, str] | None = None) -> RouteChoice:
+        """:meth:`route` for a caller on an event loop: on the lookup port without leaving
+        the loop; over gRPC (until an answer names the port, or while it fails) on a worker
+        thread."""
+        req = _route_request(token_ids, block_hashes, prompt_tokens, candidates, policy,
+                             extra_keys)
+        r = await self._call_port_async(self._lookups, lookup_port.ROUTE, req, pb.RouteResponse)
+        if r is None:
+            r = await asyncio.get_running_loop().run_in_executor(None, self._call, "Route", req)
+            self._lookups.learn(self.address, r.lookup_port)
+        return _choice(r)
+
+
+def _route_request(token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None,
+                   prompt_tokens: int, candidates: Sequence[Candidate], policy: str,
+                   extra_keys: dict[str, str] | None) -> pb.RouteRequest:
+    return pb.RouteRequest(
+        token_ids=list(token_ids or ()), block_hashes=list(block_hashes or ()),
+        prompt_tokens=prompt_tokens, policy=policy,
+        extra_keys=[pb.ExtraKey(name=k, value=str(v)) for k, v in (extra_keys or {}).items()],
+        candidates=[pb.Candidate(instance_id=c.instance_id, queue_depth=c.queue_depth,
+                                 inflight_prefill_tokens=c.inflight_prefill_tokens,
+                                 prefill_tokens_per_s=c.prefill_tokens_per_s,
+                                 store_tokens_per_s=c.store_tokens_per_s,
+                                 decoding_requests=c.decoding_requests)
+                    for c in candidates])
+
+
+def _choice(r: pb.RouteResponse) -> RouteChoice:
+    return RouteChoice(r.instance_id, r.policy, {h.tier: h.blocks for h in r.hits}, r.blocks,
+                       r.estimated_ttft_s)
 
 
 _END = object()

@@ -6,7 +6,8 @@ Route hashes the prompt's token ids with the cluster's block size and ``extra_ke
 the prefix each tier would give it. When the master cannot answer (unreachable, or no client
 registered a hash spec yet), the gateway routes by load alone rather than fail the request,
 and leaves the master alone for ``master_backoff_s`` so requests do not each wait out a
-timeout. Blocking (gRPC): called on a worker thread.
+timeout. Route goes on the master's lookup port from the gateway's event loop (a thread hop
+cost as much as the call itself), over gRPC on a worker thread until the port is known.
 """
 
 from __future__ import annotations
@@ -56,12 +57,14 @@ class EngineRouter:
         self._lock = threading.Lock()
         self.last_error: str | None = None
 
-    def choose(self, token_ids: Sequence[int], candidates: Sequence[Candidate]) -> Choice:
+    async def choose(self, token_ids: Sequence[int], candidates: Sequence[Candidate]
+                     ) -> Choice:
         t0 = time.perf_counter()
         if self._client is not None and self._clock() >= self._skip_until:
             try:
-                r = self._client.route(token_ids=token_ids, candidates=candidates,
-                                       policy=self.policy, extra_keys=self.extra_keys)
+                r = await self._client.route_async(
+                    token_ids=token_ids, candidates=candidates, policy=self.policy,
+                    extra_keys=self.extra_keys)
             except KVPoolError as e:
                 self._master_failed(e)
             else:

@@ -1,7 +1,8 @@
 """The gateway's HTTP server (aiohttp): OpenAI's endpoints in front of the engines.
 
-``POST /v1/completions`` and ``/v1/chat/completions``: tokenize the prompt (``prompts.py``) and
-choose an engine (``routing.py``) on a worker thread, forward (``upstream.py``), record. A
+``POST /v1/completions`` and ``/v1/chat/completions``: tokenize the prompt (``prompts.py``; on
+the event loop when small, on a worker thread when large), choose an engine (``routing.py``:
+Route on the master's lookup port, from the loop), forward (``upstream.py``), record. A
 request whose engine fails before answering goes to another engine (the failed ones excluded)
 until its deadline; the engine is marked down until a probe finds it healthy. ``GET
 /v1/models`` (the served model), ``/health`` (200 while an engine is up), ``/metrics``.
@@ -64,6 +65,9 @@ from kvpool.master.routing import CostModel
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 log = get_logger(__name__)
+# A request body up to this size is tokenized on the event loop (at most ~0.5 ms of it);
+# a larger one on a worker thread, so that a long prompt does not hold other requests' streams.
+INLINE_TOKENIZE_BYTES = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +195,6 @@ class Gateway:
         if not isinstance(stream, bool):
             raise BadRequest("`stream` must be true or false", param="stream")
         rid = next(self._ids)
-        loop = asyncio.get_running_loop()
         tokens: list[int] | None = None
         tried: list[str] = []
         record = {"request": rid, "endpoint": endpoint, "stream": stream}
@@ -207,9 +210,8 @@ class Gateway:
             if self.pool.disaggregated:
                 choice = self._decode_choice(tokens, tried)
             else:
-                tokens, choice = await loop.run_in_executor(
-                    self._plans, self._plan, body, to_tokens, tokens,
-                    self.pool.candidates(exclude=tried))
+                tokens, choice = await self._plan(body, raw, to_tokens, tokens,
+                                                  self.pool.candidates(exclude=tried))
             if choice is None:
                 self._count(endpoint, "", 503)
                 raise NoEngine(("every engine failed this request: " + ", ".join(tried))
@@ -261,13 +263,12 @@ class Gateway:
         if "max_completion_tokens" in prefill:
             prefill["max_completion_tokens"] = 1
         raw = json.dumps(prefill).encode()
-        loop = asyncio.get_running_loop()
         tokens: list[int] | None = None
         tried: list[str] = []
         while True:
-            tokens, choice = await loop.run_in_executor(
-                self._plans, self._plan, body, to_tokens, tokens,
-                self.pool.candidates(exclude=tried, role="prefill"))
+            tokens, choice = await self._plan(body, raw, to_tokens, tokens,
+                                              self.pool.candidates(exclude=tried,
+                                                                   role="prefill"))
             if choice is None:
                 self._count(endpoint, "", 503)
                 raise NoEngine(("every prefill engine failed this request: " + ", ".join(tried))
@@ -328,17 +329,22 @@ class Gateway:
         return Choice(instance_id, "decode_least_busy", {"gpu": 0, "cpu": 0, "store": 1},
                       max(0, len(tokens) - 1), time.perf_counter() - t)
 
-    def _plan(self, body: dict, to_tokens: Callable[[dict], list[int]],
-              tokens: list[int] | None, candidates: list[Candidate]
-              ) -> tuple[list[int], Choice | None]:
-        """On a worker thread: tokenize (once per request: a bad prompt is a 400 even with
-        no engine up), then choose an engine (None: no candidate left)."""
+    async def _plan(self, body: dict, raw: bytes, to_tokens: Callable[[dict], list[int]],
+                    tokens: list[int] | None, candidates: list[Candidate]
+                    ) -> tuple[list[int], Choice | None]:
+        """Tokenize (once per request: a bad prompt is a 400 even with no engine up), then
+        choose an engine (None: no candidate left). A small prompt is tokenized on the loop
+        (~1 us a token, less than a hop to a worker thread), a larger one on a worker."""
         if tokens is None:
             try:
-                tokens = to_tokens(body)
+                if len(raw) <= INLINE_TOKENIZE_BYTES:
+                    tokens = to_tokens(body)
+                else:
+                    tokens = await asyncio.get_running_loop().run_in_executor(
+                        self._plans, to_tokens, body)
             except (ValueError, TypeError, OverflowError) as e:   # the tokenizer's complaint
                 raise BadRequest(f"the prompt cannot be tokenized: {e}") from None
-        return tokens, self.router.choose(tokens, candidates) if candidates else None
+        return tokens, await self.router.choose(tokens, candidates) if candidates else None
 
     async def _try(self, request: web.Request, endpoint: str, raw: bytes, stream: bool,
                    deadline: float, tokens: list[int], choice: Choice,

@@ -190,6 +190,16 @@ class GrpcClient:
                 self._fail_over(address, None)
             raise
 
+    async def _call_port_async(self, lookups, method: int, request, response_type):
+        """:meth:`_call_port` on the running event loop."""
+        address = self.address
+        try:
+            return await lookups.try_port_async(address, method, request, response_type)
+        except MasterUnavailable:
+            if self._targets.fails_over:
+                self._fail_over(address, None)
+            raise
+
     def _call(self, method: str, request, *, retry: bool = True, **kw) -> object:
         """Call ``method`` under the deadline; UNAVAILABLE is retried with jittered
         exponential backoff unless ``retry`` is False (streams). UNAVAILABLE also comes from

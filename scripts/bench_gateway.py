@@ -2,8 +2,13 @@
 against the same engine called directly, alternating in one run.
 
     python3 scripts/bench_gateway.py --engine http://127.0.0.1:8000 --model DIR [--master M]
+    python3 scripts/bench_gateway.py --start-vllm      # all of it here: the issue's figure
 
-The engine is an OpenAI server already running (``vllm serve DIR ...``). Without ``--master``
+The engine is an OpenAI server already running (``vllm serve DIR ...``), or with
+``--start-vllm`` one the script starts: a local kvpool cluster, a tiny Llama made in a temporary
+folder (scripts/engines/make_tiny_llama.py) and a real vLLM on CPU in front of it, with the
+kvpool connector and its KV events (the venv of scripts/engines/vllm-env.sh, built once, ~3
+min; the engine takes ~1 min to start). Without ``--master``
 the script starts a local kvpool cluster (one node) and registers the hash spec, so every
 request pays for Route as in production; then it starts the gateway (a separate process, in
 front of that one engine) and sends ``--requests`` streamed completions to each, alternating
@@ -98,6 +103,9 @@ def main() -> int:
     p.add_argument("--stand-in", action="store_true",
                    help="start a stand-in engine that answers at once (scripts/stand_in_engine"
                         ".py) and measure against it: the gateway's own overhead")
+    p.add_argument("--start-vllm", action="store_true",
+                   help="start a kvpool cluster and a real vLLM (CPU, a tiny Llama) and "
+                        "measure against it")
     p.add_argument("--prefill", help="disaggregated: the prefill engine's URL (kv_producer)")
     p.add_argument("--decode", help="disaggregated: the decode engine's URL (kv_consumer)")
     p.add_argument("--model", help="the model folder the engine serves (with --stand-in: "
@@ -123,11 +131,18 @@ def main() -> int:
             p.error("disaggregated: give --prefill, --decode, --master (the engines' "
                     "master) and --model, not --engine")
         return disaggregated(a, a.served_model_name or a.model)
-    if bool(a.engine) == a.stand_in:
-        p.error("give --engine URL or --stand-in, or --prefill URL --decode URL --master M")
-    if a.model is None and not a.stand_in:
+    if (bool(a.engine) + a.stand_in + a.start_vllm) != 1:
+        p.error("give one of --engine URL, --stand-in, --start-vllm, or --prefill URL "
+                "--decode URL --master M")
+    if a.model is None and a.engine:
         p.error("give --model DIR: the engine's model folder")
+    if a.start_vllm and (a.model or a.master):
+        p.error("--start-vllm makes its own model and cluster: give neither --model nor "
+                "--master")
     with contextlib.ExitStack() as stack:
+        if a.start_vllm:
+            a.engine, a.model, a.master = stack.enter_context(vllm_engine())
+            a.served_model_name = "tiny"
         if a.stand_in:
             a.engine = stack.enter_context(stand_in())
             if a.model is None:
@@ -149,6 +164,36 @@ def stand_in():
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def vllm_engine():
+    """A local kvpool cluster and a real vLLM on CPU (a tiny Llama, the kvpool connector, its
+    KV events to the cluster's master); yields the engine's URL, the model folder and the
+    master."""
+    from kvpool.client.router import RouterClient
+    from kvpool.common.hashing import HashSpec
+    from kvpool.tools import vllm_server
+    from kvpool.tools.cluster import LocalCluster
+    python = subprocess.run(["bash", str(HERE / "engines" / "vllm-env.sh")], check=True,
+                            stdout=subprocess.PIPE, text=True).stdout.strip()
+    with tempfile.TemporaryDirectory(prefix="bench-gateway-vllm-") as tmp, \
+            LocalCluster(nodes=1, segment_size="64MiB", log_dir=Path(tmp) / "cluster") as c:
+        model = Path(tmp) / "tiny-llama"
+        print("bench: making the tiny Llama, starting vLLM (~1 min)", file=sys.stderr)
+        subprocess.run([python, str(HERE / "engines" / "make_tiny_llama.py"), str(model)],
+                       check=True, capture_output=True, timeout=300)
+        log = Path(tmp) / "engine.log"
+        proc, url = vllm_server.start_server(
+            python, str(model), log, master=c.master, events_port=vllm_server.free_port(),
+            served_model_name="tiny", max_model_len=512, timeout_s=2.0)
+        try:
+            vllm_server.wait_healthy(url, proc, log, 300)
+            with RouterClient(c.master) as router:    # as a serving set-up would have
+                router.register(HashSpec.of(vllm_server.BLOCK_TOKENS, model="tiny"))
+            yield url, str(model), c.master
+        finally:
+            vllm_server.stop_groups([proc])
 
 
 @contextlib.contextmanager
@@ -221,8 +266,12 @@ def colocated(a: argparse.Namespace, name: str) -> int:
                   f"(its log, {len(values)} requests)")
     policies = collections.Counter(row.get("policy", "?") for row in served)
     print("policies that chose the engine: " + ", ".join(f"{p} {n}" for p, n in policies.most_common())
-          + ("  (fallback: Route was not asked; see the gateway's route_unavailable line)"
-             if "fallback_least_loaded" in policies else ""))
+          + ("  (fallback: Route was not asked)" if "fallback_least_loaded" in policies
+             else ""))
+    for row in err.splitlines():
+        if "route_unavailable" in row:
+            print(f"gateway: {row.strip()}")
+            break
     paired = [g - d for g, d in zip(ttft["gateway"], ttft["direct"])]
     print(f"added TTFT p50: {(g50 - d50) * 1e3:.2f} ms (p50 through the gateway - p50 direct); "
           f"median of the paired differences {statistics.median(paired) * 1e3:.2f} ms")

@@ -5,6 +5,7 @@ CA (a tenant's client, another node) or none at all."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -15,7 +16,7 @@ import urllib.request
 import grpc
 import pytest
 from kvpool.client import KVClient
-from kvpool.client.router import RouterClient
+from kvpool.client.router import Candidate, RouterClient
 from kvpool.common import pki, security
 from kvpool.common.errors import (
     KVPoolError,
@@ -23,6 +24,7 @@ from kvpool.common.errors import (
     PermissionDenied,
     Unauthenticated,
 )
+from kvpool.common.hashing import HashSpec
 from kvpool.common.types import ObjectRecord
 from kvpool.net import lookup_port
 from kvpool.net.sockets import recv_exact
@@ -305,6 +307,16 @@ def test_bearer_tokens_on_the_token_port(tmp_path):
                 kv.put(f"by-token-{i}", VALUE)
                 assert kv.get(f"by-token-{i}") == VALUE
             assert _lookup_calls(c) - before >= 9   # PutStart, PutEnd, GetReplicas each
+        # The gateway's Route, sent from its event loop, authenticates there the same way.
+        with RouterClient(address, timeout_s=5.0, credentials=str(token)) as router:
+            router.register(HashSpec.of(16, model="m"))
+
+            async def routes() -> list[str]:
+                return [(await router.route_async(block_hashes=[b"x" * 32],
+                                                  candidates=[Candidate("e")])).instance_id
+                        for _ in range(2)]
+            assert asyncio.run(routes()) == ["e", "e"]
+            assert router._lookups.channel._idle_async, "Route did not use the lookup port"
         # On that port, a connection without a certificate is refused every call until it
         # authenticates, and a wrong token is refused.
         host = address.rpartition(":")[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import numpy as np
@@ -129,3 +130,30 @@ def test_silent_instances_age_out_of_a_running_master():
     finally:
         asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
+
+
+def test_route_async_answers_as_route_on_the_lookup_port_from_the_loop(cluster):
+    """The gateway's Route: gRPC on a worker thread until an answer names the lookup port,
+    then on the port from the event loop itself; answers and refusals as the blocking call's."""
+    spec = HashSpec.of(BS, model="m")
+    hashes = spec.hashes(list(range(4 * BS)))
+    idle = [Candidate("engine-a"), Candidate("engine-b")]
+    with RouterClient(cluster.master) as router:
+        router.register(spec)
+        router.publish("engine-b", [BlockStored(tuple(hashes[:3]))])
+        expected = router.route(block_hashes=hashes, candidates=idle)
+        assert expected.instance_id == "engine-b" and expected.hits["gpu"] == 3
+
+    async def twice(r: RouterClient) -> list:
+        got = [await r.route_async(block_hashes=hashes, candidates=idle) for _ in range(2)]
+        with pytest.raises(InvalidArgument, match="unknown routing policy"):
+            await r.route_async(block_hashes=hashes, policy="nope")
+        return got
+
+    with RouterClient(cluster.master) as fresh:   # knows no port yet: gRPC first
+        assert fresh._lookups.channel is None
+        got = asyncio.run(twice(fresh))
+        channel = fresh._lookups.channel
+        assert channel is not None and channel._idle_async, \
+            "the second Route did not go on the lookup port"
+    assert got == [expected, expected]
