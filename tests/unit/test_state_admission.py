@@ -190,3 +190,38 @@ def test_limits_are_validated():
     with pytest.raises(ConfigError, match="max_lease_s"):
         MasterConfig(lease_ttl_s=10, max_lease_s=5)
     assert MasterConfig().max_pending_fraction == 0.5 and MasterConfig().max_lease_s == 60.0
+
+
+def test_leases_extended_at_random_are_looked_at_once_per_end(clock):
+    """One lookup leases 256 objects at once; then each is re-read now and then, extending
+    its lease. Closing leases looks at an extended lease again only when its new end comes,
+    not at every other end among the ones leased with it (that was a list's credits squared:
+    under steady re-reads, 40% of a lookup's time on the master). Every leased byte is
+    released once the reads stop."""
+    import random
+
+    class CountingDict(dict):
+        gets = 0
+
+        def get(self, key, default=None):
+            CountingDict.gets += 1
+            return super().get(key, default)
+
+    state = two_nodes(clock, max_lease_s=1000.0)
+    keys = fill_small(state, n=256, size=64)
+    state._leasing.running = CountingDict(state._leasing.running)
+    state.locate_columns(keys)
+    rng = random.Random(0)
+    reads = 2000
+    for _ in range(reads):   # 40 s, each object re-read every ~5 s (its lease: LEASE_S)
+        state.locate_columns([rng.choice(keys)])
+        clock.advance(0.02)
+    # The lookups' own gets are one per key read; the rest are the expiry's.
+    looked_at = CountingDict.gets - reads - len(keys)
+    assert looked_at <= 3 * (reads + len(keys)), looked_at
+    segs = [state._segments[s] for s in ("s1", "s2")]
+    assert sum(s.leased_bytes for s in segs) > 0
+    clock.advance(LEASE_S + 1.0)
+    state.tick()
+    assert [s.leased_bytes for s in segs] == [0, 0]
+    assert len(state._leasing) == 0
