@@ -71,20 +71,17 @@ class LookupChannel:
             sock, reused = self._connection()
             try:
                 sock.sendall(frame)
-                header = recv_exact(sock, lookup_port.RESPONSE.size, "the master")
-                status, length = lookup_port.RESPONSE.unpack(header)
-                if length > lookup_port.MAX_BODY_BYTES:
-                    raise LookupLost(f"an answer of {length} bytes")
+                status, length = _header(recv_exact(sock, lookup_port.RESPONSE.size,
+                                                    "the master"))
                 body = recv_exact(sock, length, "the master")
                 break
             except TimeoutError:
                 sock.close()
-                raise MasterUnavailable(f"master {self.target[0]}: lookup took longer than "
-                                        f"{self._timeout_s:g}s") from None
+                raise self._too_slow() from None
             except OSError as e:
                 sock.close()
                 if not reused:
-                    raise LookupLost(f"lookup port {self._endpoint[1]}: {e}") from None
+                    raise self._lost(e) from None
                 # A kept connection the master dropped (it restarted on the same port, say):
                 # once more on a new one. Asking twice is harmless: a lookup only leases.
             except BaseException:
@@ -102,20 +99,17 @@ class LookupChannel:
             try:
                 async with asyncio.timeout(self._timeout_s):
                     writer.write(frame)
-                    header = await reader.readexactly(lookup_port.RESPONSE.size)
-                    status, length = lookup_port.RESPONSE.unpack(header)
-                    if length > lookup_port.MAX_BODY_BYTES:
-                        raise LookupLost(f"an answer of {length} bytes")
+                    status, length = _header(
+                        await reader.readexactly(lookup_port.RESPONSE.size))
                     body = await reader.readexactly(length)
                 break
             except TimeoutError:
                 writer.close()
-                raise MasterUnavailable(f"master {self.target[0]}: lookup took longer than "
-                                        f"{self._timeout_s:g}s") from None
+                raise self._too_slow() from None
             except (OSError, asyncio.IncompleteReadError) as e:
                 writer.close()
-                if not reused:
-                    raise LookupLost(f"lookup port {self._endpoint[1]}: {e}") from None
+                if not reused:   # a kept connection the master dropped: once more, as call
+                    raise self._lost(e) from None
             except BaseException:
                 writer.close()
                 raise
@@ -156,6 +150,13 @@ class LookupChannel:
         except OSError as e:
             raise LookupLost(f"lookup port {self._endpoint[1]}: {e}") from None
         return self._answer(status, body, response_type, "stream")
+
+    def _too_slow(self) -> MasterUnavailable:
+        return MasterUnavailable(f"master {self.target[0]}: lookup took longer than "
+                                 f"{self._timeout_s:g}s")
+
+    def _lost(self, e: BaseException | str) -> LookupLost:
+        return LookupLost(f"lookup port {self._endpoint[1]}: {e}")
 
     def _answer(self, status: int, body: bytes, response_type: type[M], what: str) -> M:
         if status == 0:
@@ -212,11 +213,10 @@ class LookupChannel:
                     message = await reader.readexactly(min(length, 4096)) if length else b""
             except (OSError, TimeoutError, asyncio.IncompleteReadError) as e:
                 writer.close()
-                raise LookupLost(f"lookup port {self._endpoint[1]}: token: {e}") from None
+                raise self._lost(f"token: {e}") from None
             if status != 0:
                 writer.close()
-                raise LookupLost(f"lookup port {self._endpoint[1]} refused the token: "
-                                 f"{message.decode('utf-8', 'replace')}")
+                raise self._refused_token(message)
         return (reader, writer), False
 
     def _connect(self) -> tuple[socket.socket, bool]:
@@ -246,11 +246,14 @@ class LookupChannel:
             message = recv_exact(sock, min(length, 4096), "the master") if length else b""
         except OSError as e:
             sock.close()
-            raise LookupLost(f"lookup port {self._endpoint[1]}: token: {e}") from None
+            raise self._lost(f"token: {e}") from None
         if status != 0:
             sock.close()
-            raise LookupLost(f"lookup port {self._endpoint[1]} refused the token: "
-                             f"{message.decode('utf-8', 'replace')}")
+            raise self._refused_token(message)
+
+    def _refused_token(self, message: bytes) -> LookupLost:
+        return LookupLost(f"lookup port {self._endpoint[1]} refused the token: "
+                          f"{message.decode('utf-8', 'replace')}")
 
     def _release(self, sock: socket.socket) -> None:
         with self._lock:
@@ -258,6 +261,14 @@ class LookupChannel:
                 self._idle.append(sock)
                 return
         sock.close()
+
+
+def _header(header: bytes) -> tuple[int, int]:
+    """An answer's (status, body length); LookupLost past the port's limit."""
+    status, length = lookup_port.RESPONSE.unpack(header)
+    if length > lookup_port.MAX_BODY_BYTES:
+        raise LookupLost(f"an answer of {length} bytes")
+    return status, length
 
 
 class Lookups:
