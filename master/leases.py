@@ -97,6 +97,8 @@ class Leases:
     def _bucket(self, at: float) -> list[_Credit]:
         """The credits due in ``at``'s bucket (looked at once it has passed)."""
         b = math.ceil(at / BUCKET_S)
+        if b * BUCKET_S < at:   # a quotient rounded down: never a bucket due before ``at``
+            b += 1              # (expire() puts an extended credit back while it runs)
         credits = self._buckets.get(b)
         if credits is None:
             credits = self._buckets[b] = []
