@@ -93,7 +93,11 @@ class Engine:
                 raise AssertionError(f"engine exited ({self.proc.wait()}); log tail:\n"
                                      + self.log_path.read_text()[-4000:])
             if line.startswith("DRIVER "):
-                answer = json.loads(line[len("DRIVER "):])
+                # The answer is the line's first JSON value; anything after it is a log line
+                # that another thread of the engine wrote into the same line.
+                answer, end = json.JSONDecoder().raw_decode(line, len("DRIVER "))
+                if line[end:].strip():
+                    logs.append(line[end:])
                 answer["logs"] = logs
                 return answer
             logs.append(line)

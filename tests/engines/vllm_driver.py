@@ -24,7 +24,10 @@ BLOCK_SIZE = 32
 
 
 def _say(obj: dict) -> None:
-    print(MARK + json.dumps(obj), flush=True)
+    # One write, newline included: print() writes the newline apart, and a log line from
+    # another thread (the connector's) landed between the two once (CI, session 15).
+    sys.stdout.write(MARK + json.dumps(obj) + "\n")
+    sys.stdout.flush()
 
 
 def block_keys(model: str, prompt: list[int], version: int = 2) -> list[str]:
