@@ -297,26 +297,36 @@ def test_a_trace_replayed_through_the_gateway_reports_measured_beside_predicted(
 def test_an_engine_killed_mid_run_fails_over(setup):
     gw = setup.gateway
     bodies = [completion(words(10, 20 + i), max_tokens=450) for i in range(4)]
-    def inflight(engines: str = "ab") -> float:
-        return sum(gw.metric("kvpool_gateway_inflight_requests", engine=e) for e in engines)
+
+    def inflight() -> dict[str, float]:
+        """Requests in flight per engine, from one scrape (a request on a must still be
+        running when a is killed: under load each scrape takes a while)."""
+        _, _, page = gw.request("GET", "/metrics")
+        found = dict.fromkeys("ab", 0.0)
+        for line in page.decode().splitlines():
+            if line.startswith("kvpool_gateway_inflight_requests{"):
+                for e in found:
+                    if f'engine="{e}"' in line:
+                        found[e] += float(line.rsplit(" ", 1)[1])
+        return found
 
     with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
         # One after the other, each routed once the ones before count as load (sent together,
         # all could be routed before any did, to the same idle engine), until one is being
-        # generated on a. Route may well send the second to b too: what each engine measured
-        # of its own speed earlier in this module weighs against b's one running request.
+        # served by a; a is killed at once. Route may well send the second to b too: what each
+        # engine measured of its own speed earlier in this module weighs against b's one
+        # running request.
         futures = []
         for body in bodies:
             futures.append(pool.submit(gw.post, "/v1/completions", body))
             deadline = time.monotonic() + 10
-            while inflight() < len(futures):
+            while sum((now := inflight()).values()) < len(futures):
                 assert time.monotonic() < deadline, "a request never started"
-                time.sleep(0.05)
-            if inflight("a") >= 1:
+                time.sleep(0.02)
+            if now["a"] >= 1:
+                setup.engines["a"].kill()
                 break
-        assert inflight("a") >= 1, "no request went to a"
-        time.sleep(0.2)
-        setup.engines["a"].kill()
+        assert now["a"] >= 1, "no request went to a"
         answers = [f.result(timeout=120) for f in futures]
     assert [status for status, _, _ in answers] == [200] * len(futures)
     assert [headers["x-kvpool-engine"] for _, headers, _ in answers] == ["b"] * len(futures)
