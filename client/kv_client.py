@@ -13,23 +13,28 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Self
 
 import numpy as np
 from kvpool.client.buffers import address_of, byte_view, writable_rows
 from kvpool.client.metrics import client_metrics
+from kvpool.client.slots import Slot, SlotPool
 from kvpool.client.transport.base import IoOp, Transport
 from kvpool.client.transport.registry import TRANSPORT_PREFERENCE, create_transports
 from kvpool.common import tenants
 from kvpool.common.checksum import checksum
 from kvpool.common.errors import (
+    AlreadyExists,
     ClientClosed,
     CorruptObject,
     InvalidArgument,
     KVPoolError,
+    MasterUnavailable,
     NodeRefused,
     NodeUnavailable,
     NotPending,
+    QuotaExceeded,
     TransportError,
 )
 from kvpool.common.types import MAX_KEY_BYTES, ObjectView, Replica, validate_key
@@ -57,6 +62,20 @@ _PUT_DEADLINE_MARGIN_S = 0.5
 # "acknowledged" puts in test_master_restart; they had been evicted, the faster puts having
 # filled that test's cluster past its watermark. The test now writes within a budget.)
 SEAL_MAX_KEYS = 4
+# A slot that could not be filled: the put goes the usual way.
+_AGAIN = object()
+
+
+@dataclass(frozen=True, slots=True)
+class _Unsure:
+    """A slot filled and sealed whose commit the master never answered: the put goes the
+    usual way, and an AlreadyExists there is this put's own if the key is stored at the
+    slot's version and size."""
+
+    version: int
+    size: int
+
+
 # Keys of at most this many characters are valid whatever they hold (4 bytes a character).
 _SHORT_KEY_CHARS = MAX_KEY_BYTES // 4
 
@@ -66,14 +85,18 @@ class KVClient:
 
     def __init__(self, master: str, *, replicas: int = 0,
                  transports: Sequence[str | Transport] | None = None, timeout_s: float = 10.0,
-                 metrics: CollectorRegistry | None = None, credentials: str | None = None):
+                 metrics: CollectorRegistry | None = None, credentials: str | None = None,
+                 put_slots: bool = True):
         """``replicas``: copies per put (0 = the master's default). ``transports``: schemes
         (or Transport instances) to use; whatever the order given, the client prefers shm,
         then rdma, then tcp per replica (default: every transport available here).
         ``metrics``: a Prometheus registry (e.g. ``prometheus_client.REGISTRY``) to count
         this client's keys, bytes and call times in (client/metrics.py); None: not counted.
         ``credentials``: a credentials file (SECURITY.md); by default ``KVPOOL_CREDENTIALS``,
-        else those a local cluster of this user registered for ``master``, else none."""
+        else those a local cluster of this user registered for ``master``, else none.
+        ``put_slots``: single puts of up to 4 MiB over shm fill space reserved ahead
+        (client/slots.py: one round trip a put; a few slots of each size held as puts
+        started); False: every put asks the master first."""
         self._metrics = None if metrics is None else client_metrics(metrics)
         self._master = MasterClient(master, timeout_s=timeout_s, credentials=credentials)
         given = [t for t in transports or () if isinstance(t, Transport)]
@@ -89,6 +112,9 @@ class KVClient:
         # Every transport hands its nodes the put itself (RESERVE, SEAL): the master then
         # answers PutStart and PutEnd without waiting for the nodes (DESIGN.md, Put).
         self._fenced = all(t.seals for t in self._transports)
+        # Single small puts fill slots reserved ahead (client/slots.py): one round trip.
+        self._slots = SlotPool(self._master, self._transport_for, replicas) \
+            if put_slots and self._fenced and any(t.slots for t in self._transports) else None
         self._unreachable: dict[str, float] = {}   # node id -> until when it is tried last
         self._replicas = replicas
         self._closed = False
@@ -112,6 +138,8 @@ class KVClient:
             if self._closed:
                 return
             self._closed = True
+        if self._slots is not None:
+            self._slots.close()
         for t in self._transports:
             t.close()
         self._master.close()
@@ -212,7 +240,8 @@ class KVClient:
         return results
 
     def _put(self, keys: Sequence[str], values: Sequence, replicas: int | None,
-             parents: Sequence[str | None] | None) -> list[KVPoolError | None]:
+             parents: Sequence[str | None] | None, *, slots: bool = True
+             ) -> list[KVPoolError | None]:
         self._check_open()
         if len(keys) != len(values):
             raise InvalidArgument(f"{len(keys)} keys but {len(values)} values")
@@ -234,6 +263,20 @@ class KVClient:
         if not views:
             return results
         idx = list(views)
+        if len(idx) == 1 and slots and self._slots is not None \
+                and replicas in (None, self._replicas):
+            i = idx[0]
+            slot = self._slots.take(views[i].nbytes)
+            if slot is not None:
+                result = self._put_in_slot(keys[i], views[i], parents[i] if parents else None,
+                                           slot)
+                if isinstance(result, _Unsure):   # our seal may be what the master indexed
+                    results[i] = self._put_after_unsure(keys[i], views[i], parents, replicas,
+                                                        result)
+                    return results
+                if result is not _AGAIN:
+                    results[i] = result
+                    return results
         fenced = self._fenced and len(idx) <= SEAL_MAX_KEYS
         sent = time.monotonic()
         placed, put_timeout_s, grant = self._master.put_start_grant(
@@ -306,6 +349,64 @@ class KVClient:
         if self._metrics is not None:
             self._metrics.moved("put", t.scheme, op.buffer.nbytes)
         return None
+
+    def _put_in_slot(self, key: str, view: memoryview, parent: str | None, slot: Slot):
+        """A single put into a slot (client/slots.py): the copy, then the SEAL at the node and
+        the master's commit of the slot as ``key``, overlapped. Its error, None, ``_AGAIN``
+        (no transport reaches the slot: the put goes the usual way) or ``_Unsure``: the slot
+        could not be filled (its master is gone or did not answer, the slot expired, the
+        node refused the seal); the put goes the usual way, and our seal may be what a
+        master indexes meanwhile (a restarted one indexes what nodes announce)."""
+        op = slot.op(view)
+        t = self._transport_for(op.replica)
+        if t is None or not t.slots:
+            self._slots.discard(slot)
+            return _AGAIN
+        unsure = _Unsure(slot.record.version, view.nbytes)
+        ended: list[KVPoolError | None] = []
+
+        def commit(crc: int) -> None:
+            if time.monotonic() <= slot.deadline:   # else the master may be reclaiming it
+                ended.extend(self._master.put_end(
+                    [slot.key], [crc], sealed=True, as_keys=[key], sizes=[view.nbytes],
+                    parents=[parent] if parent else None))
+
+        try:
+            error, _, _ = t.write_sealed_then(op, slot.record_of(key, parent), commit,
+                                              reserved=True)
+        except MasterUnavailable:
+            self._slots.reset()
+            return unsure
+        if not ended:   # not committed: the copy failed, or came too late
+            self._slots.discard(slot)
+            return unsure
+        if isinstance(ended[0], (AlreadyExists, InvalidArgument, QuotaExceeded)):
+            return ended[0]   # the key's own answer (the master released the slot)
+        if ended[0] is not None:   # the slot was reclaimed, or its master is gone
+            self._slots.reset()
+            return unsure
+        if error is not None:   # committed, but the node did not take the record
+            with contextlib.suppress(KVPoolError):
+                self._master.remove([key])
+            self._slots.reset()
+            return unsure
+        if self._metrics is not None:
+            self._metrics.moved("put", t.scheme, view.nbytes)
+        return None
+
+    def _put_after_unsure(self, key: str, view: memoryview, parents, replicas: int | None,
+                          unsure: _Unsure) -> KVPoolError | None:
+        """The usual put of ``key`` after its slot could not be filled: if it finds the key
+        stored at the slot's version and size, the slot's seal was indexed, and the put is
+        done."""
+        [result] = self._put([key], [view], replicas, parents, slots=False)
+        if isinstance(result, AlreadyExists):
+            with contextlib.suppress(KVPoolError):
+                [found] = self._master.locate([key]).views()
+                if not isinstance(found, KVPoolError) and \
+                        (found.version, found.size) == (unsure.version, unsure.size):
+                    return None
+        return result
 
     def _write_placed(self, keys: Sequence[str], idx: list[int], views: dict[int, memoryview],
                       placed: list, results: list, deadline: float,

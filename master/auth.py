@@ -120,7 +120,11 @@ def scope(method: str, identity: Identity | None, request) -> None:
     if keys is not None:
         del request.keys[:]
         request.keys.extend(keys)
-    if method == "PutStart" and request.parents:
+    if method == "PutEnd" and request.as_keys:   # the keys its slots are filled with
+        as_keys = [tenants.scoped(name, k) for k in request.as_keys]
+        del request.as_keys[:]
+        request.as_keys.extend(as_keys)
+    if method in ("PutStart", "PutEnd") and request.parents:
         parents = [tenants.scoped(name, p) if p else "" for p in request.parents]
         del request.parents[:]
         request.parents.extend(parents)

@@ -142,6 +142,17 @@ class ObjectIndex:
     def new_version(self) -> int:
         return next(self._versions)
 
+    def rename(self, obj: ObjectEntry, key: str, size: int) -> None:
+        """A PENDING slot is ``key``'s object of ``size`` bytes from now on (its writer filled
+        it: MasterState.put_end ``as_keys``)."""
+        del self.objects[obj.key]
+        self.tenants.removed(obj.key, obj.size)
+        if len(self._sizes) < _MAX_SHARED_SIZES:
+            size = self._sizes.setdefault(size, size)
+        obj.key, obj.size = key, size
+        self.objects[key] = obj
+        self.tenants.added(key, size)
+
     def commit(self, obj: ObjectEntry, checksum: int | None) -> None:
         obj.seal = checksum
         self.pending -= 1

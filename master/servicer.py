@@ -273,7 +273,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         results = self._state.put_start_extents(list(request.keys), list(request.sizes),
                                                 request.replicas or None,
                                                 list(request.parents) if request.parents
-                                                else None)
+                                                else None, slots=request.slots)
         statuses, counts, segment_ids, offsets = [], [], [], []
         for r in results:
             if isinstance(r, KVPoolError):
@@ -314,8 +314,12 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         sums = [checksum.decode(c) for c in request.checksums] if request.checksums else None
         if sums is not None and len(sums) != len(request.keys):
             raise InvalidArgument(f"{len(request.keys)} keys but {len(sums)} checksums")
-        return pb.StatusesResponse(statuses=map(_status, self._state.put_end(list(request.keys),
-                                                                              sums)))
+        if not request.as_keys:
+            return pb.StatusesResponse(statuses=map(_status, self._state.put_end(
+                list(request.keys), sums)))
+        return pb.StatusesResponse(statuses=map(_status, self._state.put_end(
+            list(request.keys), sums, list(request.as_keys), list(request.sizes),
+            list(request.parents) if request.parents else None)))
 
     @mutation
     async def PutRevoke(self, request, context):

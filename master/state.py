@@ -53,6 +53,10 @@ from kvpool.master.space import Space
 from kvpool.master.tiers import Tiers
 
 T = TypeVar("T")
+# Slots (PutStart ``slots``: space writers hold ahead of single puts, client/slots.py) are
+# made only while puts started hold less than this share of max_pending_fraction's limit
+# (the tenant's too): the rest stays for the puts themselves.
+SLOT_SHARE = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,10 +288,13 @@ class MasterState:
 
     def put_start_extents(self, keys: Sequence[str], sizes: Sequence[int],
                           replicas: int | None = None,
-                          parents: Sequence[str | None] | None = None
+                          parents: Sequence[str | None] | None = None, *, slots: bool = False
                           ) -> list[list[Extent] | KVPoolError]:
         """:meth:`put_start` with each placement as its extents (PutStart's columns are
-        built from them, and segment descriptors once per segment: :meth:`replica_in`)."""
+        built from them, and segment descriptors once per segment: :meth:`replica_in`).
+        ``slots``: the keys are placeholders their writer fills later with keys of its own
+        (:meth:`put_end` ``as_keys``); each gets a version of its own, and no node is told
+        (the writer reserves each slot at its node before writing into it)."""
         if len(keys) != len(sizes):
             raise InvalidArgument(f"{len(keys)} keys but {len(sizes)} sizes")
         if parents is not None and len(parents) != len(keys):
@@ -305,17 +312,36 @@ class MasterState:
         # and one shared int object saves 32 bytes per indexed object over one each.
         version = self._index.new_version()
         where: dict[int, tuple] = {}   # size -> open segments and those it fits (below)
-        out = [_attempt(self._put_one, key, size, n, now, seen, started, version, where,
-                        parents[i] if parents is not None else None)
+        new_version = self._index.new_version if slots else None
+        out = [_attempt(self._put_one, key, size, n, now, seen, started,
+                        new_version() if new_version else version, where,
+                        parents[i] if parents is not None else None, slots)
                for i, (key, size) in enumerate(zip(keys, sizes))]
         if started:
             self._space.put_deadline(now + self._config.put_timeout_s, started)
         return out
 
-    def put_end(self, keys: Sequence[str], checksums: Sequence[int | None] | None = None
-                ) -> list[KVPoolError | None]:
+    def put_end(self, keys: Sequence[str], checksums: Sequence[int | None] | None = None,
+                as_keys: Sequence[str] | None = None, sizes: Sequence[int] | None = None,
+                parents: Sequence[str | None] | None = None) -> list[KVPoolError | None]:
         """Commit PENDING objects: readable and evictable from now on. ``checksums``: the
-        CRC-32C of each object's bytes as the writer computed it (None: not computed)."""
+        CRC-32C of each object's bytes as the writer computed it (None: not computed).
+        ``as_keys`` (with ``sizes``, and ``parents`` or None): each of ``keys`` is a slot
+        (:meth:`put_start_extents` ``slots``) its writer filled with the value of
+        ``as_keys[i]``, of ``sizes[i]`` bytes; the slot is committed as that key, and the
+        rest of its space is freed. A slot that cannot be (the key is stored, or invalid) is
+        released into quarantine: its writer may have sealed the key in it at its node."""
+        if as_keys is not None:
+            n = len(keys)
+            if checksums is None or sizes is None or len(checksums) != n \
+                    or len(as_keys) != n or len(sizes) != n \
+                    or (parents is not None and len(parents) != n):
+                raise InvalidArgument(f"{n} slots need as many keys, sizes and checksums")
+            now = self._clock()
+            return [_attempt(self._fill_slot_one, slot, c, key, size,
+                             parents[i] if parents is not None else None, now)
+                    for i, (slot, c, key, size) in enumerate(zip(keys, checksums, as_keys,
+                                                                 sizes))]
         if checksums is None:
             return [_attempt(self._put_end_one, key, None) for key in keys]
         if len(checksums) != len(keys):
@@ -454,7 +480,7 @@ class MasterState:
 
     def _put_one(self, key: str, size: int, n: int, now: float, seen: set[str],
                  started: list[ObjectEntry], version: int, where: dict[int, tuple],
-                 parent: str | None = None) -> list[Extent]:
+                 parent: str | None = None, slot: bool = False) -> list[Extent]:
         validate_key(key)
         # Before any other check, so a repeated key is refused whatever happened to the first.
         if key in seen:
@@ -489,7 +515,7 @@ class MasterState:
             # never succeed.
             raise NoSpace(f"{key!r}: fewer than {n} nodes have a segment of {size} bytes")
         self._index.tenants.check(key, size)
-        self._check_pending_limit(key, size, n)
+        self._check_pending_limit(key, size, n, SLOT_SHARE if slot else 1.0)
         extents = self._pressure.place(size, n, fits, now)
         if extents is None and not self._pressure.admits(size, n, fits):
             self._refused_why = (f"refused before evicting anything: evicting every evictable "
@@ -503,23 +529,28 @@ class MasterState:
         obj = self._index.add(key, size, extents, fresh_version=version, parent=parent or None)
         self._space.pending.credit(obj)
         # Until its writer is surely done (its put reclaimed, then quarantined), a restarted
-        # master must not hand this space out: the nodes keep a reservation of it.
+        # master must not hand this space out: the nodes keep a reservation of it. Not of a
+        # slot: its writer reserves it, and this one, arriving after the writer sealed
+        # another key in it, would drop that seal.
         until = now + self._config.put_timeout_s + self._config.quarantine_s
         for e in extents:
             seg = self._segments[e.segment_id]
             seg.objects += 1
-            if seg.manifest is not None:
+            if seg.manifest is not None and not slot:
                 seg.manifest.append(Reservation(key, e.segment_id, e.offset, e.length, until))
         started.append(obj)
         return extents
 
-    def _check_pending_limit(self, key: str, size: int, n: int) -> None:
+    def _check_pending_limit(self, key: str, size: int, n: int, share: float = 1.0) -> None:
         """NoSpace if this put would take PENDING puts (and the quarantine of reclaimed ones)
-        past ``max_pending_fraction`` of the capacity."""
+        past ``max_pending_fraction`` of the capacity (``share`` of that: a slot's limit)."""
         space = self._space
         held = space.pending.total_bytes + space.abandoned_bytes
         need = n * (-(-size // self._config.alignment_bytes) * self._config.alignment_bytes)
-        if held + need > self._pending_limit:
+        if held + need > share * self._pending_limit:
+            if share < 1.0:
+                raise NoSpace(f"{key!r}: slots are made only while puts started hold less "
+                              f"than {share} of max_pending_fraction's limit")
             self._refused_why = (
                 f"refused before evicting anything: puts started and not ended (and the "
                 f"quarantine of those timed out) would pass max_pending_fraction "
@@ -539,12 +570,12 @@ class MasterState:
             return   # the default tenant alone: its share is the capacity, checked above
         tenant = tenant_of(key)[0]
         mine = space.pending.tenant_bytes(tenant)
-        share = tenants.share(tenant, self._capacity)
-        if mine + need > self._config.max_pending_fraction * share:
+        tenant_share = tenants.share(tenant, self._capacity)
+        if mine + need > share * self._config.max_pending_fraction * tenant_share:
             raise QuotaExceeded(
                 f"{key!r}: tenant {tenant!r} has {mine} bytes in puts started and not ended; "
                 f"{need} more would pass max_pending_fraction "
-                f"{self._config.max_pending_fraction} of its share of {share} bytes (its "
+                f"{self._config.max_pending_fraction} of its share of {tenant_share} bytes (its "
                 "quota, or an equal part of the capacity among the tenants holding objects). "
                 "End or revoke puts before starting more")
 
@@ -572,6 +603,38 @@ class MasterState:
         # than the lookup (the answer carries the status only).
         return ObjectNotFound(f"{key!r} not found" if len(key) <= 128
                               else f"{key[:96]!r}... ({len(key)} characters) not found")
+
+    def _fill_slot_one(self, slot: str, checksum: int | None, key: str, size: int,
+                       parent: str | None, now: float) -> None:
+        obj = self._index.pending_entry(slot)
+        try:
+            validate_key(key)
+            if parent:
+                validate_key(parent)
+                if parent == key:
+                    raise InvalidArgument(f"{key!r} names itself as its parent")
+            if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= obj.size:
+                raise InvalidArgument(f"{key!r}: {size!r} bytes do not fit its slot of "
+                                      f"{obj.size}")
+            if self._index.more.get(obj) or tenant_of(key)[0] != tenant_of(slot)[0]:
+                raise InvalidArgument(f"{key!r}: {slot!r} is not a slot of its tenant")
+            if key in self._objects:
+                raise AlreadyExists(f"{key!r} already exists")
+        except KVPoolError:
+            # Its writer may have sealed ``key`` in the slot at its node: the quarantine's
+            # reservation drops that seal there, and keeps the space out of reuse meanwhile.
+            self._space.free_later(self._unindex(obj), now + self._config.quarantine_s,
+                                   abandoned=True)
+            raise
+        self._space.pending.debit(obj)
+        seg = self._segments[obj.segment_id]
+        slot_bytes, used = seg.allocator.aligned_size(obj.size), seg.allocator.aligned_size(size)
+        self._index.rename(obj, key, size)
+        if used < slot_bytes:
+            seg.allocator.free(obj.offset + used, slot_bytes - used)
+        if parent:
+            self._index.parents[obj] = parent
+        self._put_end_one(key, checksum)
 
     def _put_end_one(self, key: str, checksum: int | None) -> None:
         obj = self._index.pending_entry(key)

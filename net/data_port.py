@@ -114,6 +114,7 @@ class FrameStatus(IntEnum):
     STALE_EPOCH = 5        # RESERVE/SEAL granted by a master that is not this node's current one
     CHECKSUM_MISMATCH = 6  # SEAL: the extent's bytes do not match the record's CRC-32C
     DENIED = 7             # the peer may not do this: an shm peer the node does not trust
+    CONFLICT = 8           # SEAL: the space was released, or a slot's key is held in another record
 
 
 QP_INFO = struct.Struct("!II16sB3x")

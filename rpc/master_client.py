@@ -257,15 +257,17 @@ class MasterClient(GrpcClient):
         return out, put_timeout_s
 
     def put_start_grant(self, keys: Sequence[str], sizes: Sequence[int], replicas: int = 0,
-                        parents: Sequence[str | None] | None = None, *, fenced: bool = False
+                        parents: Sequence[str | None] | None = None, *, fenced: bool = False,
+                        slots: bool = False
                         ) -> tuple[list[tuple[Replica, ...] | KVPoolError], float, PutGrant]:
         """:meth:`put_start`, with the grant a writer hands its nodes (RESERVE, SEAL:
         net/data_port.py). ``fenced``: the writer will reserve each extent at its node before
-        writing and seal it after, so the master answers without waiting for the nodes."""
+        writing and seal it after, so the master answers without waiting for the nodes.
+        ``slots``: the keys are placeholders, filled later (:meth:`put_end` ``as_keys``)."""
         r = self._lookup(lookup_port.PUT_START, "PutStart", pb.PutStartRequest(
             keys=keys, sizes=sizes, replicas=replicas,
             parents=[p or "" for p in parents] if parents and any(parents) else (),
-            fenced=fenced), pb.PutStartResponse)
+            fenced=fenced or slots, slots=slots), pb.PutStartResponse)
         placed = wire.replicas_from_columns(r.replicas, sizes)
         out = [error_for_status(s, k) or p for k, s, p in zip(keys, r.statuses, placed)]
         if r.space_summary:   # say how much was asked, and how much room there is
@@ -279,13 +281,19 @@ class MasterClient(GrpcClient):
         return out, r.put_timeout_s, PutGrant(r.epoch, list(r.versions), r.hold_s, r.tenant)
 
     def put_end(self, keys: Sequence[str], checksums: Sequence[int | None] | None = None,
-                *, sealed: bool = False) -> list[KVPoolError | None]:
+                *, sealed: bool = False, as_keys: Sequence[str] = (),
+                sizes: Sequence[int] = (), parents: Sequence[str | None] | None = None
+                ) -> list[KVPoolError | None]:
         """Commit; ``checksums``: each object's CRC-32C (common/checksum.py), or None.
-        ``sealed``: every replica was sealed at its node (the answer waits for no node)."""
+        ``sealed``: every replica was sealed at its node (the answer waits for no node).
+        ``as_keys`` (with ``sizes``, ``parents``): ``keys`` are slots, each filled with the
+        value of ``as_keys[i]`` (of ``sizes[i]`` bytes): errors then name ``as_keys``."""
         r = self._lookup(lookup_port.PUT_END, "PutEnd", pb.PutEndRequest(
             keys=keys, checksums=[checksum.encode(c) for c in checksums] if checksums else (),
-            sealed=sealed), pb.StatusesResponse)
-        return [error_for_status(s, k) for k, s in zip(keys, r.statuses)]
+            sealed=sealed, as_keys=as_keys, sizes=sizes,
+            parents=[p or "" for p in parents] if parents and any(parents) else ()),
+            pb.StatusesResponse)
+        return [error_for_status(s, k) for k, s in zip(as_keys or keys, r.statuses)]
 
     def put_revoke(self, keys: Sequence[str]) -> list[KVPoolError | None]:
         r = self._lookup(lookup_port.PUT_REVOKE, "PutRevoke", pb.KeysRequest(keys=keys),

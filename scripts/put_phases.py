@@ -8,7 +8,9 @@ other end's framing. Secure (mutual TLS, grants) unless --insecure.
                                   [--insecure]
 
 The phases are timed by wrapping the client's own methods (a diagnostic, not the bench: each
-wrapper adds ~1 us); `kvpool bench` gives the figures the targets are measured by.
+wrapper adds ~1 us). Single puts fill slots reserved ahead (client/slots.py) unless
+--no-slots: the slot helper's PutStart and RESERVE calls are listed apart, as they are outside
+any put; `kvpool bench` gives the figures the targets are measured by.
 """
 
 from __future__ import annotations
@@ -19,12 +21,16 @@ import os
 import re
 import statistics
 import sys
+import threading
 import time
 import urllib.request
 
 from kvpool.client import KVClient
 from kvpool.tools.argtypes import count_type, size_type
 from kvpool.tools.cluster import LocalCluster
+
+
+HELPER = " [slot helper, ahead of puts]"
 
 
 def _wrap(cls_or_obj, name: str, label, times: dict[str, list[float]]) -> None:
@@ -37,7 +43,10 @@ def _wrap(cls_or_obj, name: str, label, times: dict[str, list[float]]) -> None:
         try:
             return f(*args, **kwargs)
         finally:
-            times[label(args) if callable(label) else label].append(time.perf_counter() - t)
+            what = label(args) if callable(label) else label
+            if threading.current_thread().name == "kvpool-slots":
+                what += HELPER   # making slots ahead (client/slots.py), outside any put
+            times[what].append(time.perf_counter() - t)
     setattr(cls_or_obj, name, timed)
 
 
@@ -59,14 +68,18 @@ def main() -> int:
     p.add_argument("--size", type=size_type, default=64 << 10, help="value size (64KiB)")
     p.add_argument("--calls", type=count_type, default=1000, help="puts, then as many gets")
     p.add_argument("--insecure", action="store_true", help="a plain-text cluster")
+    p.add_argument("--no-slots", action="store_true",
+                   help="every put asks the master first (KVClient put_slots=False)")
     args = p.parse_args()
     times: dict[str, list[float]] = collections.defaultdict(list)
     value = os.urandom(args.size)
     with LocalCluster(nodes=1, segment_size=str(max(256 << 20, 4 * args.size * args.calls)),
                       secure=not args.insecure, metrics=True) as cluster, \
-            KVClient(cluster.master, transports=[args.transport]) as kv:
+            KVClient(cluster.master, transports=[args.transport],
+                     put_slots=not args.no_slots) as kv:
         for i in range(min(200, args.calls)):   # warm: connections, mappings
             kv.put(f"warm{i}", value)
+        time.sleep(0.5)   # the slots asked for by the warm puts are made
         [transport] = kv._transports
         _wrap(kv._master, "put_start_grant", "PutStart (master round trip)", times)
         _wrap(kv._master, "put_end", "PutEnd (master round trip)", times)
@@ -89,6 +102,7 @@ def main() -> int:
         master = _master_means(cluster.metrics_addresses["master"])
     ms = 1e3
     print(f"{args.transport}, {'plain' if args.insecure else 'secure'}, "
+          f"{'no slots, ' if args.no_slots else ''}"
           f"{args.size} B values, {args.calls} calls (p50, ms)")
     print(f"  put {statistics.median(puts) * ms:.3f}   get {statistics.median(gets) * ms:.3f}")
     print("  put phases, client side:")

@@ -75,7 +75,7 @@ from kvpool.net.data_port import (
     send_reply,
 )
 from kvpool.net.sockets import PeerClosed, recv_exact_into
-from kvpool.store_node.manifest import Manifest, StaleEpoch
+from kvpool.store_node.manifest import Manifest, SealConflict, StaleEpoch
 from kvpool.store_node.memory import Segment
 from kvpool.store_node.rdma import RegionRefused
 
@@ -721,6 +721,8 @@ class DataServer:
                 record.parent))
         except StaleEpoch as e:
             return FrameStatus.STALE_EPOCH, f"{record.key!r}: {e}"
+        except SealConflict as e:
+            return FrameStatus.CONFLICT, str(e)
         return FrameStatus.OK, ""
 
     def _refusal(self, segment_id: str, offset: int, length: int) -> tuple[FrameStatus, str]:

@@ -45,6 +45,11 @@ class StaleEpoch(Exception):
     """A writer's reservation or seal granted by a master that is not this node's current one."""
 
 
+class SealConflict(Exception):
+    """A seal refused: its space was released (the master quarantined it), or it fills a slot
+    with a key this node holds another record of."""
+
+
 class Manifest:
     """Thread-safe ``key -> ObjectRecord`` of one node, one record per (segment, offset)."""
 
@@ -100,6 +105,16 @@ class Manifest:
                     (now.version, now.segment_id, now.offset) == \
                     (record.version, record.segment_id, record.offset):
                 return   # the master's commit came first (a PutEnd sent beside the seal)
+            res = self._reserved.get((record.segment_id, record.offset))
+            if res is not None and res.key != record.key:
+                if not res.key:
+                    raise SealConflict(f"{record.key!r}: the master released this space")
+                # A slot, reserved under its placeholder: the master checks the key only as
+                # the writer fills it (beside this seal). Another record of the key here
+                # (another writer's) is not dropped for a put that may be refused.
+                if now is not None and now.version != record.version:
+                    raise SealConflict(f"{record.key!r}: this node holds another record of "
+                                       f"it (version {now.version})")
             self._drop_sealed_overlapping(record.segment_id, record.offset, record.size,
                                           record.key)
             self._add(record)

@@ -37,6 +37,23 @@ RATIO_DEFINITIONS: tuple[tuple[str, tuple[str, str, str, str], tuple[str, str, s
     ("shm_put_vs_mooncake_local", ("kvpool", "shm", "prompt", "put"),
      ("mooncake", "local", "prompt", "put")),
 )
+# Single calls (issue 19): (ratio name, numerator, denominator, value bytes), each a p50
+# latency ratio (system, transport, op), so <= 1.0 is as fast as the peer or faster.
+SINGLE_P50_DEFINITIONS: tuple[tuple[str, tuple[str, str, str], tuple[str, str, str], int],
+                              ...] = (
+    ("single_put_64KiB_shm_p50_vs_mooncake_local", ("kvpool", "shm", "put"),
+     ("mooncake", "local", "put"), 64 << 10),
+    ("single_put_1MiB_shm_p50_vs_mooncake_local", ("kvpool", "shm", "put"),
+     ("mooncake", "local", "put"), 1 << 20),
+    ("single_put_64KiB_tcp_p50_vs_mooncake", ("kvpool", "tcp", "put"),
+     ("mooncake", "tcp", "put"), 64 << 10),
+    ("single_put_1MiB_tcp_p50_vs_mooncake", ("kvpool", "tcp", "put"),
+     ("mooncake", "tcp", "put"), 1 << 20),
+    ("single_get_64KiB_shm_p50_vs_redis", ("kvpool", "shm", "get"), ("redis", "tcp", "get"),
+     64 << 10),
+    ("single_get_64KiB_tcp_p50_vs_mooncake", ("kvpool", "tcp", "get"),
+     ("mooncake", "tcp", "get"), 64 << 10),
+)
 MASTER_FIGURES = ("put_objects_per_s", "lookup_objects_per_s", "bytes_per_object")
 
 # The issue's targets: (figure, ">=" or "<=", bound). Ratios are medians from one run.
@@ -53,6 +70,7 @@ TARGETS: tuple[tuple[str, str, float], ...] = (
     ("master.put_objects_per_s", ">=", 50_000),
     ("master.lookup_objects_per_s", ">=", 300_000),
     ("master.bytes_per_object", "<=", 300),
+    *((name, "<=", 1.0) for name, *_ in SINGLE_P50_DEFINITIONS),
 )
 
 
@@ -107,6 +125,11 @@ def compute_ratios(figures: Iterable[Figure], master: dict | None) -> dict:
     for name, num, den in RATIO_DEFINITIONS:
         a, b = by_key.get(num), by_key.get(den)
         ratios[name] = round(a.gbps / b.gbps, 4) if a and b and b.gbps > 0 else None
+    single = {(f.system, f.transport, f.op, f.value_bytes): f for f in figures
+              if f.workload == "single"}
+    for name, num, den, size in SINGLE_P50_DEFINITIONS:
+        a, b = single.get((*num, size)), single.get((*den, size))
+        ratios[name] = round(a.p50_ms / b.p50_ms, 4) if a and b and b.p50_ms > 0 else None
     ratios["master"] = {k: (master or {}).get(k) for k in MASTER_FIGURES}
     return ratios
 
@@ -142,7 +165,7 @@ def validate_report(report: dict) -> list[str]:
     if report["schema"] != SCHEMA:
         problems.append(f"schema is {report['schema']!r}, expected {SCHEMA!r}")
     ratios = report["ratios"]
-    for name, _, _ in RATIO_DEFINITIONS:
+    for name in [n for n, *_ in RATIO_DEFINITIONS] + [n for n, *_ in SINGLE_P50_DEFINITIONS]:
         if name not in ratios:
             problems.append(f"ratios lacks {name!r}")
         elif ratios[name] is not None and not isinstance(ratios[name], (int, float)):
@@ -186,19 +209,19 @@ def format_table(report: dict) -> str:
     for what, why in report["skipped"].items():
         lines.append(f"skipped {what}: {why}")
     lines.append("")
-    lines.append(f"{'target':<30} {'measured':>12} {'target':>12}  met")
+    lines.append(f"{'target':<44} {'measured':>12} {'target':>12}  met")
     for t in report["targets"]:
         value = "-" if t["value"] is None else f"{t['value']:,.3f}".rstrip("0").rstrip(".")
         met = {True: "yes", False: "NO", None: "-"}[t["met"]]
-        lines.append(f"{t['name']:<30} {value:>12} {t['op'] + ' ' + format(t['target'], 'g'):>12}"
+        lines.append(f"{t['name']:<44} {value:>12} {t['op'] + ' ' + format(t['target'], 'g'):>12}"
                      f"  {met}")
     targeted = {t["name"] for t in report["targets"]}
     others = [(name, value) for name, value in report["ratios"].items()
               if name != "master" and name not in targeted and value is not None]
     if others:
         lines.append("")
-        lines.append(f"{'other ratio':<30} {'measured':>12}")
-        lines += [f"{name:<30} {value:>12.3f}" for name, value in others]
+        lines.append(f"{'other ratio':<44} {'measured':>12}")
+        lines += [f"{name:<44} {value:>12.3f}" for name, value in others]
     return "\n".join(lines)
 
 

@@ -78,13 +78,28 @@ class Transport(ABC):
         error = TransportError(f"{self.scheme or type(self).__name__}: cannot seal puts")
         return [error] * len(ops), [None] * len(ops)
 
-    def write_sealed_then(self, op: IoOp, record: PutRecord, then: Callable[[int], object]
+    #: Whether :meth:`reserve` works, and ``write_sealed_then(reserved=True)``: the writer
+    #: reserves slots ahead of its puts (client/slots.py).
+    slots: bool = False
+
+    def reserve(self, ops: Sequence[IoOp], records: Sequence[PutRecord]
+                ) -> list[TransportError | None]:
+        """RESERVE each op's extent at its node with ``records[k]`` (a slot, ahead of the put
+        that fills it); one result per op. This default refuses every op."""
+        return [TransportError(f"{self.scheme or type(self).__name__}: cannot reserve slots")
+                ] * len(ops)
+
+    def write_sealed_then(self, op: IoOp, record: PutRecord, then: Callable[[int], object],
+                          *, reserved: bool = False
                           ) -> tuple[TransportError | None, int | None, bool]:
         """:meth:`write_sealed` of one op, calling ``then(crc)`` once its bytes are written
         (the caller commits the put there): ``(error, crc, whether then ran)``. An error
         after ``then`` ran is the seal's: the node did not take the record. A transport
         that can overlap ``then`` with the seal's round trip does (shm); this default seals
-        first."""
+        first. ``reserved``: the extent lies in a slot the caller reserved already
+        (:meth:`reserve`; only where ``slots``): no RESERVE."""
+        if reserved:
+            raise TransportError(f"{self.scheme or type(self).__name__}: cannot fill slots")
         [error], [crc] = self.write_sealed([op], [record])
         if error is not None or crc is None:
             return error, None, False

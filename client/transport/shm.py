@@ -495,13 +495,22 @@ class SHMTransport(Transport):
                 results[k] = e
         return results, [None if e is not None else c for e, c in zip(results, sums)]
 
-    def write_sealed_then(self, op: IoOp, record: PutRecord, then: Callable[[int], object]
+    slots = True
+
+    def reserve(self, ops: Sequence[IoOp], records: Sequence[PutRecord]
+                ) -> list[TransportError | None]:
+        """:meth:`Transport.reserve`: one exchange per node on its hand-off link."""
+        return self._records(Op.RESERVE, ops, records)
+
+    def write_sealed_then(self, op: IoOp, record: PutRecord, then: Callable[[int], object],
+                          *, reserved: bool = False
                           ) -> tuple[TransportError | None, int | None, bool]:
         """:meth:`Transport.write_sealed_then`: ``then`` runs while the SEAL is on its way and
         being checked (one round trip on the node's hand-off link, beside the caller's)."""
-        [error] = self._records(Op.RESERVE, [op], [record])
-        if error is not None:
-            return error, None, False
+        if not reserved:
+            [error] = self._records(Op.RESERVE, [op], [record])
+            if error is not None:
+                return error, None, False
         [error], [crc] = self.write_summed([op])
         if error is not None or crc is None:
             return error, None, False

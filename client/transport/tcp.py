@@ -114,10 +114,14 @@ class TCPTransport(Transport):
 
     seals = True
 
-    def write_sealed_then(self, op: IoOp, record: PutRecord, then: Callable[[int], object]
+    def write_sealed_then(self, op: IoOp, record: PutRecord, then: Callable[[int], object],
+                          *, reserved: bool = False
                           ) -> tuple[TransportError | None, int | None, bool]:
         """:meth:`Transport.write_sealed_then`: ``then`` runs once the node answered the
-        WRITE, while it checks the SEAL pipelined behind it."""
+        WRITE, while it checks the SEAL pipelined behind it. No slots (``reserved``): a
+        slot's grants name its placeholder, not the key that fills it."""
+        if reserved:
+            raise TransportError("tcp: cannot fill slots")
         written: list[int] = []
 
         def after_write(crc: int) -> None:

@@ -151,3 +151,23 @@ def test_mooncake_ratios_are_computed_and_listed_apart_from_the_targets():
                            skipped={"mooncake": "not installed"})
     assert without["ratios"]["tcp_get_vs_mooncake"] is None
     assert "tcp_get_vs_mooncake" not in format_table(without)
+
+
+def test_single_calls_are_compared_by_p50_at_each_size():
+    def single(system, transport, op, size, p50):
+        return Figure(system, transport, "single", op, size, 1, 1.0, 1.0, p50, p50 * 2, 3, 24)
+    figures = [single("kvpool", "shm", "put", 64 << 10, 0.4),
+               single("kvpool", "shm", "put", MIB, 0.9),
+               single("mooncake", "local", "put", 64 << 10, 0.5),
+               single("mooncake", "local", "put", MIB, 0.6),
+               single("kvpool", "shm", "get", 64 << 10, 0.3),
+               single("redis", "tcp", "get", 64 << 10, 0.2)]
+    ratios = compute_ratios(figures, None)
+    assert ratios["single_put_64KiB_shm_p50_vs_mooncake_local"] == pytest.approx(0.8)
+    assert ratios["single_put_1MiB_shm_p50_vs_mooncake_local"] == pytest.approx(1.5)
+    assert ratios["single_get_64KiB_shm_p50_vs_redis"] == pytest.approx(1.5)
+    assert ratios["single_put_64KiB_tcp_p50_vs_mooncake"] is None   # not measured
+    met = {t["name"]: t["met"] for t in check_targets(ratios)}
+    assert (met["single_put_64KiB_shm_p50_vs_mooncake_local"],
+            met["single_put_1MiB_shm_p50_vs_mooncake_local"],
+            met["single_put_64KiB_tcp_p50_vs_mooncake"]) == (True, False, None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from kvpool.common.types import ObjectRecord, Reservation
-from kvpool.store_node.manifest import Manifest, StaleEpoch
+from kvpool.store_node.manifest import Manifest, SealConflict, StaleEpoch
 
 
 def rec(key: str, offset: int = 0, version: int = 1, segment: str = "s") -> ObjectRecord:
@@ -141,3 +141,34 @@ def test_only_the_seals_a_reservation_overlaps_go(clock):
     m.reserve(5, Reservation("k5", "s", 640, 128, clock.now + 10))   # its own seal stays
     m.apply([ObjectRecord("moved", "s", 900, 10, 1, 100)], [])       # inside k7's
     assert sorted(r.key for r in m.sealed()) == ["k3", "k4", "k5", "k6", "other-segment"]
+
+
+def test_a_seal_in_space_the_master_released_is_refused(clock):
+    """A put that timed out (or a slot the master could not commit) is released into
+    quarantine, keyed "": its writer's seal, however late, is not taken there."""
+    m = Manifest(clock)
+    m.set_epoch(5)
+    m.reserve(5, Reservation("k", "s", 0, 64, clock.now + 10))
+    m.apply([], [], [Reservation("", "s", 0, 64, clock.now + 10)])
+    with pytest.raises(SealConflict):
+        m.seal(5, rec("k", 0))
+    assert m.records() == []
+
+
+def test_a_slot_seal_never_drops_another_record_of_its_key(clock):
+    """A slot (client/slots.py) is reserved under its placeholder, and the master checks the
+    key that fills it only beside the seal: a seal of a key this node holds another record of
+    is refused, so a duplicate put never makes the node forget the stored object."""
+    m = Manifest(clock)
+    m.set_epoch(5)
+    m.apply([rec("k", 0, version=1)], [])                   # stored, committed
+    m.reserve(5, Reservation("slot1", "s", 128, 64, clock.now + 10))
+    with pytest.raises(SealConflict):
+        m.seal(5, rec("k", 128, version=2))
+    m.seal(5, rec("sealed", 256, version=3))                # another writer's, sealed
+    m.reserve(5, Reservation("slot2", "s", 384, 64, clock.now + 10))
+    with pytest.raises(SealConflict):
+        m.seal(5, rec("sealed", 384, version=4))
+    assert m.records() == [rec("k", 0, version=1), rec("sealed", 256, version=3)]
+    m.seal(5, rec("fresh", 128, version=2))                 # a new key fills its slot
+    assert m.get("fresh") == rec("fresh", 128, version=2)

@@ -272,28 +272,36 @@ class ReportCorruptRequest(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[str]] = ..., versions: _Optional[_Iterable[int]] = ..., segment_ids: _Optional[_Iterable[str]] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class PutEndRequest(_message.Message):
-    __slots__ = ("keys", "checksums", "sealed")
+    __slots__ = ("keys", "checksums", "sealed", "as_keys", "sizes", "parents")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     SEALED_FIELD_NUMBER: _ClassVar[int]
+    AS_KEYS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[str]
     checksums: _containers.RepeatedScalarFieldContainer[int]
     sealed: bool
-    def __init__(self, keys: _Optional[_Iterable[str]] = ..., checksums: _Optional[_Iterable[int]] = ..., sealed: _Optional[bool] = ...) -> None: ...
+    as_keys: _containers.RepeatedScalarFieldContainer[str]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    parents: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., checksums: _Optional[_Iterable[int]] = ..., sealed: _Optional[bool] = ..., as_keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
-    __slots__ = ("keys", "sizes", "replicas", "parents", "fenced")
+    __slots__ = ("keys", "sizes", "replicas", "parents", "fenced", "slots")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     FENCED_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[str]
     sizes: _containers.RepeatedScalarFieldContainer[int]
     replicas: int
     parents: _containers.RepeatedScalarFieldContainer[str]
     fenced: bool
-    def __init__(self, keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., replicas: _Optional[int] = ..., parents: _Optional[_Iterable[str]] = ..., fenced: _Optional[bool] = ...) -> None: ...
+    slots: bool
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., replicas: _Optional[int] = ..., parents: _Optional[_Iterable[str]] = ..., fenced: _Optional[bool] = ..., slots: _Optional[bool] = ...) -> None: ...
 
 class ReplicaColumns(_message.Message):
     __slots__ = ("locations", "counts", "location", "offsets", "grants")
