@@ -87,11 +87,12 @@ class _Mapping:
         self.size = size
         self._advice: int | None = _MADV_POPULATE_WRITE if writable else _MADV_POPULATE_READ
 
-    def populate(self, start: int, end: int) -> None:
+    def populate(self, start: int, end: int, *, small: bool = False) -> None:
         """Fault ``[start, end)`` in now, in one call, rather than a fault per page as the
         copy reaches it (a large copy into pages this process has not touched yet took up to
-        twice as long). A kernel without it (before Linux 5.14) faults them as they come."""
-        if self._advice is None or end - start < _POPULATE_MIN_BYTES:
+        twice as long). A kernel without it (before Linux 5.14) faults them as they come.
+        ``small``: below ``_POPULATE_MIN_BYTES`` too."""
+        if self._advice is None or (end - start < _POPULATE_MIN_BYTES and not small):
             return
         first = start - start % mmap.PAGESIZE
         try:
@@ -499,8 +500,17 @@ class SHMTransport(Transport):
 
     def reserve(self, ops: Sequence[IoOp], records: Sequence[PutRecord]
                 ) -> list[TransportError | None]:
-        """:meth:`Transport.reserve`: one exchange per node on its hand-off link."""
-        return self._records(Op.RESERVE, ops, records)
+        """:meth:`Transport.reserve`: one exchange per node on its hand-off link; then each
+        extent reserved is faulted into this process's page tables, so that the put filling
+        it copies into mapped pages (a 1 MiB copy into unmapped ones took ~0.7 ms here)."""
+        results = self._records(Op.RESERVE, ops, records)
+        for op, error in zip(ops, results):
+            if error is None:
+                with contextlib.suppress(OSError):   # TransportError too: the put says so
+                    e = op.replica.extent
+                    link = self._link(op.replica.node.shm_endpoint)
+                    self._mapping(link, op, True).populate(e.offset, e.end, small=True)
+        return results
 
     def write_sealed_then(self, op: IoOp, record: PutRecord, then: Callable[[int], object],
                           *, reserved: bool = False
