@@ -24,6 +24,7 @@ next ones. Slots never used are revoked before their put timeout (or at ``close`
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 import uuid
@@ -100,10 +101,12 @@ class SlotPool:
         self._closed = False
         self._thread: threading.Thread | None = None
         self.granted = self.used = 0                # counters, for tests and the bench
+        # A forked child shares its parent's slots (and has no helper): it takes none.
+        self._pid = os.getpid()
 
     def take(self, nbytes: int) -> Slot | None:
         """A slot for a value of ``nbytes``, or None (more are asked for meanwhile)."""
-        if nbytes > SLOT_MAX_BYTES:
+        if nbytes > SLOT_MAX_BYTES or os.getpid() != self._pid:
             return None
         size = size_class(nbytes)
         now = time.monotonic()

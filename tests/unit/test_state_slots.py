@@ -106,3 +106,16 @@ def test_slots_hold_at_most_a_quarter_of_what_puts_started_may(clock):
     # The puts themselves still have the rest of max_pending_fraction.
     placed = state.put_start_extents([f"k{i}" for i in range(6)], [64 << 10] * 6)
     assert all(isinstance(p, list) for p in placed)
+
+
+def test_a_forked_child_takes_no_slot_of_its_parent(monkeypatch):
+    """A child forked with a client shares its parent's slots and has no helper thread: it
+    takes none (two processes filling one slot would write over each other)."""
+    import os
+
+    from kvpool.client import slots as client_slots
+    pool = client_slots.SlotPool(None, lambda replica: None, 1)
+    child = os.getpid() + 1
+    monkeypatch.setattr(client_slots.os, "getpid", lambda: child)
+    assert pool.take(4096) is None
+    assert pool._thread is None   # and asks for none
