@@ -17,7 +17,9 @@ put would have timed out); the node checks the seal against the bytes and keeps 
 until the master's word, so an acknowledged put survives a master kill as a sealed one does.
 
 Slots serve single puts of at most ``SLOT_MAX_BYTES`` through a transport that can reserve
-(shm), with one replica. A put that finds no slot goes the usual way and has some made for the
+(shm, tcp), with one replica. On tcp the slot's grants name its placeholder and its whole
+extent: the node that holds the slot's reservation takes them for a shorter WRITE into it,
+and for a SEAL of a key of the placeholder's tenant there. A put that finds no slot goes the usual way and has some made for the
 next ones. Slots never used are revoked before their put timeout (or at ``close``).
 """
 
@@ -73,7 +75,9 @@ class Slot:
     def op(self, buffer: memoryview) -> IoOp:
         """The write of ``buffer`` at the slot's start."""
         e = self.replica.extent
-        return IoOp(self.replica.at(e.offset, buffer.nbytes), buffer)
+        # The slot's grant (tcp): a node takes it for a shorter write into the slot it
+        # reserved (store_node/data_server.py).
+        return IoOp(self.replica.at(e.offset, buffer.nbytes, self.replica.grant), buffer)
 
     def record_of(self, key: str, parent: str | None) -> PutRecord:
         """The record a put of ``key`` seals in this slot (stored keys, this slot's version)."""

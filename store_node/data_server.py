@@ -51,6 +51,7 @@ from kvpool.common import capabilities
 from kvpool.common.checksum import checksum
 from kvpool.common.logging import RateLimited, get_logger
 from kvpool.common.loops import OnCrash, Supervisor
+from kvpool.common.tenants import tenant_of
 from kvpool.common.types import ObjectRecord, Reservation
 from kvpool.net.data_port import (
     GRANT_BYTES,
@@ -576,6 +577,10 @@ class DataServer:
                 return False
             self._count(op.name)
             why = self._grants.denied(op, grant, sid_bytes, offset, length, got[1].key)
+            if why and op is Op.SEAL:
+                slot_why = self._slot_denied(op, grant, segment_id, sid_bytes, offset, length,
+                                             got[1].key)
+                why = why if slot_why is None else slot_why
             if why:
                 status, message = FrameStatus.DENIED, why
             else:
@@ -596,6 +601,9 @@ class DataServer:
         segment = self._segments.get(segment_id)
         servable = segment is not None and offset + length <= segment.info.size_bytes
         why = self._grants.denied(op, grant, sid_bytes, offset, length) if servable else ""
+        if why and op is Op.WRITE:
+            slot_why = self._slot_denied(op, grant, segment_id, sid_bytes, offset, length)
+            why = why if slot_why is None else slot_why
         if not why and self._serve_by_segment(conn, op, segment_id, offset, length):
             self._count(op.name, length)
             return True
@@ -611,6 +619,21 @@ class DataServer:
             _linger_close(conn)
             return False
         return True
+
+    def _slot_denied(self, op: Op, grant: bytes, segment_id: str, sid_bytes: bytes,
+                     offset: int, length: int, key: str = "") -> str | None:
+        """Why a WRITE or SEAL into a writer's slot (client/slots.py) is refused ("" if it is
+        allowed; None: no slot is reserved there): its grant names the whole slot, which the
+        writer reserved here with it, and its placeholder key. The write may be shorter; the
+        seal may name any other key of the placeholder's tenant."""
+        manifest = self._manifest
+        res = manifest.reservation_at(segment_id, offset) if manifest is not None else None
+        if res is None or not res.key or length > res.size or key == res.key:
+            return None
+        if op is Op.SEAL and tenant_of(key)[0] != tenant_of(res.key)[0]:
+            return f"{key!r} is not a key of the slot's tenant"
+        return self._grants.denied(op, grant, sid_bytes, offset, res.size,
+                                   res.key if op is Op.SEAL else "")
 
     def _grant_region(self, c: _Conn, op: Op, segment_id: str, sid_bytes: bytes, offset: int,
                       length: int, grant: bytes) -> None:

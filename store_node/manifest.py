@@ -219,6 +219,11 @@ class Manifest:
             for place in [p for p in self._reserved if p[0] in ids]:
                 del self._reserved[place]
 
+    def reservation_at(self, segment_id: str, offset: int) -> Reservation | None:
+        """The reservation starting at ``offset`` of ``segment_id`` (a writer's slot: the
+        data server checks a write or seal into it against it), or None."""
+        return self._reserved.get((segment_id, offset))
+
     def reservations(self) -> list[Reservation]:
         """The reservations still running (``until`` on this manifest's clock)."""
         with self._lock:

@@ -114,31 +114,64 @@ class TCPTransport(Transport):
 
     seals = True
 
+    slots = True
+
+    def reserve(self, ops: Sequence[IoOp], records: Sequence[PutRecord]
+                ) -> list[TransportError | None]:
+        """:meth:`Transport.reserve`: the RESERVEs pipelined on one connection per node.
+        The node drops the connection after a refusal: the ops behind it fail too."""
+        if self._closed:
+            raise ClientClosed("transport is closed")
+        results: list[TransportError | None] = [None] * len(ops)
+        for endpoint, indexes in group_by(ops, lambda o: o.replica.node.tcp_endpoint).items():
+            sock, answered = None, 0
+            try:
+                sock = self._acquire(endpoint)
+                sock.sendall(b"".join(_record_request(Op.RESERVE, ops[k], records[k])
+                                      for k in indexes))
+                header = bytearray(RESPONSE.size)
+                for k in indexes:
+                    recv_exact_into(sock, memoryview(header))
+                    status, length = RESPONSE.unpack(header)
+                    if status != FrameStatus.OK or length:
+                        message = recv_refusal(sock, status, length)
+                        raise TransportError(f"tcp {endpoint}: RESERVE of {records[k].key!r} "
+                                             f"refused ({FrameStatus(status).name}): {message}")
+                    answered += 1
+            except OSError as exc:
+                if sock is not None:
+                    sock.close()
+                error = exc if isinstance(exc, TransportError) else self._describe(endpoint, exc)
+                for k in indexes[answered:]:
+                    results[k] = TransportError(str(error))
+                continue
+            self._release(endpoint, sock)
+        return results
+
     def write_sealed_then(self, op: IoOp, record: PutRecord, then: Callable[[int], object],
                           *, reserved: bool = False
                           ) -> tuple[TransportError | None, int | None, bool]:
         """:meth:`Transport.write_sealed_then`: ``then`` runs once the node answered the
-        WRITE, while it checks the SEAL pipelined behind it. No slots (``reserved``): a
-        slot's grants name its placeholder, not the key that fills it."""
-        if reserved:
-            raise TransportError("tcp: cannot fill slots")
+        WRITE, while it checks the SEAL pipelined behind it."""
         written: list[int] = []
 
         def after_write(crc: int) -> None:
             written.append(crc)
             then(crc)
-        [error], _ = self.write_sealed([op], [record], after_write)
+        [error], _ = self.write_sealed([op], [record], after_write, reserved=reserved)
         return (error, written[0], True) if written else (error, None, False)
 
     def write_sealed(self, ops: Sequence[IoOp], records: Sequence[PutRecord],
-                     after_write: Callable[[int], object] | None = None
+                     after_write: Callable[[int], object] | None = None, *,
+                     reserved: bool = False
                      ) -> tuple[list[TransportError | None], list[int | None]]:
         """:meth:`Transport.write_sealed` in one round trip per node: RESERVE, WRITE (the
         node reads no byte of it when the RESERVE was refused: it drops the connection) and,
         once the checksums are done (a helper thread takes them while the writes go out),
         SEAL of each op, pipelined; the replies come in that order. ``after_write`` (one op
         only): called with its CRC-32C once the node answered its WRITE, before the SEAL's
-        answer is read."""
+        answer is read. ``reserved``: the extents lie in slots reserved already (no
+        RESERVE)."""
         if self._closed:
             raise ClientClosed("transport is closed")
         views = byte_views(ops, writable=False)
@@ -158,7 +191,7 @@ class TCPTransport(Transport):
             for endpoint, indexes in group_by(ops, lambda o: o.replica.node.tcp_endpoint
                                               ).items():
                 self._sealed_endpoint(endpoint, indexes, ops, views, records, crc, results,
-                                      after_write)
+                                      after_write, reserved)
         for k, e in enumerate(results):
             if e is None:
                 sums[k] = crc(k)
@@ -166,7 +199,7 @@ class TCPTransport(Transport):
 
     def _sealed_endpoint(self, endpoint: str, indexes: list[int], ops: Sequence[IoOp],
                          views: list[memoryview], records: Sequence[PutRecord], crc,
-                         results: list, after_write=None) -> None:
+                         results: list, after_write=None, reserved: bool = False) -> None:
         """One node's RESERVE/WRITE/SEAL exchange, filling ``results``; never raises a
         transport failure (``after_write`` may raise: the connection is then dropped)."""
         pending = []
@@ -182,14 +215,15 @@ class TCPTransport(Transport):
         try:
             sock = self._acquire(endpoint)
             for k in pending:
-                send_all(sock, [_record_request(Op.RESERVE, ops[k], records[k]),
+                send_all(sock, [*(() if reserved else
+                                  (_record_request(Op.RESERVE, ops[k], records[k]),)),
                                 _request(Op.WRITE, ops[k]), views[k]])
             sock.sendall(b"".join(
                 _record_request(Op.SEAL, ops[k], _with_checksum(records[k], crc(k)))
                 for k in pending))
             header = bytearray(RESPONSE.size)
             for k in pending:
-                for op in (Op.RESERVE, Op.WRITE, Op.SEAL):
+                for op in (Op.WRITE, Op.SEAL) if reserved else (Op.RESERVE, Op.WRITE, Op.SEAL):
                     recv_exact_into(sock, memoryview(header))
                     status, length = RESPONSE.unpack(header)
                     if status == FrameStatus.OK and length == 0:

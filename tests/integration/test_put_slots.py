@@ -9,7 +9,11 @@ import time
 
 import pytest
 from kvpool.client import KVClient
+from kvpool.client.transport.base import IoOp
+from kvpool.client.transport.tcp import TCPTransport
 from kvpool.common.errors import AlreadyExists
+from kvpool.net.data_port import PutRecord
+from kvpool.rpc.master_client import MasterClient
 
 from .conftest import run_cluster
 from .test_master_restart import read_all_when_back
@@ -38,8 +42,9 @@ def fill_slots(kv: KVClient, prefix: str, n: int, size: int) -> dict[str, bytes]
     return values
 
 
-def test_single_puts_fill_slots_and_slots_left_are_revoked_at_close(one_node):
-    with KVClient(one_node.master, transports=["shm"]) as kv:
+@pytest.mark.parametrize("scheme", ["shm", "tcp"])
+def test_single_puts_fill_slots_and_slots_left_are_revoked_at_close(one_node, scheme):
+    with KVClient(one_node.master, transports=[scheme]) as kv:
         values = fill_slots(kv, "k", 40, 60_000)
         assert kv.batch_get(list(values), verify=True) == list(values.values())
         stats = kv.stats()
@@ -52,8 +57,10 @@ def test_single_puts_fill_slots_and_slots_left_are_revoked_at_close(one_node):
         assert kv.stats().pending_objects == 0
 
 
-def test_a_duplicate_put_through_a_slot_keeps_the_stored_object_across_a_master_kill(one_node):
-    with KVClient(one_node.master, transports=["shm"]) as kv:
+@pytest.mark.parametrize("scheme", ["shm", "tcp"])
+def test_a_duplicate_put_through_a_slot_keeps_the_stored_object_across_a_master_kill(
+        one_node, scheme):
+    with KVClient(one_node.master, transports=[scheme]) as kv:
         first = fill_slots(kv, "k", 4, 4096)
         for key in first:
             with pytest.raises(AlreadyExists):
@@ -65,8 +72,9 @@ def test_a_duplicate_put_through_a_slot_keeps_the_stored_object_across_a_master_
         read_all_when_back(kv, first)
 
 
-def test_puts_into_slots_survive_a_master_kill_and_puts_go_on_after_it(one_node):
-    with KVClient(one_node.master, transports=["shm"]) as kv:
+@pytest.mark.parametrize("scheme", ["shm", "tcp"])
+def test_puts_into_slots_survive_a_master_kill_and_puts_go_on_after_it(one_node, scheme):
+    with KVClient(one_node.master, transports=[scheme]) as kv:
         values = fill_slots(kv, "before", 50, 16 << 10)
         one_node.restart_master()   # right after the last put was acknowledged
         read_all_when_back(kv, values)
@@ -74,3 +82,35 @@ def test_puts_into_slots_survive_a_master_kill_and_puts_go_on_after_it(one_node)
         # slots of the new one.
         after = fill_slots(kv, "after", 10, 16 << 10)
         assert kv.batch_get(list(after), verify=True) == list(after.values())
+
+
+def test_on_tcp_a_slot_takes_only_a_shorter_write_and_a_key_of_its_tenant(one_node):
+    """A slot's grants name its placeholder and whole extent; the node that holds the slot's
+    reservation takes them for a write no longer than the slot, sealed under a key of the
+    placeholder's tenant only (store_node/data_server.py ``_slot_denied``)."""
+    placeholder = "kvpool.slot.test.0"
+    with MasterClient(one_node.master) as mc:
+        [where], _, grant = mc.put_start_grant([placeholder], [8192], replicas=1, slots=True)
+    [slot] = where
+    record = PutRecord(placeholder, grant.versions[0], grant.epoch, grant.hold_s)
+    value = os.urandom(5000)
+
+    def into_slot(n: int, key: str):
+        op = IoOp(slot.at(slot.extent.offset, n, slot.grant), memoryview(value + bytes(8192))[:n])
+        [error], _ = tcp.write_sealed([op], [PutRecord(key, record.version, record.epoch,
+                                                       record.hold_s)], reserved=True)
+        return error
+
+    tcp = TCPTransport()
+    try:
+        # Before the slot is reserved here, its grant covers only the whole extent.
+        assert "DENIED" in str(into_slot(len(value), "mine"))
+        assert tcp.reserve([IoOp(slot, memoryview(b""))], [record]) == [None]
+        assert "DENIED" in str(into_slot(8192 + 64, "mine"))              # longer than the slot
+        assert "not a key of the slot's tenant" in str(into_slot(len(value), "\x1dother\x1dk"))
+        # That write landed (its grant is spent) and its seal was refused.
+        assert "spent" in str(into_slot(len(value), "mine"))
+    finally:
+        tcp.close()
+    with KVClient(one_node.master) as kv:
+        assert kv.batch_exists(["mine", "k"]) == [False, False]
