@@ -34,7 +34,7 @@ HELPER = " [slot helper, ahead of puts]"
 
 
 def _wrap(cls_or_obj, name: str, label, times: dict[str, list[float]]) -> None:
-    """Time every call of ``name`` under ``label(args)`` (a name, or a function of the
+    """Time every call of ``name`` under ``label(args, kwargs)`` (a name, or a function of the
     call's arguments)."""
     f = getattr(cls_or_obj, name)
 
@@ -43,7 +43,7 @@ def _wrap(cls_or_obj, name: str, label, times: dict[str, list[float]]) -> None:
         try:
             return f(*args, **kwargs)
         finally:
-            what = label(args) if callable(label) else label
+            what = label(args, kwargs) if callable(label) else label
             if threading.current_thread().name == "kvpool-slots":
                 what += HELPER   # making slots ahead (client/slots.py), outside any put
             times[what].append(time.perf_counter() - t)
@@ -84,12 +84,14 @@ def main() -> int:
         _wrap(kv._master, "put_start_grant", "PutStart (master round trip)", times)
         _wrap(kv._master, "put_end", "PutEnd (master round trip)", times)
         if args.transport == "shm":
-            _wrap(transport, "_records", lambda a: f"{a[0].name} (node round trip"
+            _wrap(transport, "_records", lambda a, kw: f"{a[0].name} (node round trip"
                   + (", PutEnd overlapped)" if a[0].name == "SEAL" else ")"), times)
             _wrap(transport, "write_summed", "copy + CRC-32C", times)
         else:
-            _wrap(transport, "write_sealed", "RESERVE+WRITE+SEAL (node round trip, PutEnd "
-                  "overlapped)", times)
+            _wrap(transport, "write_sealed", lambda a, kw: (
+                "WRITE+SEAL into a slot" if kw.get("reserved") else "RESERVE+WRITE+SEAL")
+                + " (node round trip, PutEnd overlapped)", times)
+            _wrap(transport, "reserve", "RESERVE (node round trip)", times)
         puts, gets = [], []
         for i in range(args.calls):
             t = time.perf_counter()
