@@ -209,7 +209,9 @@ def test_put_phases_names_where_a_puts_time_goes(slots):
                          capture_output=True, text=True, timeout=120, check=True).stdout
     put = float(re.search(r"put (\d+\.\d+)", out).group(1))
     phases = dict(re.findall(r"^    (\S.*?)\s+(\d+\.\d+)$", out, re.M))
-    in_puts = {k: float(v) for k, v in phases.items() if "slot helper" not in k}
+    # With slots the master's PutStart calls are the helper's (a slot batch each), not a put's.
+    in_puts = {k: float(v) for k, v in phases.items()
+               if "slot helper" not in k and not (slots and k == "PutStart")}
     assert {"copy + CRC-32C", "SEAL (node round trip, PutEnd overlapped)", "PutEnd",
             "GetReplicas"} <= set(phases), out
     if slots:

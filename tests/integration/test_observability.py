@@ -88,7 +88,7 @@ def _check_figures(address: str, mm: str, nm: str) -> None:
         assert kv.get("a") == b"x" * 1000
         with pytest.raises(ObjectNotFound):
             kv.get("absent")
-    with KVClient(address, transports=["tcp"]) as kv:
+    with KVClient(address, transports=["tcp"], put_slots=False) as kv:
         kv.put("ns1/sub/b", b"y" * 3000)          # over tcp: WRITE then READ, 3000 bytes each
         assert kv.get("ns1/sub/b") == b"y" * 3000
         n = _samples(nm)
