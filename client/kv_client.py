@@ -62,10 +62,6 @@ _PUT_DEADLINE_MARGIN_S = 0.5
 # "acknowledged" puts in test_master_restart; they had been evicted, the faster puts having
 # filled that test's cluster past its watermark. The test now writes within a budget.)
 SEAL_MAX_KEYS = 4
-# A slot that could not be filled: the put goes the usual way.
-_AGAIN = object()
-
-
 @dataclass(frozen=True, slots=True)
 class _Unsure:
     """A slot filled and sealed whose commit the master never answered: the put goes the
@@ -270,13 +266,10 @@ class KVClient:
             if slot is not None:
                 result = self._put_in_slot(keys[i], views[i], parents[i] if parents else None,
                                            slot)
-                if isinstance(result, _Unsure):   # our seal may be what the master indexed
-                    results[i] = self._put_after_unsure(keys[i], views[i], parents, replicas,
-                                                        result)
-                    return results
-                if result is not _AGAIN:
-                    results[i] = result
-                    return results
+                results[i] = self._put_after_unsure(keys[i], views[i], parents, replicas,
+                                                    result) \
+                    if isinstance(result, _Unsure) else result   # our seal may be indexed
+                return results
         fenced = self._fenced and len(idx) <= SEAL_MAX_KEYS
         sent = time.monotonic()
         placed, put_timeout_s, grant = self._master.put_start_grant(
@@ -352,17 +345,16 @@ class KVClient:
 
     def _put_in_slot(self, key: str, view: memoryview, parent: str | None, slot: Slot):
         """A single put into a slot (client/slots.py): the copy, then the SEAL at the node and
-        the master's commit of the slot as ``key``, overlapped. Its error, None, ``_AGAIN``
-        (no transport reaches the slot: the put goes the usual way) or ``_Unsure``: the slot
-        could not be filled (its master is gone or did not answer, the slot expired, the
+        the master's commit of the slot as ``key``, overlapped. Its error, None, or
+        ``_Unsure``: the slot could not be filled (no transport reaches it, (its master is gone or did not answer, the slot expired, the
         node refused the seal); the put goes the usual way, and our seal may be what a
         master indexes meanwhile (a restarted one indexes what nodes announce)."""
         op = slot.op(view)
         t = self._transport_for(op.replica)
+        unsure = _Unsure(slot.record.version, view.nbytes)
         if t is None or not t.slots:
             self._slots.discard(slot)
-            return _AGAIN
-        unsure = _Unsure(slot.record.version, view.nbytes)
+            return unsure
         ended: list[KVPoolError | None] = []
 
         def commit(crc: int) -> None:

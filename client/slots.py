@@ -217,7 +217,7 @@ class SlotPool:
             keys, [size] * n, self._replicas, slots=True)
         deadline = sent + put_timeout_s - 2 * DEADLINE_MARGIN_S
         hold_s = max(grant.hold_s - (time.monotonic() - sent), 0.0)
-        made: list[Slot] = []
+        by_transport: dict[Transport, list[Slot]] = {}
         refused: list[str] = []
         for key, where, version in zip(keys, placed, grant.versions):
             if isinstance(where, KVPoolError):
@@ -226,12 +226,9 @@ class SlotPool:
             if t is None or not t.slots or not grant.epoch:
                 refused.append(key)
                 continue
-            made.append(Slot(key, where[0], PutRecord(tenants.scoped(grant.tenant, key),
-                                                      version, grant.epoch, hold_s),
-                             grant.tenant, deadline))
-        by_transport: dict[Transport, list[Slot]] = {}
-        for s in made:
-            by_transport.setdefault(self._transport_for(s.replica), []).append(s)
+            by_transport.setdefault(t, []).append(Slot(
+                key, where[0], PutRecord(tenants.scoped(grant.tenant, key), version,
+                                         grant.epoch, hold_s), grant.tenant, deadline))
         ready: list[Slot] = []
         for t, slots in by_transport.items():
             errors = t.reserve([IoOp(s.replica, memoryview(b"")) for s in slots],
