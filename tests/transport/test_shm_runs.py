@@ -3,6 +3,10 @@ memory) as one memcpy: the bytes must land exactly as if copied op by op."""
 
 from __future__ import annotations
 
+import mmap
+import os
+import time
+
 import numpy as np
 import pytest
 from kvpool.client.transport import shm
@@ -144,11 +148,11 @@ def _mapped_kib(size: int) -> list[int]:
 
 
 def test_a_client_maps_a_segment_but_faults_in_only_what_it_copies(fresh_node):
-    """A client's mapping of a segment has no page tables but for what it wrote: populating a
-    whole segment at its first touch cost a vLLM worker seconds (on a 64 MiB segment) and
-    would cost every client page tables for every segment of a large pool."""
+    """A client asked to fault in ahead less than a segment (``prefault_bytes``) maps it with
+    no page tables but for what it wrote: page tables for every segment of a large pool
+    would cost a client 8 bytes per 4 KiB page of it."""
     size = fresh_node.segments[0].size_bytes
-    transport = SHMTransport()
+    transport = SHMTransport(prefault_bytes=size - 1)
     try:
         assert transport.write([IoOp(fresh_node.replica(0, 0, BLOCK),
                                      memoryview(bytes(range(256)) * 16))]) == [None]
@@ -162,3 +166,45 @@ def test_a_client_maps_a_segment_but_faults_in_only_what_it_copies(fresh_node):
         assert 2048 <= rss <= 2048 + 512, rss
     finally:
         transport.close()
+
+
+def test_a_client_faults_its_mappings_in_ahead_of_its_copies(fresh_node):
+    """By default the segments a client maps are faulted in by a background thread, read and
+    write mappings alike, so that copies find their page tables in place: a 512 MiB put into
+    pages not yet faulted in spent 0.15 s in faults against 0.05 s copying."""
+    size = fresh_node.segments[0].size_bytes
+    transport = SHMTransport()
+    try:
+        assert transport.write([IoOp(fresh_node.replica(0, 0, BLOCK),
+                                     memoryview(bytes(BLOCK)))]) == [None]
+        assert transport.read([IoOp(fresh_node.replica(0, 0, BLOCK),
+                                    memoryview(bytearray(BLOCK)))]) == [None]
+        deadline = time.monotonic() + 30
+        while (rss := _mapped_kib(size)) != [size >> 10] * 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rss == [size >> 10] * 2, f"{rss} KiB of two {size >> 10} KiB mappings"
+    finally:
+        transport.close()
+
+
+def test_the_prefaulter_leaves_a_dropped_mapping_and_goes_on_with_the_next(tmp_path):
+    """A mapping closed while it waits or is being faulted in is left where it is (no
+    exception in the thread, no madvise on pages no longer mapped); the next is done."""
+    def mapping(size: int) -> shm._Mapping:
+        fd = os.memfd_create("prefault-test")
+        try:
+            os.ftruncate(fd, size)
+            return shm._Mapping(mmap.mmap(fd, size), size, writable=True)
+        finally:
+            os.close(fd)
+
+    dropped, kept = mapping(64 << 20), mapping(8 << 20)
+    dropped.close()
+    assert dropped.prefault(1 << 20) is False and dropped.ready == 0
+    shm._prefaulter.add(dropped)
+    shm._prefaulter.add(kept)
+    deadline = time.monotonic() + 30
+    while kept.ready < kept.size and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (dropped.ready, kept.ready) == (0, kept.size)
+    kept.close()
