@@ -123,6 +123,11 @@ def main() -> int:
                    help="disaggregated: requests sent at once per round (default: 1)")
     p.add_argument("--probe-interval", default="1s",
                    help="the gateway's --probe-interval (its scrapes of each engine's /metrics)")
+    p.add_argument("--engine-cpus", metavar="CPUS",
+                   help="with --start-vllm: the cores vLLM runs on (taskset list, e.g. 0), "
+                        "its OpenMP threads bound there; the gateway, the cluster and this "
+                        "client then have the others, as on separate hosts (default: vLLM "
+                        "binds every core)")
     p.add_argument("--gateway-args", default="",
                    help="more arguments for the gateway, e.g. '--event-loop asyncio'")
     a = p.parse_args()
@@ -136,12 +141,14 @@ def main() -> int:
                 "--decode URL --master M")
     if a.model is None and a.engine:
         p.error("give --model DIR: the engine's model folder")
+    if a.engine_cpus and not a.start_vllm:
+        p.error("--engine-cpus goes with --start-vllm (pin an engine you start yourself)")
     if a.start_vllm and (a.model or a.master):
         p.error("--start-vllm makes its own model and cluster: give neither --model nor "
                 "--master")
     with contextlib.ExitStack() as stack:
         if a.start_vllm:
-            a.engine, a.model, a.master = stack.enter_context(vllm_engine())
+            a.engine, a.model, a.master = stack.enter_context(vllm_engine(a.engine_cpus))
             a.served_model_name = "tiny"
         if a.stand_in:
             a.engine = stack.enter_context(stand_in())
@@ -167,10 +174,10 @@ def stand_in():
 
 
 @contextlib.contextmanager
-def vllm_engine():
+def vllm_engine(cpus: str | None = None):
     """A local kvpool cluster and a real vLLM on CPU (a tiny Llama, the kvpool connector, its
-    KV events to the cluster's master); yields the engine's URL, the model folder and the
-    master."""
+    KV events to the cluster's master), on ``cpus`` if given; yields the engine's URL, the
+    model folder and the master."""
     from kvpool.client.router import RouterClient
     from kvpool.common.hashing import HashSpec
     from kvpool.tools import vllm_server
@@ -185,8 +192,9 @@ def vllm_engine():
                        check=True, capture_output=True, timeout=300)
         log = Path(tmp) / "engine.log"
         proc, url = vllm_server.start_server(
-            python, str(model), log, master=c.master, events_port=vllm_server.free_port(),
-            served_model_name="tiny", max_model_len=512, timeout_s=2.0)
+            python, str(model), log, cpus=cpus, master=c.master,
+            events_port=vllm_server.free_port(), served_model_name="tiny", max_model_len=512,
+            timeout_s=2.0)
         try:
             vllm_server.wait_healthy(url, proc, log, 300)
             with RouterClient(c.master) as router:    # as a serving set-up would have

@@ -65,13 +65,21 @@ def server_argv(python: str, model: str, *, master: str, port: int, events_port:
             "--kv-events-config", json.dumps(kv_events)]
 
 
-def start_server(python: str, model: str, log: Path, **kw) -> tuple[subprocess.Popen, str]:
+def start_server(python: str, model: str, log: Path, *, cpus: str | None = None,
+                 **kw) -> tuple[subprocess.Popen, str]:
     """Start a server (:func:`server_argv`'s keywords, less ``port``: a free one), its output
-    to ``log``; returns the process and its URL. Not yet serving: :func:`wait_healthy`."""
+    to ``log``; returns the process and its URL. Not yet serving: :func:`wait_healthy`.
+    ``cpus`` (e.g. ``"0"``): the cores it runs on, its OpenMP threads bound there too
+    (``VLLM_CPU_OMP_THREADS_BIND``); by default vLLM binds them to every core."""
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    argv = server_argv(python, model, port=port, **kw)
+    if cpus is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+        argv = ["taskset", "-c", cpus, *argv]
     with open(log, "w") as out:
-        proc = subprocess.Popen(server_argv(python, model, port=port, **kw), stdout=out,
+        proc = subprocess.Popen(argv, stdout=out,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return proc, f"http://127.0.0.1:{port}"
 
