@@ -11,6 +11,15 @@ import ctypes
 import numpy as np
 from kvpool.common.errors import InvalidArgument
 
+# The C API's way to build a bytes object from data not yet read: allocate it uninitialized,
+# fill it, and only then let anyone see it (what CPython's own readers do).
+_bytes_new = ctypes.pythonapi.PyBytes_FromStringAndSize
+_bytes_new.restype = ctypes.py_object
+_bytes_new.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+_bytes_data = ctypes.pythonapi.PyBytes_AsString
+_bytes_data.restype = ctypes.c_void_p
+_bytes_data.argtypes = (ctypes.py_object,)
+
 
 def byte_view(obj: object, *, writable: bool) -> memoryview:
     """A flat, contiguous ``"B"`` memoryview over ``obj``'s own memory (no copy)."""
@@ -81,3 +90,15 @@ def _tensor_view(t, writable: bool) -> memoryview:
         return memoryview(b"")
     # Any dtype (bfloat16 included) as raw bytes: a view of the tensor's own storage.
     return view_at(t.data_ptr(), nbytes)
+
+
+def unfilled_bytes(nbytes: int) -> tuple[bytes, memoryview]:
+    """A new ``bytes`` of ``nbytes`` whose contents are not set yet, and a writable view of
+    them: a value read into it is returned without the zero-fill and the copy of
+    ``bytes(bytearray(n))`` (a 1 MiB get spent ~1 ms in those here, against ~0.05). The caller
+    fills every byte through the view, and lets the bytes out only once filled; nothing may
+    hash or share it before."""
+    if nbytes <= 0:   # the empty bytes is a shared singleton: never write into it
+        return b"", memoryview(bytearray())
+    out = _bytes_new(None, nbytes)
+    return out, view_at(_bytes_data(out), nbytes)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Self
 
 import numpy as np
-from kvpool.client.buffers import address_of, byte_view, writable_rows
+from kvpool.client.buffers import address_of, byte_view, unfilled_bytes, writable_rows
 from kvpool.client.metrics import client_metrics
 from kvpool.client.slots import Slot, SlotPool
 from kvpool.client.transport.base import IoOp, Transport
@@ -436,14 +436,14 @@ class KVClient:
                   ) -> list[bytes | KVPoolError]:
         """Each key's value as bytes (one copy more than batch_get_into); ``verify`` as for
         :meth:`get`."""
-        bufs: dict[int, bytearray] = {}
+        bufs: dict[int, bytes] = {}
 
         def alloc(i: int, size: int) -> memoryview:
-            bufs[i] = bytearray(size)
-            return memoryview(bufs[i])
+            bufs[i], view = unfilled_bytes(size)
+            return view
 
         got = self._get(keys, alloc, verify=verify)
-        return [r if isinstance(r, KVPoolError) else bytes(bufs[i]) for i, r in enumerate(got)]
+        return [r if isinstance(r, KVPoolError) else bufs[i] for i, r in enumerate(got)]
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence, *, verify: bool = False
                        ) -> list[int | KVPoolError]:

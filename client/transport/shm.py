@@ -65,7 +65,7 @@ _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)     # Linux 5.14+;
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 # The prefaulter works in steps of this many bytes; a transport has at most
 # $KVPOOL_SHM_PREFAULT (default 8 GiB, 16 MiB of page tables) of its mappings faulted in ahead.
-_PREFAULT_CHUNK_BYTES = 32 << 20
+_PREFAULT_CHUNK_BYTES = 1 << 20
 PREFAULT_ENV = "KVPOOL_SHM_PREFAULT"
 _PREFAULT_DEFAULT = "8GiB"
 _SPLIT_MIN_BYTES = 8 << 20

@@ -1,6 +1,6 @@
 import numpy as np
 import pytest
-from kvpool.client.buffers import byte_view
+from kvpool.client.buffers import byte_view, unfilled_bytes
 from kvpool.common.errors import InvalidArgument
 
 
@@ -61,3 +61,17 @@ def test_writable_rows_only_for_one_contiguous_writable_2d_array():
     t = torch.zeros((3, 5), dtype=torch.bfloat16)
     assert writable_rows(t) == (t.data_ptr(), 10)
     assert writable_rows(t.t()) is None
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 4096, (1 << 20) + 3])
+def test_unfilled_bytes_are_a_new_bytes_filled_through_their_view(nbytes):
+    """What batch_get returns: a bytes object of its own (never a shared one, not even the
+    empty singleton written into), each byte the one written through the view."""
+    data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    out, view = unfilled_bytes(nbytes)
+    assert type(out) is bytes and len(out) == nbytes and view.nbytes == nbytes
+    assert not view.readonly
+    np.frombuffer(view, dtype=np.uint8)[:] = data
+    assert out == data.tobytes()
+    again, _ = unfilled_bytes(nbytes)
+    assert nbytes == 0 or again is not out
