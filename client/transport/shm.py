@@ -37,6 +37,7 @@ from kvpool.common.config import ConfigError, parse_size
 from kvpool.common.errors import ClientClosed, NodeRefused, SegmentBoundsError, TransportError
 from kvpool.common.host import advise, local_boot_id
 from kvpool.common.logging import get_logger
+from kvpool.common.loops import RESTART, Supervisor
 from kvpool.common.types import NodeEndpoints, Replica
 from kvpool.net.data_port import (
     HANDOFF_REQUEST,
@@ -162,8 +163,10 @@ class _Prefaulter:
             self._queue.append(weakref.ref(mapping))
             if self._pid != os.getpid():    # first use, or a forked child (no thread of ours)
                 self._pid = os.getpid()
-                threading.Thread(target=self._run, name="kvpool-shm-prefault",
-                                 daemon=True).start()
+                # A crash is logged and the loop restarted (common/loops.py): the mapping it
+                # was on is left to its copies, the others are still done.
+                Supervisor().start_thread("kvpool-shm-prefault", self._run, RESTART,
+                                          threading.Event())
             self._changed.notify_all()
 
     def wait_idle(self, timeout_s: float) -> bool:

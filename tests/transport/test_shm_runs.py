@@ -187,7 +187,8 @@ def test_a_client_faults_its_mappings_in_ahead_of_its_copies(fresh_node):
 
 def test_the_prefaulter_leaves_a_dropped_mapping_and_goes_on_with_the_next(tmp_path):
     """A mapping closed while it waits or is being faulted in is left where it is (no
-    exception in the thread, no madvise on pages no longer mapped); the next is done."""
+    exception in the thread, no madvise on pages no longer mapped), and one whose step fails
+    (a bug) is left too; the next is done."""
     def mapping(size: int) -> shm._Mapping:
         fd = os.memfd_create("prefault-test")
         try:
@@ -196,10 +197,15 @@ def test_the_prefaulter_leaves_a_dropped_mapping_and_goes_on_with_the_next(tmp_p
         finally:
             os.close(fd)
 
-    dropped, kept = mapping(64 << 20), mapping(8 << 20)
+    class Broken:
+        def prefault(self, nbytes: int) -> bool:
+            raise RuntimeError("a bug in one step")
+
+    dropped, kept, broken = mapping(64 << 20), mapping(8 << 20), Broken()
     dropped.close()
     assert dropped.prefault(1 << 20) is False and dropped.ready == 0
     shm._prefaulter.add(dropped)
+    shm._prefaulter.add(broken)     # the thread crashes on it, is restarted, and goes on
     shm._prefaulter.add(kept)
     assert shm.wait_prefaulted(30)
     assert (dropped.ready, kept.ready) == (0, kept.size)
