@@ -78,11 +78,16 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         try:
-            self._get(self.path.split("?", 1)[0])
-        except (TimeoutError, RuntimeError, CancelledError) as e:
-            # A snapshot the process could not take (it is stopping, or stuck): an answer,
-            # not a traceback.
-            self._answer(500, f"cannot answer now: {type(e).__name__}: {e}\n".encode())
+            try:
+                self._get(self.path.split("?", 1)[0])
+            except (TimeoutError, RuntimeError, CancelledError) as e:
+                # A snapshot the process could not take (it is stopping, or stuck): an answer,
+                # not a traceback.
+                self._answer(500, f"cannot answer now: {type(e).__name__}: {e}\n".encode())
+        except ConnectionError:
+            # The scraper hung up before its answer was written (a scrape timeout, a
+            # Prometheus reload): nothing to answer, and no traceback in the log.
+            self.close_connection = True
 
     def _get(self, path: str) -> None:
         if path == "/metrics":
