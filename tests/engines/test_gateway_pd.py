@@ -151,10 +151,17 @@ def test_answers_are_a_colocated_runs_and_the_decode_engine_loaded_the_prompt(pd
 
 def test_a_disaggregated_stream_arrives_in_pieces_and_matches_a_colocated_one(pd):
     body = completion(words(80, 50), max_tokens=60, stream=True)
-    chunks, headers = read_stream(pd.gateway, body)
-    assert headers["x-kvpool-engine"] == "d"
-    events = [e for e in b"".join(c for _, c in chunks).split(b"\n\n") if e.startswith(b"data: ")]
-    assert events[-1] == b"data: [DONE]" and len(events) >= 10
+    # vLLM merges the deltas of a stream whose reader falls behind: on a loaded 2-core host
+    # one answer in a few came as 3 chunks within 2 ms (CI). One answer in pieces, out of
+    # three, shows the gateway passes the stream on as it comes.
+    for _ in range(3):
+        chunks, headers = read_stream(pd.gateway, body)
+        assert headers["x-kvpool-engine"] == "d"
+        events = [e for e in b"".join(c for _, c in chunks).split(b"\n\n")
+                  if e.startswith(b"data: ")]
+        assert events[-1] == b"data: [DONE]" and len(events) >= 10
+        if len(chunks) >= 5 and chunks[-1][0] - chunks[0][0] > 0.05:
+            break
     assert len(chunks) >= 5 and chunks[-1][0] - chunks[0][0] > 0.05, [t for t, _ in chunks]
     text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
     _, _, colocated = pd.prefill.post("/v1/completions", {**body, "stream": False})
