@@ -434,8 +434,8 @@ class KVClient:
 
     def batch_get(self, keys: Sequence[str], *, verify: bool = False
                   ) -> list[bytes | KVPoolError]:
-        """Each key's value as bytes (one copy more than batch_get_into); ``verify`` as for
-        :meth:`get`."""
+        """Each key's value as a new bytes object, read into it in place (as batch_get_into
+        reads into a buffer of yours); ``verify`` as for :meth:`get`."""
         bufs: dict[int, bytes] = {}
 
         def alloc(i: int, size: int) -> memoryview:
