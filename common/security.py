@@ -13,6 +13,10 @@ A credentials file is YAML naming three PEM files (relative paths from the file'
     cert: node0.pem   # this process's certificate
     key: node0.key    # its private key
 
+A directory in Kubernetes' ``kubernetes.io/tls`` layout (``ca.crt``, ``tls.crt``, ``tls.key``:
+what cert-manager writes, into a Secret or through its csi-driver into a pod) is read as the
+file naming those three.
+
 Where a process finds its own (:func:`resolve`): an explicit file (``--credentials``), else
 the file ``KVPOOL_CREDENTIALS`` names, else the credentials a local cluster of this user
 (``kvpool up``, tools/cluster.py) registered for the master address being dialled, else
@@ -158,24 +162,32 @@ class Credentials:
         return ctx
 
 
+# The files of a credentials directory (Kubernetes' kubernetes.io/tls layout, cert-manager's).
+TLS_DIRECTORY = {"ca": "ca.crt", "cert": "tls.crt", "key": "tls.key"}
+
 # Channels check the master's certificate for MASTER_NAME, whatever address they dialled.
 GRPC_CHANNEL_OPTIONS = [("grpc.ssl_target_name_override", MASTER_NAME)]
 
 
 def load(path: str | os.PathLike) -> Credentials:
-    """The credentials a YAML file names; Unauthenticated with the reason if they cannot be
-    read (a missing file, a key that is not PEM...)."""
+    """The credentials a YAML file names (or a directory holds: ``TLS_DIRECTORY``);
+    Unauthenticated with the reason if they cannot be read (a missing file, a key that is not
+    PEM...)."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise Unauthenticated(f"cannot read credentials file {path}: {e}") from None
+    if path.is_dir():   # the kubernetes.io/tls layout, as cert-manager writes it
+        base, data = path, dict(TLS_DIRECTORY)
+    else:
+        base = path.parent
+        try:
+            data = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise Unauthenticated(f"cannot read credentials file {path}: {e}") from None
     token = isinstance(data, dict) and "token" in data
     needed = {"ca", "token"} if token else {"ca", "cert", "key"}
     if not isinstance(data, dict) or not needed <= set(data):
         raise Unauthenticated(f"credentials file {path} must name ca, cert and key files "
                               "(or ca and a token)")
-    files = {k: str((path.parent / str(data[k])).resolve()) for k in needed - {"token"}}
+    files = {k: str((base / str(data[k])).resolve()) for k in needed - {"token"}}
     for what, name in files.items():
         if not os.access(name, os.R_OK):
             raise Unauthenticated(f"credentials file {path}: cannot read its {what} {name}")

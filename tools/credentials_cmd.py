@@ -84,7 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "credentials file, certificate, key and ca.pem; never ca.key)")
     p.add_argument("--kubernetes-secrets", metavar="FILE",
                    help="also write the identities issued now as Kubernetes Secrets to FILE "
-                        "(a List for `kubectl apply -f`): PREFIX-ca (ca.pem, ca.key), "
+                        "(a List for `kubectl apply -f`): PREFIX-ca (ca.pem, ca.key, and as "
+                        "tls.crt, tls.key for a cert-manager CA Issuer), "
                         "PREFIX-master, PREFIX-store-node (every --node), "
                         "PREFIX-client-TENANT, PREFIX-admin-NAME")
     p.add_argument("--secret-prefix", metavar="PREFIX", default="kvpool-credentials",
@@ -212,6 +213,10 @@ def kubernetes_secrets(directory: Path, issued: list[tuple[str, str, Path]], pre
 
     ca = directory / "ca.pem"
     items = [secret(f"{prefix}-ca", [ca, directory / "ca.key"])]
+    # The same pair as a cert-manager CA Issuer reads it (the chart's
+    # security.nodeCertificates: certManager signs each store-node pod's own certificate so).
+    items[0]["data"].update({"tls.crt": items[0]["data"]["ca.pem"],
+                             "tls.key": items[0]["data"]["ca.key"]})
     grouped: dict[str, list[Path]] = {}
     for role, name, creds in issued:
         group = {"master": "master", "node": "store-node"}.get(role, f"{role}-{name}")

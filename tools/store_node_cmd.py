@@ -41,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "credentials name, else HOSTNAME-RANDOM)")
     p.add_argument("--credentials", metavar="FILE",
                    help="this node's credentials file (ca, cert, key with OU=node; "
-                        "SECURITY.md); default: $KVPOOL_CREDENTIALS if it holds a node's, else "
+                        "SECURITY.md), or a directory of ca.crt, tls.crt and tls.key (as "
+                        "cert-manager writes them); default: $KVPOOL_CREDENTIALS if it holds a node's, else "
                         "a node certificate from a local cluster (`kvpool up`) of this user "
                         "at --master, else none (plain text)")
     p.add_argument("--heartbeat-interval", type=duration_type, default=1.0, metavar="DURATION",

@@ -33,6 +33,7 @@ from kvpool.protos.kvpool.v1 import routing_pb2 as routing_pb
 from kvpool.rpc.grpc_client import map_status
 from kvpool.rpc.lookup import LookupChannel, LookupLost
 from kvpool.rpc.master_client import MasterClient
+from kvpool.tools.cluster import ClusterError
 
 from .conftest import run_cluster
 
@@ -348,3 +349,66 @@ def test_bearer_tokens_on_the_token_port(tmp_path):
     finally:
         with pytest.raises(StopIteration):   # stops it; fails on a traceback in a log
             next(cluster)
+
+
+def _cert_manager_directory(cluster, directory, pod: str):
+    """What cert-manager's csi-driver mounts in a store-node pod with the chart's
+    ``security.nodeCertificates: certManager``: a key made for that pod alone, and the
+    certificate the CA Issuer signs (with the cluster's CA) for the subject the chart's volume
+    attributes ask (OU=node, CN=the pod's name), as ca.crt, tls.crt and tls.key."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    ca_dir = cluster.credentials_dir
+    ca = x509.load_pem_x509_certificate((ca_dir / "ca.pem").read_bytes())
+    ca_key = serialization.load_pem_private_key((ca_dir / "ca.key").read_bytes(), None)
+    key = ec.generate_private_key(ec.SECP256R1())
+    csr = (x509.CertificateSigningRequestBuilder()
+           .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, "node"),
+                                    x509.NameAttribute(NameOID.COMMON_NAME, pod)]))
+           .sign(key, hashes.SHA256()))
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(csr.subject).issuer_name(ca.subject)
+            .public_key(csr.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH,
+                                                  ExtendedKeyUsageOID.SERVER_AUTH]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    directory.mkdir()
+    (directory / "ca.crt").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    (directory / "tls.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (directory / "tls.key").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()))
+    return directory
+
+
+def test_a_store_node_with_a_key_of_its_own_from_cert_manager_acts_only_as_itself(tmp_path):
+    """The Helm chart's per-pod node certificates (security.nodeCertificates: certManager): a
+    store node started with the directory cert-manager's csi-driver mounts (no credentials
+    file) joins as the node its certificate names, and serves; with the same directory neither
+    a node process nor a hand-made call can act as another pod's node."""
+    for c in run_cluster(tmp_path, nodes=0):
+        own = _cert_manager_directory(c, tmp_path / "pod-0", "kv-kvpool-store-node-0")
+        assert security.load(own).identity == security.Identity("node", "kv-kvpool-store-node-0")
+        c.add_node("kv-kvpool-store-node-0", ["--credentials", str(own)])
+        with KVClient(c.master) as kv:
+            kv.put("on-a-pod-of-its-own", VALUE)
+            assert kv.get("on-a-pod-of-its-own") == VALUE
+            assert [s.node_id for s in kv.stats().segments] == ["kv-kvpool-store-node-0"]
+        # The node itself refuses to start as another, and the master refuses it if it tried.
+        with pytest.raises(ClusterError, match="is not the one .* names"):
+            c.add_node("kv-kvpool-store-node-1", ["--credentials", str(own)])
+        other = pb.MountSegmentRequest(
+            node=pb.NodeEndpoints(node_id="kv-kvpool-store-node-1", tcp_endpoint="127.0.0.1:9"),
+            segment=pb.SegmentInfo(segment_id="kv-kvpool-store-node-1/0", size_bytes=1 << 30))
+        with MasterClient(c.master, timeout_s=5.0, retries=0, credentials=str(own)) as node, \
+                pytest.raises(PermissionDenied, match="acts only as itself"):
+            node._call("MountSegment", other)
+        with KVClient(c.master) as kv:
+            assert [s.node_id for s in kv.stats().segments] == ["kv-kvpool-store-node-0"]

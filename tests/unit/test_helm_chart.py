@@ -661,6 +661,65 @@ def test_an_existing_secret_is_mounted_and_no_job_runs(helm):
         assert secret_mounted_at(spec, c, credentials_file(c)) == f"ops-kvpool-{component}"
 
 
+CERT_MANAGER = {"security": {"nodeCertificates": "certManager",
+                              "certManager": {"requireApi": False}}}
+
+
+def test_cert_manager_gives_each_store_node_pod_a_key_of_its_own(helm, kubernetes_validate,
+                                                                  tmp_path):
+    """security.nodeCertificates certManager: no store-node pod mounts a Secret (the default's
+    holds every node's key); each gets a csi.cert-manager.io volume asking for OU=node and
+    CN=its own pod name (the node id it runs as), from the chart's CA Issuer over the CA's
+    Secret, readable by the kvpool user, and loads it as a credentials directory. The hook Job
+    issues no node certificate, and the CA Secret it writes is one that Issuer reads (tls.crt,
+    tls.key: the CA's pair). tests/integration/test_auth.py starts a node from such a
+    directory."""
+    docs = render_values(helm, merged(OFFLINE, CERT_MANAGER))
+    node = node_workload(docs)
+    spec, c = node["spec"]["template"]["spec"], container(node)
+    assert not any("secret" in v for v in spec["volumes"])
+    [volume] = [v for v in spec["volumes"] if v["name"] == "credentials"]
+    [mount] = [m for m in c["volumeMounts"] if m["name"] == "credentials"]
+    assert credentials_file(c) == mount["mountPath"] == CREDENTIALS and mount["readOnly"]
+    assert flags(c)["--node-id"] == ["$(POD_NAME)"]
+    issuer = one(docs, "Issuer")
+    assert issuer["apiVersion"] == "cert-manager.io/v1"
+    assert issuer["spec"] == {"ca": {"secretName": f"{PREFIX}-ca"}}
+    assert volume["csi"]["driver"] == "csi.cert-manager.io" and volume["csi"]["readOnly"]
+    attributes = {k.removeprefix("csi.cert-manager.io/"): v
+                  for k, v in volume["csi"]["volumeAttributes"].items()}
+    assert attributes["common-name"] == "${POD_NAME}"
+    assert attributes["organizationalunits"] == "node"
+    assert (attributes["issuer-name"], attributes["issuer-kind"], attributes["issuer-group"]) \
+        == (issuer["metadata"]["name"], "Issuer", "cert-manager.io")
+    assert attributes["fs-group"] == str(spec["securityContext"]["fsGroup"])
+    assert attributes["duration"] == f"{365 * 24}h"
+    for doc in docs:   # cert-manager's kinds have no schema there: checked field by field above
+        if doc["kind"] not in {"Issuer", *OPERATOR_KINDS}:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSIONS[-1], strict=True)
+
+    job = one(docs, "Job", JOB)
+    issue = job["spec"]["template"]["spec"]["initContainers"][0]
+    assert not any(a.startswith("--node") for a in issue["args"])
+    secrets = _run_job(job, tmp_path / "work", tmp_path / "no-ca-yet")
+    assert set(secrets) == {f"{PREFIX}-{s}" for s in
+                            ("ca", "master", "client-default", "admin-admin")}
+    [_, named] = one(docs, "Role", JOB)["rules"]
+    assert set(named["resourceNames"]) == set(secrets)
+    ca = secrets[f"{PREFIX}-ca"]["data"]
+    assert (ca["tls.crt"], ca["tls.key"]) == (ca["ca.pem"], ca["ca.key"])
+
+    # An issuer of the operator's own (a ClusterIssuer, say): named, and the chart makes none.
+    theirs = render_values(helm, merged(OFFLINE, CERT_MANAGER, {"security": {"certManager": {
+        "issuer": {"name": "ops-ca", "kind": "ClusterIssuer"}}}}))
+    assert not find(theirs, "Issuer")
+    [volume] = [v for v in node_workload(theirs)["spec"]["template"]["spec"]["volumes"]
+                if v["name"] == "credentials"]
+    attributes = volume["csi"]["volumeAttributes"]
+    assert attributes["csi.cert-manager.io/issuer-name"] == "ops-ca"
+    assert attributes["csi.cert-manager.io/issuer-kind"] == "ClusterIssuer"
+
+
 BROKEN = {
     "standby masters without etcd": (
         {"master": {"replicas": 3}}, "RenderError", "set etcd.endpoints"),
@@ -680,6 +739,14 @@ BROKEN = {
         {"storeNode": {"kind": "Deployment"}}, "ValuesError", "StatefulSet"),
     "a DaemonSet's node certificates without its hosts' names": (
         {"storeNode": {"kind": "DaemonSet"}}, "RenderError", "list them in security.nodeNames"),
+    "per-pod node certificates for a DaemonSet": (
+        merged(CERT_MANAGER, {"storeNode": {"kind": "DaemonSet"}}), "RenderError",
+        "use storeNode.kind StatefulSet"),
+    "per-pod node certificates without cert-manager": (
+        {"security": {"nodeCertificates": "certManager"}}, "RenderError",
+        "install cert-manager and its csi-driver"),
+    "a node certificate mode the chart does not know": (
+        {"security": {"nodeCertificates": "spiffe"}}, "ValuesError", "nodeCertificates"),
     "a Secret name Kubernetes refuses": (
         {"security": {"clients": ["Tenant_A"]}}, "ValuesError", "clients"),
     "a misspelt key": (

@@ -251,6 +251,39 @@ component's Secret, mounted here; "kvpool.credentialsPrefix" names the Secrets: 
 {{- end }}
 {{- end }}
 
+{{/* "true" when each store-node pod gets a certificate of its own from cert-manager's csi-driver
+(security.nodeCertificates: certManager), else empty. */}}
+{{- define "kvpool.nodeCertsFromCertManager" -}}
+{{- if and .Values.security.enabled (eq .Values.security.nodeCertificates "certManager") }}true{{ end }}
+{{- end }}
+
+{{/* The issuer of the store nodes' certificates: security.certManager.issuer's, else the chart's. */}}
+{{- define "kvpool.nodeIssuerName" -}}
+{{- default (include "kvpool.componentName" (dict "ctx" . "component" "ca")) .Values.security.certManager.issuer.name }}
+{{- end }}
+
+{{/* A store-node pod's own key and certificate, made on its Kubernetes node by cert-manager's
+csi-driver when the pod starts (ca.crt, tls.crt, tls.key: a credentials directory for kvpool),
+valid as long as security.days; the key never leaves that node and no other pod has it. */}}
+{{- define "kvpool.nodeCertificateVolume" -}}
+{{- $issuer := .Values.security.certManager.issuer }}
+- name: credentials
+  csi:
+    driver: csi.cert-manager.io
+    readOnly: true
+    volumeAttributes:
+      csi.cert-manager.io/issuer-name: {{ include "kvpool.nodeIssuerName" . }}
+      csi.cert-manager.io/issuer-kind: {{ $issuer.kind }}
+      csi.cert-manager.io/issuer-group: {{ $issuer.group }}
+      {{- /* The node id is the pod's name (a StatefulSet's: stable across restarts). */}}
+      csi.cert-manager.io/common-name: ${POD_NAME}
+      csi.cert-manager.io/organizationalunits: node
+      csi.cert-manager.io/key-usages: digital signature,key encipherment,client auth,server auth
+      csi.cert-manager.io/duration: {{ printf "%dh" (mul .Values.security.days 24) }}
+      {{- /* Readable by the kvpool user, as a Secret's files are (defaultMode 0440). */}}
+      csi.cert-manager.io/fs-group: {{ .Values.securityContext.fsGroup | quote }}
+{{- end }}
+
 {{/* A pod's credentials volume: its component's Secret. Called with (dict "ctx" $ "secret" SUFFIX). */}}
 {{- define "kvpool.credentialsVolume" -}}
 - name: credentials
