@@ -52,10 +52,11 @@ spends its write grant), and the node registers a memory region over exactly tha
 remote reads or remote writes only, answering OK with ``RKEY`` (``!QI4x``: the region's remote
 address, its rkey). Segments themselves are registered for local access only, so a client
 never holds an rkey that reaches bytes it was not granted. A region lives until its grant
-expires, a write region until the master's commit of its extent reaches the node too (a
-committed object is never writable again), and none outlives its connection. Refused with a
-message (DENIED, OUT_OF_BOUNDS, UNKNOWN_SEGMENT, UNSUPPORTED: no RDMA, a device-memory segment,
-or ``MAX_REGIONS_PER_CONNECTION`` regions live); the connection stays usable either way.
+expires (``UNGRANTED_REGION_S`` after it was asked for without a grant), a write region until
+the master's commit of its extent reaches the node too (a committed object is never writable
+again), and none outlives its connection; a connection's ``MAX_REGIONS_PER_CONNECTION + 1``-th
+region closes its oldest. Refused with a message (DENIED, OUT_OF_BOUNDS, UNKNOWN_SEGMENT,
+UNSUPPORTED: no RDMA, or registering failed); the connection stays usable either way.
 """
 
 from __future__ import annotations
@@ -119,9 +120,11 @@ class FrameStatus(IntEnum):
 
 QP_INFO = struct.Struct("!II16sB3x")
 RKEY = struct.Struct("!QI4x")
-# Regions one connection may hold at once (RKEY_READ/RKEY_WRITE past it: UNSUPPORTED). A region
-# is a few hundred bytes of the device's tables; rxe holds ~256K in all.
+# Regions one connection may hold at once (one more closes its oldest). A region is a few
+# hundred bytes of the device's tables; rxe holds ~256K in all.
 MAX_REGIONS_PER_CONNECTION = 4096
+# A region asked for without a grant (a node whose master mints none) lives this long.
+UNGRANTED_REGION_S = 60.0
 
 
 def encode_qp_info(qp_num: int, psn: int, gid: str, mtu: int) -> bytes:

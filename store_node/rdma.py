@@ -26,15 +26,13 @@ from collections import OrderedDict
 from kvpool.common.errors import InvalidArgument, KVPoolError
 from kvpool.common.logging import get_logger
 from kvpool.common.types import NodeEndpoints, ObjectRecord, SegmentInfo
-from kvpool.net.data_port import MAX_REGIONS_PER_CONNECTION
+from kvpool.net.data_port import MAX_REGIONS_PER_CONNECTION, UNGRANTED_REGION_S
 from kvpool.store_node.memory import Segment
 
 log = get_logger(__name__)
 
 # A responder QP receives no work requests of its own: its send queue and CQ stay tiny.
 _RESPONDER_DEPTH = 4
-# A region asked for without a grant (a node whose master mints none) lives this long.
-UNGRANTED_REGION_S = 60.0
 
 
 class RegionRefused(KVPoolError):

@@ -34,6 +34,7 @@ import select
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,9 +45,11 @@ from kvpool.common.errors import ClientClosed, KVPoolError, SegmentBoundsError, 
 from kvpool.common.logging import get_logger
 from kvpool.common.types import NodeEndpoints
 from kvpool.net.data_port import (
+    MAX_REGIONS_PER_CONNECTION,
     QP_INFO,
     RESPONSE,
     RKEY,
+    UNGRANTED_REGION_S,
     FrameStatus,
     Op,
     decode_qp_info,
@@ -67,19 +70,78 @@ _POLL_SLEEP_S = 0.0002
 _LIVENESS_EVERY_S = 0.02
 # Ops whose regions are asked for at once (net/data_port.py MAX_REGIONS_PER_CONNECTION: 4096).
 _REGION_WAVE = 1024
+# A kept read region is used until this long before its grant expires (clocks differ a little).
+_REGION_MARGIN_S = 5.0
 # The handshake connection carries nothing between our own exchanges on it (RKEY_READ/WRITE,
 # each answered before the ops run): readable or hung up = node gone.
 _GONE = select.POLLIN | select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 
+class _ReadRegions:
+    """The read regions a node registered for one link, kept for re-reads: a lookup that names
+    an extent one of them covers exactly is read through it, without RKEY_READ's round trip
+    and the node's registration (engines that share a prompt read its blocks again and
+    again). Right whatever the extent holds by then: a region reaches the extent's bytes, not
+    an object's, and the lookup has just said (and leased) that the key's bytes are there; the
+    grant it came with allows that very range. Kept only while the node surely keeps it, by
+    the node's own rules (store_node/rdma.py): until the grant's expiry (less
+    ``_REGION_MARGIN_S``), and while fewer than ``MAX_REGIONS_PER_CONNECTION`` regions, write
+    regions too, have been registered on the link after it (one more closes the oldest)."""
+
+    def __init__(self) -> None:
+        # (segment id, offset, length) -> (address, rkey, expiry in unix seconds, sequence)
+        self._kept: OrderedDict[tuple[str, int, int], tuple[int, int, float, int]] = \
+            OrderedDict()
+        self.registered = 0   # regions the node registered for this link, in its order
+
+    def get(self, segment_id: str, offset: int, length: int, asking: int,
+            now_s: float) -> tuple[int, int] | None:
+        """(address, rkey) of the region over exactly this extent, if the node still keeps it
+        after registering ``asking`` more for this link; None otherwise."""
+        key = (segment_id, offset, length)
+        kept = self._kept.get(key)
+        if kept is None:
+            return None
+        addr, rkey, expiry_s, sequence = kept
+        if self.registered + asking - sequence > MAX_REGIONS_PER_CONNECTION \
+                or expiry_s - now_s < _REGION_MARGIN_S:
+            del self._kept[key]
+            return None
+        return addr, rkey
+
+    def registered_one(self, segment_id: str, offset: int, length: int, addr: int, rkey: int,
+                       expiry_s: float | None) -> None:
+        """The node registered a region for this link (in the order it did); ``expiry_s``:
+        a read region's expiry, kept; None: a write region, only counted."""
+        sequence, self.registered = self.registered, self.registered + 1
+        if expiry_s is None:
+            return
+        key = (segment_id, offset, length)
+        self._kept[key] = (addr, rkey, expiry_s, sequence)
+        self._kept.move_to_end(key)
+        while len(self._kept) > MAX_REGIONS_PER_CONNECTION:
+            self._kept.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+
+def _region_expiry_s(grant: bytes, now_s: float) -> float:
+    """When the node closes the read region it registers for ``grant`` (data_port.py)."""
+    return capabilities.GRANT.unpack_from(grant)[1] / 1000 if grant \
+        else now_s + UNGRANTED_REGION_S
+
+
 class _Link:
-    """The queue pair to one node and the tcp connection that set it up."""
+    """The queue pair to one node, the tcp connection that set it up, and the read regions the
+    node registered for it (they end with it)."""
 
     def __init__(self, endpoint: str, sock: socket.socket, qp, cq) -> None:
         self.endpoint = endpoint
         self.sock = sock
         self.qp = qp
         self.cq = cq
+        self.read_regions = _ReadRegions()
 
     def alive(self) -> bool:
         poller = select.poll()
@@ -115,6 +177,7 @@ class _Piece:
     local_addr: int = 0    # zero-copy: the caller's registered memory
     lkey: int = 0
     stage: int = -1        # staged: offset in the staging area (set per wave)
+    kept: bool = False     # aimed at a region kept from an earlier read (_ReadRegions)
 
 
 class _Outcome:
@@ -306,9 +369,18 @@ class RDMATransport(Transport):
             if not pieces:
                 return
             outcome = self._execute(link, pieces, views, write)
+            # A kept region the node no longer has (a clock far from the node's, a segment
+            # registered again): asked for afresh, on a new link (the refusal broke this one).
+            stale = {p.op for p in pieces if p.kept} & outcome.refused.keys()
+            if stale:
+                log.info("rdma_kept_region_refused", endpoint=endpoint, ops=len(stale))
+                if not outcome.broken:
+                    self._drop(link, "a kept region was refused")
             for i, err in outcome.refused.items():
-                results[i] = err
-            pieces = [p for p in outcome.unfinished if p.op not in outcome.refused]
+                if i not in stale:
+                    results[i] = err
+            pieces = [p for p in outcome.unfinished
+                      if p.op not in outcome.refused or p.op in stale]
             if outcome.broken:
                 self._drop(link, outcome.broken)
             if not pieces:
@@ -334,16 +406,32 @@ class RDMATransport(Transport):
         kind = Op.RKEY_WRITE if write else Op.RKEY_READ
         regions: dict[int, tuple[int, int]] = {}
         refused: dict[int, KVPoolError] = {}
+        kept = link.read_regions
+        now_s = time.time()
+        if not write:   # regions kept from earlier reads, still registered once these are
+            asking = len(wanted)
+            for i in wanted:
+                e = ops[i].replica.extent
+                if (region := kept.get(e.segment_id, e.offset, e.length, asking,
+                                       now_s)) is not None:
+                    regions[i] = region
+            wanted = [i for i in wanted if i not in regions]
+        reused = set(regions)
         try:
             # A write grant goes without its record tag (RESERVE and SEAL's), as on tcp.
-            link.sock.sendall(b"".join(
-                encode_request(kind, e.segment_id, e.offset, e.length,
-                               capabilities.write_grant(ops[i].replica.grant))
-                for i in wanted for e in (ops[i].replica.extent,)))
+            if wanted:
+                link.sock.sendall(b"".join(
+                    encode_request(kind, e.segment_id, e.offset, e.length,
+                                   capabilities.write_grant(ops[i].replica.grant))
+                    for i in wanted for e in (ops[i].replica.extent,)))
             for i in wanted:
                 status, length = RESPONSE.unpack(recv_exact(link.sock, RESPONSE.size))
                 if status == FrameStatus.OK and length == RKEY.size:
-                    regions[i] = RKEY.unpack(recv_exact(link.sock, RKEY.size))
+                    regions[i] = addr, rkey = RKEY.unpack(recv_exact(link.sock, RKEY.size))
+                    e = ops[i].replica.extent
+                    kept.registered_one(e.segment_id, e.offset, e.length, addr, rkey, None
+                                        if write else _region_expiry_s(ops[i].replica.grant,
+                                                                       now_s))
                     continue
                 if status == FrameStatus.OK:
                     raise TransportError(f"malformed {kind.name} reply: {length} bytes")
@@ -359,7 +447,7 @@ class RDMATransport(Transport):
         for p in pieces:
             if p.op in regions:
                 addr, rkey = regions[p.op]
-                p.remote_addr, p.rkey = addr + p.start, rkey
+                p.remote_addr, p.rkey, p.kept = addr + p.start, rkey, p.op in reused
         return refused
 
     def _execute(self, link: _Link, pieces: list[_Piece], views: list[memoryview],

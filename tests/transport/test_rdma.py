@@ -121,6 +121,42 @@ def test_a_region_reaches_only_the_extent_it_was_granted_for(rdma, node):
     assert out == data   # nothing written through any of it
 
 
+def test_re_reads_go_through_the_regions_kept_and_a_lost_one_is_asked_for_again(rdma, node):
+    """A read of extents read before goes through the regions the node registered then: no
+    RKEY_READ, and the bytes the extents hold now (written since). A kept region the device
+    refuses (here: its rkey replaced by the segment's own, which reaches nothing) is asked for
+    again on a new queue pair, and the read still returns the right bytes."""
+    rng = random.Random(12)
+    replicas = [node.replica(1, 1 * MiB + i * 8192, 4096 + i) for i in range(10)]
+    outs = [bytearray(r.extent.length) for r in replicas]
+
+    def write_then_read(payloads: list[bytes]) -> list[bytes]:
+        assert rdma.write([IoOp(r, memoryview(p)) for r, p in zip(replicas, payloads)]) \
+            == [None] * 10
+        assert rdma.read([IoOp(r, memoryview(o)) for r, o in zip(replicas, outs)]) \
+            == [None] * 10
+        assert [bytes(o) for o in outs] == payloads
+        return payloads
+
+    write_then_read([rng.randbytes(r.extent.length) for r in replicas])
+    before = node.request_counts()
+    payloads = write_then_read([rng.randbytes(r.extent.length) for r in replicas])
+    after = node.request_counts()
+    assert after.get("RKEY_READ", 0) == before.get("RKEY_READ", 0)
+    assert after.get("RKEY_WRITE", 0) - before.get("RKEY_WRITE", 0) == 10
+
+    link = rdma._link(node.node.tcp_endpoint)
+    e = replicas[3].extent
+    addr, _, expiry_s, sequence = link.read_regions._kept[(e.segment_id, e.offset, e.length)]
+    link.read_regions._kept[(e.segment_id, e.offset, e.length)] = (
+        addr, replicas[3].rdma_rkey, expiry_s, sequence)
+    outs = [bytearray(r.extent.length) for r in replicas]
+    assert rdma.read([IoOp(r, memoryview(o)) for r, o in zip(replicas, outs)]) == [None] * 10
+    assert [bytes(o) for o in outs] == payloads
+    again = node.request_counts()
+    assert again.get("RKEY_READ", 0) - after.get("RKEY_READ", 0) >= 1
+
+
 def test_an_extent_outside_the_segment_gets_no_region(rdma, node):
     """A descriptor that claims more than the segment holds: the node registers nothing past
     it (OUT_OF_BOUNDS, a typed refusal), and keeps serving."""
