@@ -280,8 +280,10 @@ valid as long as security.days; the key never leaves that node and no other pod 
       csi.cert-manager.io/organizationalunits: node
       csi.cert-manager.io/key-usages: digital signature,key encipherment,client auth,server auth
       csi.cert-manager.io/duration: {{ printf "%dh" (mul .Values.security.days 24) }}
+      {{- with .Values.securityContext.fsGroup }}
       {{- /* Readable by the kvpool user, as a Secret's files are (defaultMode 0440). */}}
-      csi.cert-manager.io/fs-group: {{ .Values.securityContext.fsGroup | quote }}
+      csi.cert-manager.io/fs-group: {{ . | quote }}
+      {{- end }}
 {{- end }}
 
 {{/* A pod's credentials volume: its component's Secret. Called with (dict "ctx" $ "secret" SUFFIX). */}}
