@@ -42,9 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--credentials", metavar="FILE",
                    help="this node's credentials file (ca, cert, key with OU=node; "
                         "SECURITY.md), or a directory of ca.crt, tls.crt and tls.key (as "
-                        "cert-manager writes them); default: $KVPOOL_CREDENTIALS if it holds a node's, else "
-                        "a node certificate from a local cluster (`kvpool up`) of this user "
-                        "at --master, else none (plain text)")
+                        "cert-manager writes them); default: $KVPOOL_CREDENTIALS if it holds "
+                        "a node's, else a node certificate from a local cluster (`kvpool up`) "
+                        "of this user at --master, else none (plain text)")
     p.add_argument("--heartbeat-interval", type=duration_type, default=1.0, metavar="DURATION",
                    help="how often to heartbeat the master; keep well under its --node-ttl "
                         "(default: 1s)")
