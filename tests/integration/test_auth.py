@@ -353,38 +353,15 @@ def test_bearer_tokens_on_the_token_port(tmp_path):
 
 def _cert_manager_directory(cluster, directory, pod: str):
     """What cert-manager's csi-driver mounts in a store-node pod with the chart's
-    ``security.nodeCertificates: certManager``: a key made for that pod alone, and the
-    certificate the CA Issuer signs (with the cluster's CA) for the subject the chart's volume
-    attributes ask (OU=node, CN=the pod's name), as ca.crt, tls.crt and tls.key."""
-    import datetime
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-    ca_dir = cluster.credentials_dir
-    ca = x509.load_pem_x509_certificate((ca_dir / "ca.pem").read_bytes())
-    ca_key = serialization.load_pem_private_key((ca_dir / "ca.key").read_bytes(), None)
-    key = ec.generate_private_key(ec.SECP256R1())
-    csr = (x509.CertificateSigningRequestBuilder()
-           .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, "node"),
-                                    x509.NameAttribute(NameOID.COMMON_NAME, pod)]))
-           .sign(key, hashes.SHA256()))
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(csr.subject).issuer_name(ca.subject)
-            .public_key(csr.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=1))
-            .not_valid_after(now + datetime.timedelta(hours=1))
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH,
-                                                  ExtendedKeyUsageOID.SERVER_AUTH]),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    ``security.nodeCertificates: certManager``: a key of that pod's own and its certificate
+    from the CA Issuer (the cluster's CA), for the subject the chart's volume attributes ask
+    (OU=node, CN=the pod's name), as ca.crt, tls.crt and tls.key."""
+    import shutil
+    issued = security.load(pki.issue(cluster.credentials_dir, "node", pod))
     directory.mkdir()
-    (directory / "ca.crt").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    (directory / "tls.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (directory / "tls.key").write_bytes(key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption()))
+    for source, name in ((issued.ca_file, "ca.crt"), (issued.cert_file, "tls.crt"),
+                         (issued.key_file, "tls.key")):
+        shutil.copyfile(source, directory / name)
     return directory
 
 
