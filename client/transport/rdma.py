@@ -122,9 +122,6 @@ class _ReadRegions:
         while len(self._kept) > MAX_REGIONS_PER_CONNECTION:
             self._kept.popitem(last=False)
 
-    def __len__(self) -> int:
-        return len(self._kept)
-
 
 def _region_expiry_s(grant: bytes, now_s: float) -> float:
     """When the node closes the read region it registers for ``grant`` (data_port.py)."""
