@@ -75,7 +75,7 @@ class RouterClient(GrpcClient):
                          name="router client", credentials=credentials)
         # Route on the master's lookup port once an answer named it: a gateway asks before
         # every request it forwards, and gRPC costs ~1 ms a call on a busy 2-core host.
-        self._lookups = Lookups(timeout_s, map_status, tls=self.tls, token=self.token)
+        self._lookups = Lookups(timeout_s, map_status, sessions=self.lookup_sessions)
 
     def close(self) -> None:
         self._lookups.close()

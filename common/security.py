@@ -3,7 +3,7 @@
 Every master, store node, client and admin holds an X.509 certificate signed by the cluster's
 CA, with its role in the subject's OU and its name in the CN: ``OU=node, CN=node0`` is store
 node ``node0``, ``OU=client, CN=<tenant>`` a client of that tenant, ``OU=admin``, ``OU=master``.
-The gRPC port is mutual TLS and the lookup port TLS with client certificates (the same files);
+The gRPC port is mutual TLS (the lookup port's sessions are opened there: net/lookup_port.py);
 the master reads the peer's certificate to know who calls (master/auth.py decides what each
 role may do).
 
@@ -30,7 +30,6 @@ import hashlib
 import hmac
 import ipaddress
 import os
-import ssl
 import stat
 import tempfile
 import urllib.parse
@@ -129,38 +128,6 @@ class Credentials:
         return grpc.secure_channel(address, self.grpc_channel(),
                                    options=[*options, *GRPC_CHANNEL_OPTIONS])
 
-    def wrap(self, sock):
-        """``sock`` (connected to a master's lookup port) after the TLS handshake."""
-        return self.ssl_client.wrap_socket(sock, server_hostname=MASTER_NAME)
-
-    @functools.cached_property
-    def ssl_server(self) -> ssl.SSLContext:
-        """The lookup port's server context: client certificates required."""
-        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=self.ca_file)
-        ctx.load_cert_chain(self.cert_file, self.key_file)
-        ctx.verify_mode = ssl.CERT_REQUIRED
-        return ctx
-
-    @functools.cached_property
-    def ssl_server_with_tokens(self) -> ssl.SSLContext:
-        """The lookup port's server context where the master takes bearer tokens: a client
-        certificate is checked when given, and a connection without one must send its token
-        first (net/lookup_port.py AUTH)."""
-        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=self.ca_file)
-        ctx.load_cert_chain(self.cert_file, self.key_file)
-        ctx.verify_mode = ssl.CERT_OPTIONAL
-        return ctx
-
-    @functools.cached_property
-    def ssl_client(self) -> ssl.SSLContext:
-        """A lookup-port client's context; dial with ``server_hostname=MASTER_NAME``. With a
-        token (no certificate), the client authenticates with an AUTH frame after the
-        handshake (net/lookup_port.py)."""
-        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca_file)
-        if not self.token:
-            ctx.load_cert_chain(self.cert_file, self.key_file)
-        return ctx
-
 
 # The files of a credentials directory (Kubernetes' kubernetes.io/tls layout, cert-manager's).
 TLS_DIRECTORY = {"ca": "ca.crt", "cert": "tls.crt", "key": "tls.key"}
@@ -209,12 +176,6 @@ def identity_from_pem(pem: bytes) -> Identity:
     peer's certificate is parsed once, not per call."""
     from cryptography import x509
     return _identity(x509.load_pem_x509_certificate(pem))
-
-
-@functools.lru_cache(maxsize=4096)
-def identity_from_der(der: bytes) -> Identity:
-    from cryptography import x509
-    return _identity(x509.load_der_x509_certificate(der))
 
 
 def _identity(cert) -> Identity:

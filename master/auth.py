@@ -8,8 +8,10 @@ interceptor and on the lookup port by master/lookup_server.py, with one table.
   (master/rechecks.py); a reader's (no node) only asks the node to re-check;
 - admin RPCs: ``Stats`` with ``audit`` (it walks every indexed object) for admins only;
 - everything else (puts, gets, removes, pins, ReportCorrupt, Stats, the Router service):
-  clients and admins; a GetReplicas of no keys (how a peer learns the lookup port) anyone. A store node is not a client: its certificate lets it serve its own
-  segments, not read or write the cache through the master.
+  clients and admins; a GetReplicas of no keys (how a peer learns the lookup port) and an
+  OpenLookupSession (its session there, which acts as the peer) anyone authenticated. A store
+  node is not a client: its certificate lets it serve its own segments, not read or write the
+  cache through the master.
 
 The peer's identity comes from its verified certificate (common/security.py); a master
 serving without credentials (loopback, or ``--insecure``) checks nothing.
@@ -74,8 +76,9 @@ def check(method: str, identity: Identity | None, request=None) -> None:
                           f"{method} for node {node!r} from {identity}: a node acts only as "
                           f"itself")
         return
-    if method == "GetReplicas" and request is not None and not getattr(request, "keys", True):
-        return   # no keys: how any peer (a store node too) learns the lookup port
+    if method == "OpenLookupSession" or (method == "GetReplicas" and request is not None
+                                         and not getattr(request, "keys", True)):
+        return   # any peer (a store node too): its lookup-port session; the port's number
     if identity.role not in CLIENT_ROLES:
         raise Refused(grpc.StatusCode.PERMISSION_DENIED,
                       f"{method} is for clients; the caller is {identity}")
@@ -116,18 +119,19 @@ def scope(method: str, identity: Identity | None, request) -> None:
     if method == "Route":   # its store tier looks among the tenant's own objects
         request.tenant = name
         return
-    keys = tenants.scoped_all(name, request.keys)
-    if keys is not None:
-        del request.keys[:]
-        request.keys.extend(keys)
+    _rescope(request.keys, tenants.scoped_all(name, request.keys))
     if method == "PutEnd" and request.as_keys:   # the keys its slots are filled with
-        as_keys = [tenants.scoped(name, k) for k in request.as_keys]
-        del request.as_keys[:]
-        request.as_keys.extend(as_keys)
-    if method in ("PutStart", "PutEnd") and request.parents:
-        parents = [tenants.scoped(name, p) if p else "" for p in request.parents]
-        del request.parents[:]
-        request.parents.extend(parents)
+        _rescope(request.as_keys, tenants.scoped_all(name, request.as_keys))
+    if method in ("PutStart", "PutEnd") and request.parents \
+            and tenants.scoped_all(name, request.parents) is not None:
+        _rescope(request.parents, [tenants.scoped(name, p) if p else "" for p in request.parents])
+
+
+def _rescope(field, keys: list[str] | None) -> None:
+    """A repeated field's keys replaced by ``keys`` (None: they stay as they are)."""
+    if keys is not None:
+        del field[:]
+        field.extend(keys)
 
 
 def scope_answer(method: str, identity: Identity | None, response) -> None:

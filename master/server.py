@@ -14,6 +14,7 @@ from kvpool.common.loops import OnCrash, Supervisor
 from kvpool.common.metrics import MetricsServer, new_registry
 from kvpool.common.security import Credentials, Tokens
 from kvpool.master.auth import Authorizer
+from kvpool.master.lookup_sessions import LookupSessions
 from kvpool.master.lookup_server import LookupServer, Stream
 from kvpool.master.metrics import MasterCollector, RpcMetrics, ServerFigures
 from kvpool.master.request_guard import RequestGuard
@@ -177,9 +178,8 @@ class MasterServer:
                 streams={lookup_port.WATCH_MANIFEST: Stream(
                     pb.WatchManifestRequest, servicer.watch_manifest, lookup_port.ACK_MANIFEST,
                     pb.AckManifestRequest, servicer.ack_manifest)},
-                tls=None if self.credentials is None else self.credentials.ssl_server
-                if self._tokens is None else self.credentials.ssl_server_with_tokens,
-                tokens=self._tokens)
+                sessions=None if self.credentials is None else LookupSessions())
+            self._servicer.lookup_sessions = self._lookup.sessions
             try:
                 self._servicer.lookup_port = router.lookup_port = await self._lookup.start(
                     self._host, self._lookup_port)

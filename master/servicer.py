@@ -23,7 +23,9 @@ from kvpool.common.errors import (
     status_for_error,
 )
 from kvpool.common.logging import get_logger
+from kvpool.master.auth import CALLER
 from kvpool.master.grants import GrantMinter
+from kvpool.master.lookup_sessions import LookupSessions
 from kvpool.master.manifest_log import ManifestDelta
 from kvpool.master.manifest_watch import ManifestWatchers
 from kvpool.master.state import MasterState
@@ -36,7 +38,8 @@ MAX_BATCH = 65536
 # RPCs that change nothing a store node's manifest records: reads (leases, the eviction order,
 # hit counters and promotions started are this master's soft state, rebuilt after a restart)
 # and the manifest stream's own plumbing.
-READ_ONLY = frozenset({"GetReplicas", "Exists", "Stats", "WatchManifest", "AckManifest"})
+READ_ONLY = frozenset({"GetReplicas", "Exists", "Stats", "WatchManifest", "AckManifest",
+                       "OpenLookupSession"})   # (a session changes no stored state)
 
 
 def mutation(handler=None, *, wait: bool | str = True):
@@ -97,6 +100,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self._state = state
         self._watchers = ManifestWatchers(state)
         self.lookup_port = 0   # named in GetReplicas answers once the lookup port is bound
+        # The lookup port's sessions, where its frames are sealed (a master with credentials).
+        self.lookup_sessions: LookupSessions | None = None
         # This master's epoch: nodes refuse a writer's reservation or seal of another one, so
         # a late writer of a master that died is fenced at the node (store_node/manifest.py).
         self.epoch = epoch if epoch is not None else secrets.randbits(63) | 1
@@ -382,6 +387,14 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                                       statuses=statuses, sizes=located.sizes,
                                       versions=located.versions, replicas=columns.to_pb(grants),
                                       checksums=located.checksums)
+
+    async def OpenLookupSession(self, request, context):
+        sessions, identity = self.lookup_sessions, CALLER.get()
+        if sessions is None or identity is None:   # plain frames (a master without credentials)
+            return pb.OpenLookupSessionResponse(lookup_port=self.lookup_port)
+        session_id, session = sessions.open(identity)
+        return pb.OpenLookupSessionResponse(session_id=session_id, key=session.key,
+                                            ttl_s=sessions.ttl_s, lookup_port=self.lookup_port)
 
     async def Stats(self, request, context):
         s = self._state.stats(audit=request.audit)

@@ -33,16 +33,30 @@ master a wake-up each, where the gRPC stream and AckManifest call cross two thre
 A master names its lookup port in each gRPC ``GetReplicasResponse`` and ``RouteResponse``
 (``lookup_port``); the client dials it on the host its gRPC calls reach.
 
-AUTH (a master serving bearer tokens, ``--tokens``): its lookup port also takes TLS
-connections without a client certificate; such a connection's first frame is AUTH, its body
-the client's bearer token (utf-8), answered OK (the connection then acts as the token's
-identity) or UNAUTHENTICATED (and closed). A connection with neither a certificate nor an
-accepted AUTH is refused every call, as over gRPC.
+Sessions (a master with credentials; SECURITY.md "The lookup port"): the port is plain tcp
+and every connection is a session's. A peer first opens a session over authenticated gRPC
+(``OpenLookupSession``, mutual TLS or a bearer token): the master answers a random session id
+and a 256-bit key, kept in its memory for ``ttl_s`` and bound to the caller's identity. The
+connection's first frame is SESSION: the id and 16 random bytes of the client's, in clear;
+the master answers OK with 16 random bytes of its own (or UNAUTHENTICATED, and closes). Both
+ends derive a key per direction from the session key and both salts (HKDF-SHA256), so no
+frame of one connection is accepted on another. Every later frame's body is sealed with
+AES-256-GCM under its direction's key: the nonce is the frame's number on that connection
+(0, 1, ...), the header (in clear: the length is the sealed body's, tag included) is the
+associated data. A frame that does not open ends the connection (UNAUTHENTICATED, in clear);
+so does a frame after the session's end. The frames are authenticated and confidential as
+over TLS, without TLS's record layer in the master's Python loop (README, "Security's cost").
 """
 
 from __future__ import annotations
 
+import os
 import struct
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 MAGIC = b"KVL1"
 REQUEST = struct.Struct("!4sB3xI")
@@ -55,12 +69,16 @@ PUT_REVOKE = 5
 WATCH_MANIFEST = 6
 ACK_MANIFEST = 7
 ROUTE = 8
-AUTH = 9
+SESSION = 10
 METHOD_NAMES = {GET_REPLICAS: "GetReplicas", EXISTS: "Exists", PUT_START: "PutStart",
                 PUT_END: "PutEnd", PUT_REVOKE: "PutRevoke", WATCH_MANIFEST: "WatchManifest",
                 ACK_MANIFEST: "AckManifest", ROUTE: "Route"}   # as the gRPC methods
 # As gRPC's message limit here (rpc/wire.py GRPC_OPTIONS).
 MAX_BODY_BYTES = 64 << 20
+SESSION_ID_BYTES = 16
+SALT_BYTES = 16
+TAG_BYTES = 16                                   # AES-GCM's tag, in each sealed body
+SESSION_FRAME_BYTES = SESSION_ID_BYTES + SALT_BYTES
 
 
 def encode_request(method: int, body: bytes) -> bytes:
@@ -69,3 +87,49 @@ def encode_request(method: int, body: bytes) -> bytes:
 
 def encode_response(status: int, body: bytes) -> bytes:
     return RESPONSE.pack(status, len(body)) + body
+
+
+class Unsealed(Exception):
+    """A sealed frame that does not open: forged, altered, replayed or out of order."""
+
+
+class Seal:
+    """One direction of a session's connection: frames sealed (or opened) in order, each
+    under its number as the nonce."""
+
+    __slots__ = ("_aead", "_n")
+
+    def __init__(self, key: bytes) -> None:
+        self._aead, self._n = AESGCM(key), 0
+
+    def _nonce(self) -> bytes:
+        n, self._n = self._n, self._n + 1
+        return n.to_bytes(12, "big")
+
+    def seal(self, header: struct.Struct, *fields, body: bytes) -> bytes:
+        """The frame: ``header`` packed with ``fields`` and the sealed length, then the
+        sealed body."""
+        head = header.pack(*fields, len(body) + TAG_BYTES)
+        return head + self._aead.encrypt(self._nonce(), body, head)
+
+    def open(self, head: bytes, sealed: bytes) -> bytes:
+        """The body of the frame whose header bytes are ``head``; Unsealed if it does not
+        open (this connection can then carry nothing more)."""
+        try:
+            return self._aead.decrypt(self._nonce(), sealed, head)
+        except InvalidTag:
+            raise Unsealed("a lookup frame failed authentication") from None
+
+
+def new_salt() -> bytes:
+    return os.urandom(SALT_BYTES)
+
+
+def session_seals(key: bytes, client_salt: bytes, server_salt: bytes, *, server: bool
+                  ) -> tuple[Seal, Seal]:
+    """(the seal for frames this end sends, the one for frames it receives) of a connection
+    of the session whose key is ``key``."""
+    both = HKDF(hashes.SHA256(), 64, client_salt + server_salt,
+                b"kvpool lookup session v1").derive(key)
+    to_master, to_client = Seal(both[:32]), Seal(both[32:])
+    return (to_client, to_master) if server else (to_master, to_client)

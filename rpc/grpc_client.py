@@ -21,6 +21,7 @@ from kvpool.common.errors import (
     PermissionDenied,
     Unauthenticated,
 )
+from kvpool.protos.kvpool.v1 import master_pb2, master_pb2_grpc
 from kvpool.rpc.leader import MasterTargets
 from kvpool.rpc.wire import GRPC_OPTIONS
 
@@ -100,13 +101,21 @@ class GrpcClient:
         self.close()
 
     @property
-    def tls(self):
-        """The lookup port's client TLS context (None: plain tcp, as gRPC is then); with a
-        token, one without a client certificate: the token goes in an AUTH frame
-        (:attr:`token`)."""
-        if self.credentials is None:
-            return None
-        return self.credentials.ssl_client
+    def lookup_sessions(self) -> Callable[[str], object] | None:
+        """How this client opens its sessions of a master's lookup port (rpc/lookup.py), as
+        the identity of its credentials (None: a master without credentials, plain frames)."""
+        return None if self.credentials is None else self._open_lookup_session
+
+    def _open_lookup_session(self, master: str):
+        with self._lock:
+            entry = self._channels.get(master)
+        if entry is None:
+            raise MasterUnavailable(f"no channel to master {master}")
+        try:
+            return master_pb2_grpc.MasterStub(entry[0]).OpenLookupSession(
+                master_pb2.OpenLookupSessionRequest(), timeout=self._timeout_s)
+        except grpc.RpcError as e:
+            raise map_rpc_error(e, f"master {master}: OpenLookupSession") from None
 
     @property
     def token(self) -> str:

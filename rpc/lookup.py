@@ -10,18 +10,19 @@ that a master names anew (a restarted master) is tried at once.
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
-import ssl
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import grpc
 from google.protobuf.message import Message
 from kvpool.common.errors import KVPoolError, MasterUnavailable
-from kvpool.common.security import MASTER_NAME
 from kvpool.net import lookup_port
+from kvpool.net.lookup_port import Seal, Unsealed
 from kvpool.net.sockets import recv_exact
 
 # After a port failed: use gRPC alone this long before trying the same port again.
@@ -30,6 +31,7 @@ RETRY_AFTER_S = 10.0
 # unpublished port, a firewall that drops) must not hold up a read.
 _CONNECT_TIMEOUT_S = 1.0
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
+_UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED.value[0]
 M = TypeVar("M", bound=Message)
 
 
@@ -37,27 +39,90 @@ class LookupLost(Exception):
     """The lookup port cannot answer (unreachable, hung up, refusing): ask over gRPC."""
 
 
+@dataclass(frozen=True, slots=True)
+class Session:
+    """A lookup-port session a master opened for us (net/lookup_port.py, "Sessions")."""
+
+    session_id: bytes
+    key: bytes = field(repr=False)
+    renew_at: float   # monotonic: connections of it are not used (nor made) past this
+
+
+# A session is renewed this long before its end (at most a tenth of its life), so that no
+# connection of it is in use when the master ends it.
+_RENEW_MARGIN_S = 60.0
+
+
+def session_of(answer, clock: Callable[[], float] = time.monotonic) -> Session | None:
+    """The Session an OpenLookupSession answer names; None: the master seals nothing."""
+    if not answer.session_id:
+        return None
+    return Session(answer.session_id, answer.key,
+                   clock() + answer.ttl_s - min(_RENEW_MARGIN_S, answer.ttl_s / 10))
+
+
+class _Connection:
+    """One connection to the port: its socket, and its seals when it is a session's (``out``
+    for what we send, ``inn`` for what we receive), until ``renew_at``."""
+
+    __slots__ = ("sock", "out", "inn", "renew_at", "_sending")
+
+    def __init__(self, sock: socket.socket, out: Seal | None = None, inn: Seal | None = None,
+                 renew_at: float = math.inf) -> None:
+        self.sock, self.out, self.inn, self.renew_at = sock, out, inn, renew_at
+        self._sending = threading.Lock()   # a stream's acks come from other threads
+
+    def send(self, method: int, body: bytes) -> None:
+        with self._sending:
+            self.sock.sendall(lookup_port.encode_request(method, body) if self.out is None
+                              else self.out.seal(lookup_port.REQUEST, lookup_port.MAGIC,
+                                                 method, body=body))
+
+    def receive(self) -> tuple[int, bytes]:
+        """The next answer's (status, body); LookupLost if it does not open."""
+        head = recv_exact(self.sock, lookup_port.RESPONSE.size, "the master")
+        status, length = _header(head)
+        data = recv_exact(self.sock, length, "the master")
+        return status, _opened(self.inn, head, data, status)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _opened(inn: Seal | None, head: bytes, data: bytes, status: int) -> bytes:
+    if inn is None:
+        return data
+    try:
+        return inn.open(head, data)
+    except Unsealed:
+        if status == _UNAUTHENTICATED:   # the master could not open ours (it says so in clear)
+            raise LookupLost(f"the master refused a frame: {data[:200].decode('utf-8', 'replace')}"
+                             ) from None
+        raise LookupLost("an answer failed authentication") from None
+
+
 class LookupChannel:
     """Connections to ``host:port``, the lookup port of the master at ``master``.
 
     ``refused(code, message, what)``: the KVPoolError for an answer with an error status (as
-    for the same status over gRPC). ``tls``: a client context (common/security.py) when the
-    master's gRPC port is mutual TLS: the lookup port is too, with the same certificates;
-    ``token``: a client without a certificate authenticates each connection with its bearer
-    token instead (net/lookup_port.py AUTH)."""
+    for the same status over gRPC). ``sessions(master)``, where the master has credentials:
+    opens a session of ours there (its OpenLookupSession over gRPC); each connection then
+    starts as one of its connections, its frames sealed (net/lookup_port.py, "Sessions").
+    It returns the master's OpenLookupSessionResponse."""
 
     def __init__(self, master: str, port: int, timeout_s: float,
                  refused: Callable[[grpc.StatusCode, str, str], KVPoolError],
-                 tls: ssl.SSLContext | None = None, token: str = ""):
-        self._tls, self._token = tls, token
+                 sessions: Callable[[str], Message] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self._sessions, self._clock = sessions, clock
+        self._session: Session | None = None
         host = master.rpartition(":")[0]
         self.target = (master, port)
         self._endpoint = (host[1:-1] if host.startswith("[") else host, port)
         self._timeout_s, self._refused = timeout_s, refused
-        self._idle: list[socket.socket] = []
+        self._idle: list[_Connection] = []
         # Connections of call_async, each usable only on the loop that opened it.
-        self._idle_async: list[tuple[asyncio.AbstractEventLoop, asyncio.StreamReader,
-                                     asyncio.StreamWriter]] = []
+        self._idle_async: list[tuple[asyncio.AbstractEventLoop, _AsyncConnection]] = []
         self._lock = threading.Lock()
         self._closed = False
 
@@ -66,85 +131,76 @@ class LookupChannel:
         the port cannot give one; the KVPoolError of a refusal (InvalidArgument);
         MasterUnavailable if the master takes longer than the timeout to answer (as a gRPC
         deadline)."""
-        frame = lookup_port.encode_request(method, request.SerializeToString())
+        body = request.SerializeToString()
         while True:
-            sock, reused = self._connection()
+            conn, reused = self._connection()
             try:
-                sock.sendall(frame)
-                status, length = _header(recv_exact(sock, lookup_port.RESPONSE.size,
-                                                    "the master"))
-                body = recv_exact(sock, length, "the master")
+                conn.send(method, body)
+                status, answer = conn.receive()
                 break
             except TimeoutError:
-                sock.close()
+                conn.close()
                 raise self._too_slow() from None
             except OSError as e:
-                sock.close()
+                conn.close()
                 if not reused:
                     raise self._lost(e) from None
                 # A kept connection the master dropped (it restarted on the same port, say):
                 # once more on a new one. Asking twice is harmless: a lookup only leases.
             except BaseException:
-                sock.close()
+                conn.close()
                 raise
-        self._release(sock)
-        return self._answer(status, body, response_type, "lookup")
+        self._release(conn)
+        return self._answer(status, answer, response_type, "lookup")
 
     async def call_async(self, method: int, request: Message, response_type: type[M]) -> M:
         """:meth:`call` on the running event loop, for a caller that must not block it (the
         gateway's Route before each request it forwards): no thread hop, answers alike."""
-        frame = lookup_port.encode_request(method, request.SerializeToString())
+        body = request.SerializeToString()
         while True:
-            (reader, writer), reused = await self._connection_async()
+            conn, reused = await self._connection_async()
             try:
                 async with asyncio.timeout(self._timeout_s):
-                    writer.write(frame)
-                    status, length = _header(
-                        await reader.readexactly(lookup_port.RESPONSE.size))
-                    body = await reader.readexactly(length)
+                    status, answer = await conn.call(method, body)
                 break
             except TimeoutError:
-                writer.close()
+                conn.close()
                 raise self._too_slow() from None
             except (OSError, asyncio.IncompleteReadError) as e:
-                writer.close()
+                conn.close()
                 if not reused:   # a kept connection the master dropped: once more, as call
                     raise self._lost(e) from None
             except BaseException:
-                writer.close()
+                conn.close()
                 raise
         loop = asyncio.get_running_loop()
         with self._lock:
             if not self._closed:
-                self._idle_async.append((loop, reader, writer))
-                writer = None
-        if writer is not None:
-            writer.close()
-        return self._answer(status, body, response_type, "lookup")
+                self._idle_async.append((loop, conn))
+                conn = None
+        if conn is not None:
+            conn.close()
+        return self._answer(status, answer, response_type, "lookup")
 
-    def open_stream(self, method: int, request: Message) -> socket.socket:
+    def open_stream(self, method: int, request: Message) -> _Connection:
         """A new connection that ``request`` (a stream method: WATCH_MANIFEST) turned into a
-        stream; read it with :func:`read_stream_frame`. LookupLost if the port cannot be
-        reached."""
-        sock, _ = self._connect()
+        stream; read it with :meth:`read_stream_frame`, reply with its ``send``. LookupLost
+        if the port cannot be reached."""
+        conn, _ = self._connect()
         try:
-            sock.sendall(lookup_port.encode_request(method, request.SerializeToString()))
+            conn.send(method, request.SerializeToString())
         except OSError as e:
-            sock.close()
+            conn.close()
             raise LookupLost(f"lookup port {self._endpoint[1]}: {e}") from None
-        return sock
+        return conn
 
-    def read_stream_frame(self, sock: socket.socket, response_type: type[M]) -> M:
+    def read_stream_frame(self, conn: _Connection, response_type: type[M]) -> M:
         """The next message of a stream opened by :meth:`open_stream`. Raises TimeoutError
         when none came within the socket's timeout, LookupLost if the port refused the stream
         as a standby does (UNAVAILABLE) or the connection broke (OSError), and the
         KVPoolError of another refusal (an unknown node: NOT_FOUND)."""
         try:
-            header = recv_exact(sock, lookup_port.RESPONSE.size, "the master")
-            status, length = lookup_port.RESPONSE.unpack(header)
-            if length > lookup_port.MAX_BODY_BYTES:
-                raise LookupLost(f"a stream frame of {length} bytes")
-            body = recv_exact(sock, length, "the master")
+            status, body = conn.receive()
         except TimeoutError:
             raise
         except OSError as e:
@@ -163,8 +219,8 @@ class LookupChannel:
             return response_type.FromString(body)
         code = _STATUS.get(status, grpc.StatusCode.UNKNOWN)
         message = body.decode(errors="replace")
-        if code == grpc.StatusCode.UNAVAILABLE:   # e.g. a standby: gRPC finds the leader
-            raise LookupLost(message)
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED):
+            raise LookupLost(message)   # a standby (gRPC finds the leader); a session ended
         raise self._refused(code, message, f"master {self.target[0]}: {what}")
 
     def close(self) -> None:
@@ -172,95 +228,140 @@ class LookupChannel:
             self._closed = True
             idle, self._idle = self._idle, []
             idle_async, self._idle_async = self._idle_async, []
-        for sock in idle:
-            sock.close()
-        for loop, _, writer in idle_async:
+        for conn in idle:
+            conn.close()
+        for loop, aconn in idle_async:
             if not loop.is_closed():
-                loop.call_soon_threadsafe(writer.close)
+                loop.call_soon_threadsafe(aconn.close)
 
-    def _connection(self) -> tuple[socket.socket, bool]:
+    def _connection(self) -> tuple[_Connection, bool]:
         """A connection, and whether it was kept from an earlier call."""
+        now = self._clock()
         with self._lock:
-            if self._idle:
-                return self._idle.pop(), True
+            while self._idle:
+                conn = self._idle.pop()
+                if conn.renew_at > now:
+                    return conn, True
+                conn.close()   # its session is about to end
         return self._connect()
 
-    async def _connection_async(self) -> tuple[tuple[asyncio.StreamReader,
-                                                     asyncio.StreamWriter], bool]:
-        loop = asyncio.get_running_loop()
+    def _session_for(self, stale: Session | None) -> Session | None:
+        """The session to open connections with: the one held, unless it is ``stale`` (the
+        master refused it) or due for renewal; LookupLost if none can be opened."""
+        with self._lock:
+            held = self._session
+        if held is not None and held is not stale and held.renew_at > self._clock():
+            return held
+        try:
+            session = session_of(self._sessions(self.target[0]), self._clock)
+        except (KVPoolError, grpc.RpcError) as e:
+            raise LookupLost(f"no lookup session: {e}") from None
+        with self._lock:
+            self._session = session
+        return session
+
+    def _connect(self) -> tuple[_Connection, bool]:
+        stale = None
+        for _ in range(2 if self._sessions is not None else 1):
+            try:
+                sock = socket.create_connection(self._endpoint, timeout=_CONNECT_TIMEOUT_S)
+            except OSError as e:
+                raise LookupLost(f"lookup port {self._endpoint[1]}: {e}") from None
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(self._timeout_s)
+            if self._sessions is None or (session := self._session_for(stale)) is None:
+                return _Connection(sock), False
+            salt = lookup_port.new_salt()
+            try:
+                sock.sendall(lookup_port.encode_request(lookup_port.SESSION,
+                                                        session.session_id + salt))
+                status, length = _header(recv_exact(sock, lookup_port.RESPONSE.size,
+                                                    "the master"))
+                answer = recv_exact(sock, length, "the master")
+            except OSError as e:
+                sock.close()
+                raise self._lost(f"session: {e}") from None
+            if status == 0 and len(answer) == lookup_port.SALT_BYTES:
+                out, inn = lookup_port.session_seals(session.key, salt, answer, server=False)
+                return _Connection(sock, out, inn, session.renew_at), False
+            sock.close()
+            if status != _UNAUTHENTICATED:
+                raise self._lost(f"session refused: {answer[:200]!r}")
+            stale = session   # the master forgot it (restarted, or dropped it): a new one
+        raise self._lost("a new session was refused too")
+
+    async def _connection_async(self) -> tuple[_AsyncConnection, bool]:
+        loop, now = asyncio.get_running_loop(), self._clock()
         with self._lock:
             for i in range(len(self._idle_async) - 1, -1, -1):
                 if self._idle_async[i][0] is loop:
-                    _, reader, writer = self._idle_async.pop(i)
-                    return (reader, writer), True
-        try:
-            async with asyncio.timeout(_CONNECT_TIMEOUT_S):   # the handshake included
-                reader, writer = await asyncio.open_connection(
-                    *self._endpoint, ssl=self._tls,
-                    server_hostname=MASTER_NAME if self._tls is not None else None)
-        except (OSError, TimeoutError) as e:    # ssl.SSLError included: another CA
-            raise LookupLost(f"lookup port {self._endpoint[1]}: {e or 'connect timed out'}"
-                             ) from None
-        writer.transport.get_extra_info("socket").setsockopt(
-            socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if self._token:
+                    _, conn = self._idle_async.pop(i)
+                    if conn.renew_at > now:
+                        return conn, True
+                    conn.close()
+        stale = None
+        for _ in range(2 if self._sessions is not None else 1):
+            try:
+                async with asyncio.timeout(_CONNECT_TIMEOUT_S):
+                    reader, writer = await asyncio.open_connection(*self._endpoint)
+            except (OSError, TimeoutError) as e:
+                raise LookupLost(f"lookup port {self._endpoint[1]}: "
+                                 f"{e or 'connect timed out'}") from None
+            writer.transport.get_extra_info("socket").setsockopt(
+                socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # Opening a session is a gRPC call: off the loop (once in a session's life).
+            if self._sessions is None or (
+                    session := await asyncio.to_thread(self._session_for, stale)) is None:
+                return _AsyncConnection(reader, writer), False
+            salt = lookup_port.new_salt()
             try:
                 async with asyncio.timeout(self._timeout_s):
-                    writer.write(lookup_port.encode_request(lookup_port.AUTH,
-                                                            self._token.encode()))
-                    status, length = lookup_port.RESPONSE.unpack(
+                    writer.write(lookup_port.encode_request(lookup_port.SESSION,
+                                                            session.session_id + salt))
+                    status, length = _header(
                         await reader.readexactly(lookup_port.RESPONSE.size))
-                    message = await reader.readexactly(min(length, 4096)) if length else b""
+                    answer = await reader.readexactly(length)
             except (OSError, TimeoutError, asyncio.IncompleteReadError) as e:
                 writer.close()
-                raise self._lost(f"token: {e}") from None
-            if status != 0:
-                writer.close()
-                raise self._refused_token(message)
-        return (reader, writer), False
+                raise self._lost(f"session: {e}") from None
+            if status == 0 and len(answer) == lookup_port.SALT_BYTES:
+                out, inn = lookup_port.session_seals(session.key, salt, answer, server=False)
+                return _AsyncConnection(reader, writer, out, inn, session.renew_at), False
+            writer.close()
+            if status != _UNAUTHENTICATED:
+                raise self._lost(f"session refused: {answer[:200]!r}")
+            stale = session
+        raise self._lost("a new session was refused too")
 
-    def _connect(self) -> tuple[socket.socket, bool]:
-        try:
-            sock = socket.create_connection(self._endpoint, timeout=_CONNECT_TIMEOUT_S)
-        except OSError as e:
-            raise LookupLost(f"lookup port {self._endpoint[1]}: {e}") from None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if self._tls is not None:
-            try:   # the handshake under the connect timeout too
-                sock = self._tls.wrap_socket(sock, server_hostname=MASTER_NAME)
-            except OSError as e:   # ssl.SSLError included: a master of another CA
-                sock.close()
-                raise LookupLost(f"lookup port {self._endpoint[1]}: TLS: {e}") from None
-        sock.settimeout(self._timeout_s)
-        if self._token:
-            self._authenticate(sock)
-        return sock, False
-
-    def _authenticate(self, sock: socket.socket) -> None:
-        """Send the bearer token (AUTH) and read its answer; the port is given up (LookupLost)
-        unless it took it: a master without tokens (or an old one) answers with an error."""
-        try:
-            sock.sendall(lookup_port.encode_request(lookup_port.AUTH, self._token.encode()))
-            status, length = lookup_port.RESPONSE.unpack(
-                recv_exact(sock, lookup_port.RESPONSE.size, "the master"))
-            message = recv_exact(sock, min(length, 4096), "the master") if length else b""
-        except OSError as e:
-            sock.close()
-            raise self._lost(f"token: {e}") from None
-        if status != 0:
-            sock.close()
-            raise self._refused_token(message)
-
-    def _refused_token(self, message: bytes) -> LookupLost:
-        return LookupLost(f"lookup port {self._endpoint[1]} refused the token: "
-                          f"{message.decode('utf-8', 'replace')}")
-
-    def _release(self, sock: socket.socket) -> None:
+    def _release(self, conn: _Connection) -> None:
         with self._lock:
             if not self._closed:
-                self._idle.append(sock)
+                self._idle.append(conn)
                 return
-        sock.close()
+        conn.close()
+
+
+class _AsyncConnection:
+    """:class:`_Connection` on an event loop."""
+
+    __slots__ = ("reader", "writer", "out", "inn", "renew_at")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 out: Seal | None = None, inn: Seal | None = None,
+                 renew_at: float = math.inf) -> None:
+        self.reader, self.writer, self.out, self.inn = reader, writer, out, inn
+        self.renew_at = renew_at
+
+    async def call(self, method: int, body: bytes) -> tuple[int, bytes]:
+        self.writer.write(lookup_port.encode_request(method, body) if self.out is None
+                          else self.out.seal(lookup_port.REQUEST, lookup_port.MAGIC, method,
+                                             body=body))
+        head = await self.reader.readexactly(lookup_port.RESPONSE.size)
+        status, length = _header(head)
+        return status, _opened(self.inn, head, await self.reader.readexactly(length), status)
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 def _header(header: bytes) -> tuple[int, int]:
@@ -277,17 +378,16 @@ class Lookups:
     def __init__(self, timeout_s: float,
                  refused: Callable[[grpc.StatusCode, str, str], KVPoolError],
                  clock: Callable[[], float] = time.monotonic,
-                 tls: ssl.SSLContext | None | bool = None, token: str = ""):
-        """``tls``: the client context of a secure master's lookup port; None: plain tcp;
-        False: never use the port (gRPC only). ``token``: a bearer token to authenticate
-        with (a client without a certificate)."""
+                 sessions: Callable[[str], Message] | None = None):
+        """``sessions``: how a channel opens its session at a master with credentials (see
+        LookupChannel); None: plain frames."""
         self._timeout_s, self._refused, self._clock = timeout_s, refused, clock
-        self._tls, self._token = tls or None, token
+        self._sessions = sessions
         self._lock = threading.Lock()
         self._channel: LookupChannel | None = None
         self._learned: tuple[str, int] | None = None      # the last (master, port) named
         self._failed: dict[tuple[str, int], float] = {}   # target -> when to try it again
-        self._closed = tls is False
+        self._closed = False
 
     @property
     def channel(self) -> LookupChannel | None:
@@ -319,8 +419,8 @@ class Lookups:
             if self._closed or self._failed.get(target, 0.0) > self._clock():
                 return
             old, self._channel = self._channel, LookupChannel(
-                master, port, self._timeout_s, self._refused, self._tls,
-                self._token) if port else None
+                master, port, self._timeout_s, self._refused, self._sessions,
+                self._clock) if port else None
         if old is not None:
             old.close()
 

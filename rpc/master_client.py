@@ -62,9 +62,9 @@ class MasterClient(GrpcClient):
         super().__init__(address, master_pb2_grpc.MasterStub, timeout_s=timeout_s,
                          retries=retries, name="master client", **security)
         self._watches: set = set()   # the WatchManifest calls open now (end_watches)
-        self._port_watches: dict[str, socket.socket] = {}   # node id -> its stream's socket
+        self._port_watches: dict = {}   # node id -> its stream's connection (rpc/lookup.py)
         self._watch_generation = 0   # end_watches calls so far
-        self._lookups = Lookups(timeout_s, map_status, tls=self.tls, token=self.token)
+        self._lookups = Lookups(timeout_s, map_status, sessions=self.lookup_sessions)
         self._rechecks: list[tuple[str, int, str]] = []   # asked by heartbeat answers
 
     # -- membership (store nodes) --
@@ -129,34 +129,34 @@ class MasterClient(GrpcClient):
         channel = self._lookup_channel()
         if channel is not None:
             try:
-                sock = channel.open_stream(lookup_port.WATCH_MANIFEST,
+                conn = channel.open_stream(lookup_port.WATCH_MANIFEST,
                                            pb.WatchManifestRequest(node_id=node_id))
             except LookupLost:
                 self._lookups.lost(channel)
             else:
-                yield from self._watch_port(node_id, address, channel, sock, deadline_s,
+                yield from self._watch_port(node_id, address, channel, conn, deadline_s,
                                             generation)
                 return
         yield from self._watch_grpc(node_id, deadline_s)
 
-    def _watch_port(self, node_id: str, address: str, channel, sock, deadline_s: float,
+    def _watch_port(self, node_id: str, address: str, channel, conn, deadline_s: float,
                     generation: int):
         end = time.monotonic() + deadline_s
-        self._port_watches[node_id] = sock
+        self._port_watches[node_id] = conn
         try:
             if self._watch_generation != generation or self.address != address:
                 return   # ended (end_watches) or left for another master while it opened
             while (left := end - time.monotonic()) > 0:
-                sock.settimeout(left)
+                conn.sock.settimeout(left)
                 try:
-                    msg = channel.read_stream_frame(sock, pb.ManifestChanges)
+                    msg = channel.read_stream_frame(conn, pb.ManifestChanges)
                 except TimeoutError:
                     return
                 except LookupLost as e:
                     if self._closed:
                         raise ClientClosed(f"the {self._name} was closed during the call") \
                             from None
-                    if self._port_watches.get(node_id) is not sock:   # end_watches: on purpose
+                    if self._port_watches.get(node_id) is not conn:   # end_watches: on purpose
                         raise MasterUnavailable(f"master {address}: manifest stream ended") \
                             from None
                     self._lookups.lost(channel)
@@ -169,9 +169,9 @@ class MasterClient(GrpcClient):
                        list(zip(msg.removed_keys, msg.removed_versions)),
                        wire.reservations_from_pb(msg.reserved, time.monotonic()))
         finally:
-            if self._port_watches.get(node_id) is sock:
+            if self._port_watches.get(node_id) is conn:
                 del self._port_watches[node_id]
-            sock.close()
+            conn.close()
 
     def _watch_grpc(self, node_id: str, deadline_s: float):
         address, stub = self._live_stub()
@@ -203,19 +203,18 @@ class MasterClient(GrpcClient):
             stream.cancel()
         self._watch_generation += 1   # a port stream still opening ends as soon as it is
         ended, self._port_watches = self._port_watches, {}
-        for sock in ended.values():
+        for conn in ended.values():
             with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+                conn.sock.shutdown(socket.SHUT_RDWR)
 
     def ack_manifest(self, node_id: str, seq: int) -> None:
         """Tell the master that the node has applied its stream's changes up to ``seq`` (on
         the stream itself when it came by the lookup port). Not retried: a failure ends the
         stream, and the master sends what is unacknowledged again on the next one."""
         request = pb.AckManifestRequest(node_id=node_id, seq=seq)
-        if (sock := self._port_watches.get(node_id)) is not None:
+        if (conn := self._port_watches.get(node_id)) is not None:
             try:
-                sock.sendall(lookup_port.encode_request(lookup_port.ACK_MANIFEST,
-                                                        request.SerializeToString()))
+                conn.send(lookup_port.ACK_MANIFEST, request.SerializeToString())
             except OSError as e:
                 raise MasterUnavailable(f"master {self.address}: AckManifest: {e}") from None
             return

@@ -37,7 +37,8 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.formatter_class = argparse.RawDescriptionHelpFormatter
     b.epilog = ("Examples:\n  kvpool bench --quick --json bench.json   (under 5 minutes)\n"
                 "  kvpool bench --json bench.json --plots plots/\n"
-                "  kvpool bench --master HOST:PORT --no-master-bench   (an existing cluster)")
+                "  kvpool bench --master HOST:PORT --no-master-bench   (an existing cluster)\n"
+                "  kvpool bench --quick --compare-insecure --no-master-bench   (security's cost)")
     b.add_argument("--master", metavar="HOST:PORT", help="bench an existing cluster instead of "
                    "starting a local one (its master's memory is then not measured)")
     b.add_argument("--quick", action="store_true", help="3 repeats, 8 calls per single-value "
@@ -77,6 +78,10 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--insecure", action="store_true",
                    help="run the local cluster without credentials (plain text; to measure "
                         "what security costs: compare with a run without)")
+    b.add_argument("--compare-insecure", action="store_true",
+                   help="kvpool's figures on a secure and a plain local cluster in the same "
+                        "run, a workload on each in turn: every data-path ratio both ways, "
+                        "and secure/plain against the 10%% bound (security's cost)")
     b.add_argument("--disk-tier", action="store_true",
                    help="instead: the disk tier's demotion and read GB/s beside a plain "
                         "sequential file read of the same bytes (tools/bench_disk.py)")
@@ -106,6 +111,10 @@ def run(args: argparse.Namespace) -> int:
                                 transports=tuple(t for t in args.transports.split(",")
                                                  if t.strip() in ("shm", "tcp")),
                                 json_path=args.json)
+    if args.compare_insecure and (args.master or args.insecure):
+        print("kvpool bench: error: --compare-insecure starts its own secure and plain "
+              "clusters: not with --master or --insecure", file=sys.stderr)
+        return 2
     from kvpool.tools.bench_run import BenchConfig, run_bench
     preset = QUICK if args.quick else FULL
     block = (args.block_size or [2 << 20])[0]
@@ -124,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         master_clients=args.master_clients,
         redis=not args.no_redis,
         peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()),
-        metrics=args.metrics, insecure=args.insecure)
+        metrics=args.metrics, insecure=args.insecure, compare_insecure=args.compare_insecure)
     bad = set(config.transports) - {"shm", "tcp", "rdma"}
     if bad:
         print(f"kvpool bench: error: unknown transport(s) {sorted(bad)}; known: shm, tcp, rdma",

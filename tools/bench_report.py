@@ -55,6 +55,11 @@ SINGLE_P50_DEFINITIONS: tuple[tuple[str, tuple[str, str, str], tuple[str, str, s
      ("mooncake", "tcp", "get"), 64 << 10),
 )
 MASTER_FIGURES = ("put_objects_per_s", "lookup_objects_per_s", "bytes_per_object")
+# With --compare-insecure: kvpool's figures on a second local cluster, without credentials.
+PLAIN = "kvpool-plain"
+# Issue 15: security costs at most 10% of every data-path ratio (throughput: secure/plain >=
+# 0.9; a single call's p50: secure/plain <= 1.1). Each is "<ratio>_secure_vs_plain".
+SECURITY_BOUND = 0.1
 
 # The issue's targets: (figure, ">=" or "<=", bound). Ratios are medians from one run.
 TARGETS: tuple[tuple[str, str, float], ...] = (
@@ -130,14 +135,40 @@ def compute_ratios(figures: Iterable[Figure], master: dict | None) -> dict:
     for name, num, den, size in SINGLE_P50_DEFINITIONS:
         a, b = single.get((*num, size)), single.get((*den, size))
         ratios[name] = round(a.p50_ms / b.p50_ms, 4) if a and b and b.p50_ms > 0 else None
+    if any(f.system == PLAIN for f in by_key.values()):
+        for name, num, den in RATIO_DEFINITIONS:
+            a, b = by_key.get((PLAIN, *num[1:])), by_key.get(den)
+            if num[0] == "kvpool":
+                plain = round(a.gbps / b.gbps, 4) if a and b and b.gbps > 0 else None
+                ratios[f"{name}_plain"] = plain
+                ratios[f"{name}_secure_vs_plain"] = _over(ratios[name], plain)
+        for name, num, den, size in SINGLE_P50_DEFINITIONS:
+            a, b = single.get((PLAIN, *num[1:], size)), single.get((*den, size))
+            plain = round(a.p50_ms / b.p50_ms, 4) if a and b and b.p50_ms > 0 else None
+            ratios[f"{name}_plain"] = plain
+            ratios[f"{name}_secure_vs_plain"] = _over(ratios[name], plain)
     ratios["master"] = {k: (master or {}).get(k) for k in MASTER_FIGURES}
     return ratios
+
+
+def _over(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 4) if a is not None and b else None
+
+
+def security_targets(ratios: dict) -> list[tuple[str, str, float]]:
+    """The security-cost targets of the ratios measured both ways (--compare-insecure)."""
+    singles = {name for name, *_ in SINGLE_P50_DEFINITIONS}
+    return [(f"{name}_secure_vs_plain", "<=" if name in singles else ">=",
+             1 + SECURITY_BOUND if name in singles else 1 - SECURITY_BOUND)
+            for name in [n for n, num, _ in RATIO_DEFINITIONS if num[0] == "kvpool"]
+            + sorted(singles, key=[n for n, *_ in SINGLE_P50_DEFINITIONS].index)
+            if ratios.get(f"{name}_secure_vs_plain") is not None]
 
 
 def check_targets(ratios: dict) -> list[dict]:
     """Each target with the measured value and whether it holds (None: not measured)."""
     out = []
-    for name, op, bound in TARGETS:
+    for name, op, bound in (*TARGETS, *security_targets(ratios)):
         value = ratios["master"].get(name.split(".", 1)[1]) if name.startswith("master.") \
             else ratios.get(name)
         met = None if value is None else (value >= bound if op == ">=" else value <= bound)
@@ -185,12 +216,12 @@ def validate_report(report: dict) -> list[str]:
 
 def format_table(report: dict) -> str:
     """The human summary: every figure, then the ratios against their targets."""
-    header = (f"{'system':<8} {'via':<5} {'workload':<8} {'op':<4} {'value':>9} {'x':>4} "
+    header = (f"{'system':<12} {'via':<5} {'workload':<8} {'op':<4} {'value':>9} {'x':>4} "
               f"{'GB/s':>7} {'objects/s':>10} {'p50 ms':>8} {'p99 ms':>8}")
     lines = [header]
     for r in report["results"]:
         lines.append(
-            f"{r['system']:<8} {r['transport']:<5} {r['workload']:<8} {r['op']:<4} "
+            f"{r['system']:<12} {r['transport']:<5} {r['workload']:<8} {r['op']:<4} "
             f"{_size(r['value_bytes']):>9} {r['objects_per_call']:>4} {r['gbps']:>7.2f} "
             f"{r['objects_per_s']:>10.0f} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f}")
     m = report["master"]
@@ -209,19 +240,19 @@ def format_table(report: dict) -> str:
     for what, why in report["skipped"].items():
         lines.append(f"skipped {what}: {why}")
     lines.append("")
-    lines.append(f"{'target':<44} {'measured':>12} {'target':>12}  met")
+    lines.append(f"{'target':<56} {'measured':>12} {'target':>12}  met")
     for t in report["targets"]:
         value = "-" if t["value"] is None else f"{t['value']:,.3f}".rstrip("0").rstrip(".")
         met = {True: "yes", False: "NO", None: "-"}[t["met"]]
-        lines.append(f"{t['name']:<44} {value:>12} {t['op'] + ' ' + format(t['target'], 'g'):>12}"
+        lines.append(f"{t['name']:<56} {value:>12} {t['op'] + ' ' + format(t['target'], 'g'):>12}"
                      f"  {met}")
     targeted = {t["name"] for t in report["targets"]}
     others = [(name, value) for name, value in report["ratios"].items()
               if name != "master" and name not in targeted and value is not None]
     if others:
         lines.append("")
-        lines.append(f"{'other ratio':<44} {'measured':>12}")
-        lines += [f"{name:<44} {value:>12.3f}" for name, value in others]
+        lines.append(f"{'other ratio':<56} {'measured':>12}")
+        lines += [f"{name:<56} {value:>12.3f}" for name, value in others]
     return "\n".join(lines)
 
 

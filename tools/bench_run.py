@@ -14,14 +14,14 @@ import secrets
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 from kvpool.common.config import format_size
 from kvpool.common.errors import KVPoolError
 from kvpool.tools import bench_kvpool as w
-from kvpool.tools.bench_report import Figure, build_report, format_table, write_plots
+from kvpool.tools.bench_report import PLAIN, Figure, build_report, format_table, write_plots
 
 # The data-path cluster's segment: a removed batch that was read stays allocated until its read
 # lease runs out, so every repeat's batch (and the next workload's first) is allocated at once.
@@ -57,6 +57,9 @@ class BenchConfig:
     peers: tuple[str, ...] = ()
     metrics: bool = False        # kvpool's processes serve /metrics (their cost measured)
     insecure: bool = False       # the local cluster without credentials (security's cost)
+    # kvpool's figures on a secure and a plain local cluster, alternated (security's cost in
+    # one run): the plain cluster's figures are system PLAIN.
+    compare_insecure: bool = False
 
     def shapes(self) -> list[w.Shape]:
         return ([w.Shape("single", s, 1, self.single_calls) for s in self.sizes]
@@ -163,21 +166,31 @@ def _kvpool(config: BenchConfig, data: dict, figures: list, skipped: dict, maste
             run_id: str) -> None:
     from kvpool.tools.cluster import LocalCluster
     if master is not None:
-        return _kvpool_on(config, data, figures, skipped, master, run_id)
+        return _kvpool_on(config, data, figures, skipped, {"kvpool": master}, run_id)
+    kinds = {"kvpool": not config.insecure}
+    if config.compare_insecure:
+        kinds = {"kvpool": True, PLAIN: False}
     largest = max(s.value_bytes * s.objects_per_call * s.calls for s in data)
     segment = largest * (config.repeats + 2)
-    if segment > _SEGMENT_MEMORY_SHARE * _available_memory_bytes():
+    if segment * len(kinds) > _SEGMENT_MEMORY_SHARE * _available_memory_bytes():
         segment = largest * _SEGMENT_MIN_BATCHES
     segment = max(64 << 20, segment)
-    _say(f"starting a local cluster: master + 1 store node ({format_size(segment)})")
+    clusters = {}
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as logs:
-        cluster = LocalCluster(nodes=1, segment_size=str(segment),
-                               master_args=["--lease-ttl", f"{_LEASE_S}s"], log_dir=logs,
-                               metrics=config.metrics, secure=not config.insecure)
         try:
-            _kvpool_on(config, data, figures, skipped, cluster.start(), run_id, segment)
+            for system, secure in kinds.items():
+                _say(f"starting a local cluster{' without credentials' if not secure else ''}:"
+                     f" master + 1 store node ({format_size(segment)})")
+                clusters[system] = LocalCluster(
+                    nodes=1, segment_size=str(segment), master_args=["--lease-ttl",
+                                                                     f"{_LEASE_S}s"],
+                    log_dir=f"{logs}/{system}", metrics=config.metrics, secure=secure)
+                clusters[system].start()
+            _kvpool_on(config, data, figures, skipped,
+                       {system: c.master for system, c in clusters.items()}, run_id, segment)
         finally:
-            cluster.stop()
+            for c in clusters.values():
+                c.stop()
 
 
 def _available_memory_bytes() -> int:
@@ -203,29 +216,40 @@ def _settle_s(config: BenchConfig, shape: w.Shape, segment: int | None) -> float
     return _LEASE_S + 0.2
 
 
-def _kvpool_on(config: BenchConfig, data: dict, figures: list, skipped: dict, master: str,
-               run_id: str, segment: int | None = None) -> None:
+def _kvpool_on(config: BenchConfig, data: dict, figures: list, skipped: dict,
+               masters: dict[str, str], run_id: str, segment: int | None = None) -> None:
+    """kvpool's figures on each of ``masters`` (system -> address), one workload on each in
+    turn, the order alternated, so that a drifting load weighs on them alike."""
     from kvpool.client import KVClient
     for transport in config.transports:
+        clients = {}
         try:
-            kv = KVClient(master, transports=[transport])
+            for system, master in masters.items():
+                clients[system] = KVClient(master, transports=[transport])
         except KVPoolError as e:   # e.g. rdma without pyverbs or a device here
+            for kv in clients.values():
+                kv.close()
             skipped[f"kvpool-{transport}"] = str(e)
             _say(f"kvpool {transport}: skipped: {e}")
             continue
-        with kv:
-            if not _reachable(kv, transport, run_id):
+        try:
+            if not all(_reachable(kv, transport, run_id) for kv in clients.values()):
                 skipped[f"kvpool-{transport}"] = f"no store node is reachable over {transport}"
                 continue
             if transport == "shm":
                 _prefaulted()
-            for shape, src in data.items():
-                _say(f"kvpool {transport}: {shape.workload} {shape.objects_per_call} x "
-                     f"{format_size(shape.value_bytes)}")
-                figures.extend(w.kvpool_figures(kv, transport, shape, config.repeats, src,
-                                                f"bench-{run_id}-{transport}-{shape.workload}"
-                                                f"-{shape.value_bytes}",
-                                                _settle_s(config, shape, segment)))
+            for i, (shape, src) in enumerate(data.items()):
+                order = list(clients.items())
+                for system, kv in order[::-1] if i % 2 else order:
+                    _say(f"{system} {transport}: {shape.workload} {shape.objects_per_call} x "
+                         f"{format_size(shape.value_bytes)}")
+                    figures.extend(replace(f, system=system) for f in w.kvpool_figures(
+                        kv, transport, shape, config.repeats, src,
+                        f"bench-{run_id}-{transport}-{shape.workload}-{shape.value_bytes}",
+                        _settle_s(config, shape, segment)))
+        finally:
+            for kv in clients.values():
+                kv.close()
 
 
 def _reachable(kv, transport: str, run_id: str) -> bool:

@@ -40,14 +40,61 @@ def channel_to(cluster, role: str = "client", name: str = "default"):
     return security.load(cluster.credentials(role, name)).secure_channel(cluster.master)
 
 
-def lookup_socket(cluster, port: int, timeout_s: float = 5.0):
-    """A connection to ``cluster``'s master's lookup ``port`` (TLS as the default client when
-    the cluster is secure)."""
-    import socket
+class SessionSocket:
+    """A raw connection of a lookup-port session of the cluster's default client (what an
+    eavesdropper or a man in the middle sees and could send): the handshake done, frames
+    sealed by hand. ``answer``: the OpenLookupSession answer to use (default: a new one)."""
 
-    from kvpool.common import security
-    sock = socket.create_connection((cluster.master.rpartition(":")[0], port), timeout_s)
-    return security.load(cluster.client_credentials).wrap(sock) if cluster.secure else sock
+    def __init__(self, cluster, port: int, answer=None, timeout_s: float = 5.0):
+        import socket
+
+        from kvpool.net import lookup_port
+        from kvpool.rpc.master_client import MasterClient
+        if answer is None:
+            with MasterClient(cluster.master, retries=0) as mc:
+                answer = mc._open_lookup_session(cluster.master)
+        self.answer = answer
+        self.sock = socket.create_connection((cluster.master.rpartition(":")[0], port),
+                                             timeout_s)
+        salt = lookup_port.new_salt()
+        self.sock.sendall(lookup_port.encode_request(lookup_port.SESSION,
+                                                     answer.session_id + salt))
+        status, server_salt = self.answer_frame()
+        assert status == 0, server_salt
+        self.out, self.inn = lookup_port.session_seals(answer.key, salt, server_salt,
+                                                       server=False)
+
+    def answer_frame(self) -> tuple[int, bytes, bytes]:
+        from kvpool.net import lookup_port
+        from kvpool.net.sockets import recv_exact
+        head = recv_exact(self.sock, lookup_port.RESPONSE.size)
+        status, length = lookup_port.RESPONSE.unpack(head)
+        self.head = head
+        return status, recv_exact(self.sock, length)
+
+    def frame(self, method: int, body: bytes, magic: bytes | None = None) -> bytes:
+        from kvpool.net import lookup_port
+        return self.out.seal(lookup_port.REQUEST, magic or lookup_port.MAGIC, method, body=body)
+
+    def call(self, frame: bytes) -> tuple[int, bytes]:
+        """Send ``frame``; the answer's status and body (opened, unless the master answered
+        in clear: it could not open ours)."""
+        from kvpool.net import lookup_port
+        self.sock.sendall(frame)
+        status, data = self.answer_frame()
+        try:
+            return status, self.inn.open(self.head, data)
+        except lookup_port.Unsealed:
+            return status, data
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 @pytest.fixture

@@ -6,8 +6,11 @@ CA (a tenant's client, another node) or none at all."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -35,7 +38,7 @@ from kvpool.rpc.lookup import LookupChannel, LookupLost
 from kvpool.rpc.master_client import MasterClient
 from kvpool.tools.cluster import ClusterError
 
-from .conftest import run_cluster
+from .conftest import SessionSocket, run_cluster
 
 VALUE = b"v" * 4096
 
@@ -142,39 +145,126 @@ def test_watch_and_ack_manifest_as_node0_from_another_identity_are_refused(clust
     _all_there(cluster)
 
 
-def _lookup_channel(cluster, role: str, name: str) -> LookupChannel:
-    with MasterClient(cluster.master, retries=0) as mc:
+@contextlib.contextmanager
+def _lookup_channel(cluster, role: str, name: str):
+    """A lookup-port channel whose sessions are opened as ``role``/``name``."""
+    with _as(cluster, role, name) as mc:
         port = mc._call("GetReplicas", pb.KeysRequest()).lookup_port
-    creds = security.load(cluster.credentials(role, name))
-    return LookupChannel(cluster.master, port, 5.0, map_status, tls=creds.ssl_client)
+        channel = LookupChannel(cluster.master, port, 5.0, map_status,
+                                sessions=mc.lookup_sessions)
+        try:
+            yield channel
+        finally:
+            channel.close()
 
 
 def test_on_the_lookup_port_a_client_cannot_open_a_nodes_stream_nor_a_node_read(cluster):
-    client = _lookup_channel(cluster, "client", "mallory")
-    sock = client.open_stream(lookup_port.WATCH_MANIFEST, pb.WatchManifestRequest(node_id="node0"))
-    with pytest.raises(PermissionDenied):
-        client.read_stream_frame(sock, pb.ManifestChanges)
-    sock.close()
-    node = _lookup_channel(cluster, "node", "node1")
-    with pytest.raises(PermissionDenied):
-        node.call(lookup_port.GET_REPLICAS, pb.KeysRequest(keys=["owned/0"]),
-                  pb.GetReplicasResponse)
-    # The client's own calls are answered there, in its tenant's namespace (the default
-    # tenant's "owned/0" is not mallory's).
-    assert client.call(lookup_port.GET_REPLICAS, pb.KeysRequest(keys=["owned/0"]),
-                       pb.GetReplicasResponse).statuses == [pb.STATUS_NOT_FOUND]
-    client.close()
-    node.close()
+    with _lookup_channel(cluster, "client", "mallory") as client, \
+            _lookup_channel(cluster, "node", "node1") as node:
+        conn = client.open_stream(lookup_port.WATCH_MANIFEST,
+                                  pb.WatchManifestRequest(node_id="node0"))
+        with pytest.raises(PermissionDenied):
+            client.read_stream_frame(conn, pb.ManifestChanges)
+        conn.close()
+        with pytest.raises(PermissionDenied):
+            node.call(lookup_port.GET_REPLICAS, pb.KeysRequest(keys=["owned/0"]),
+                      pb.GetReplicasResponse)
+        # The client's own calls are answered there, in its tenant's namespace (the default
+        # tenant's "owned/0" is not mallory's).
+        assert client.call(lookup_port.GET_REPLICAS, pb.KeysRequest(keys=["owned/0"]),
+                           pb.GetReplicasResponse).statuses == [pb.STATUS_NOT_FOUND]
 
 
-def test_the_lookup_port_refuses_a_peer_without_a_certificate(cluster):
+def _lookup_port(cluster) -> tuple[str, int]:
     with MasterClient(cluster.master, retries=0) as mc:
-        port = mc._call("GetReplicas", pb.KeysRequest()).lookup_port
-    plain = LookupChannel(cluster.master, port, 2.0, map_status)
-    with pytest.raises((LookupLost, KVPoolError)):
+        return cluster.master.rpartition(":")[0], mc._call("GetReplicas",
+                                                           pb.KeysRequest()).lookup_port
+
+
+def _answer(sock) -> tuple[int, bytes]:
+    status, length = lookup_port.RESPONSE.unpack(recv_exact(sock, lookup_port.RESPONSE.size))
+    return status, recv_exact(sock, length)
+
+
+def test_the_lookup_port_refuses_a_peer_without_a_session(cluster):
+    """Plain frames, a TLS handshake (what the port took before sessions), a session id the
+    master never issued: each answered UNAUTHENTICATED in clear, and the connection closed."""
+    address = _lookup_port(cluster)
+    plain = LookupChannel(cluster.master, address[1], 2.0, map_status)
+    with pytest.raises(LookupLost, match="session"):
         plain.call(lookup_port.PUT_REVOKE, pb.KeysRequest(keys=["owned/0"]), pb.StatusesResponse)
     plain.close()
+    tls = ssl.create_default_context(cafile=str(cluster.credentials_dir / "ca.pem"))
+    with socket.create_connection(address, timeout=5) as raw, pytest.raises(ssl.SSLError):
+        tls.wrap_socket(raw, server_hostname=security.MASTER_NAME)
+    for first in (lookup_port.encode_request(lookup_port.SESSION, os.urandom(32)),
+                  lookup_port.encode_request(lookup_port.GET_REPLICAS, pb.KeysRequest(
+                      keys=["owned/0"]).SerializeToString())):
+        with socket.create_connection(address, timeout=5) as s:
+            s.sendall(first)
+            assert _answer(s)[0] == grpc.StatusCode.UNAUTHENTICATED.value[0]
+            assert s.recv(1) == b""   # closed
     _all_there(cluster)
+
+
+def test_a_sessions_frames_cannot_be_read_altered_replayed_or_moved(cluster):
+    """What an attacker on the path between a client and the lookup port can do with the
+    frames it sees: the keys and grants are not in them; a changed byte, a frame sent again
+    and a frame of another connection of the same session are each refused, and end that
+    connection; the client's own next call on a fresh connection is answered."""
+    address = _lookup_port(cluster)
+    unauthenticated = grpc.StatusCode.UNAUTHENTICATED.value[0]
+    first = SessionSocket(cluster, address[1])
+    lookup = first.frame(lookup_port.GET_REPLICAS,
+                         pb.KeysRequest(keys=["owned/3"]).SerializeToString())
+    first.sock.sendall(lookup)
+    _, sealed = first.answer_frame()
+    answer = pb.GetReplicasResponse.FromString(first.inn.open(first.head, sealed))
+    assert answer.statuses == [pb.STATUS_OK]
+    assert b"owned/3" not in lookup and b"owned/3" not in sealed
+    grants = answer.replicas.grants
+    assert grants and not any(g in sealed for g in grants)
+    assert first.call(lookup)[0] == unauthenticated   # the same frame again
+    assert first.sock.recv(1) == b""
+    for change in ("body", "header"):
+        s = SessionSocket(cluster, address[1], first.answer)
+        frame = bytearray(s.frame(lookup_port.EXISTS,
+                                  pb.KeysRequest(keys=["owned/1"]).SerializeToString()))
+        frame[-1 if change == "body" else 4] ^= 1   # a byte of the tag; the method
+        assert s.call(bytes(frame))[0] == unauthenticated
+        assert s.sock.recv(1) == b""
+        s.sock.close()
+    a, b = (SessionSocket(cluster, address[1], first.answer) for _ in range(2))
+    frame = a.frame(lookup_port.EXISTS, pb.KeysRequest(keys=["owned/1"]).SerializeToString())
+    assert b.call(frame)[0] == unauthenticated   # moved to another connection
+    status, body = a.call(frame)                 # on its own, it is answered
+    assert (status, pb.StatusesResponse.FromString(body).statuses) == (0, [pb.STATUS_OK])
+    for s in (first, a, b):
+        s.sock.close()
+    _all_there(cluster)
+
+
+def test_a_session_acts_as_whoever_opened_it_and_a_client_renews_its_own(cluster):
+    """A node's session is refused a client's read and a client's session a node's stream
+    (above); here: a tenant's session sees its tenant's keys only, and a client whose session
+    the master no longer knows opens another and goes on (a master restart does that)."""
+    with _as(cluster, "client", "tenant-s") as mc:
+        mc.put_start(["mine"], [16])
+        channel = LookupChannel(cluster.master, _lookup_port(cluster)[1], 5.0, map_status,
+                                sessions=mc.lookup_sessions)
+        assert channel.call(lookup_port.EXISTS, pb.KeysRequest(keys=["owned/2"]),
+                            pb.StatusesResponse).statuses == [pb.STATUS_NOT_FOUND]
+        held = channel._session
+        channel.close()
+        # As if the master had restarted: the session held names an id it does not know.
+        channel = LookupChannel(cluster.master, _lookup_port(cluster)[1], 5.0, map_status,
+                                sessions=mc.lookup_sessions)
+        channel._session = dataclasses.replace(held, session_id=os.urandom(16))
+        assert channel.call(lookup_port.EXISTS, pb.KeysRequest(keys=["owned/2"]),
+                            pb.StatusesResponse).statuses == [pb.STATUS_NOT_FOUND]
+        assert channel._session.session_id not in (held.session_id, b"")
+        channel.close()
+        mc.put_revoke(["mine"])
 
 
 def test_register_client_from_a_non_client_is_refused(cluster):
@@ -300,16 +390,16 @@ def test_bearer_tokens_on_the_token_port(tmp_path):
             assert kv.get("by-token", verify=True) == VALUE
             with pytest.raises(PermissionDenied):
                 kv._master.stats(audit=True)
-            # The data path's master calls went to the lookup port, authenticated by the
-            # token (net/lookup_port.py AUTH), not over gRPC.
-            port = kv._master._lookups.channel.target[1]
+            # The data path's master calls went to the lookup port, in a session opened on the
+            # token port with the token (net/lookup_port.py, "Sessions"), not over gRPC.
+            assert kv._master._lookups.channel._session is not None
             before = _lookup_calls(c)
             for i in range(3):
                 kv.put(f"by-token-{i}", VALUE)
                 assert kv.get(f"by-token-{i}") == VALUE
             # PutEnd (each put fills a slot: client/slots.py), GetReplicas each
             assert _lookup_calls(c) - before >= 6
-        # The gateway's Route, sent from its event loop, authenticates there the same way.
+        # The gateway's Route, sent from its event loop, opens its session the same way.
         with RouterClient(address, timeout_s=5.0, credentials=str(token)) as router:
             router.register(HashSpec.of(16, model="m"))
 
@@ -319,22 +409,6 @@ def test_bearer_tokens_on_the_token_port(tmp_path):
                         for _ in range(2)]
             assert asyncio.run(routes()) == ["e", "e"]
             assert router._lookups.channel._idle_async, "Route did not use the lookup port"
-        # On that port, a connection without a certificate is refused every call until it
-        # authenticates, and a wrong token is refused.
-        host = address.rpartition(":")[0]
-        tls = security.load(token).ssl_client
-        for auth, expected in ((None, grpc.StatusCode.UNAUTHENTICATED),
-                               (b"not-the-token", grpc.StatusCode.UNAUTHENTICATED)):
-            with socket.create_connection((host, port), timeout=5) as raw, \
-                    tls.wrap_socket(raw, server_hostname=security.MASTER_NAME) as s:
-                if auth is not None:
-                    s.sendall(lookup_port.encode_request(lookup_port.AUTH, auth))
-                else:
-                    s.sendall(lookup_port.encode_request(
-                        lookup_port.GET_REPLICAS, pb.KeysRequest(keys=["by-token"])
-                        .SerializeToString()))
-                status, _ = lookup_port.RESPONSE.unpack(recv_exact(s, lookup_port.RESPONSE.size))
-                assert status == expected.value[0]
         forged = tmp_path / "forged.yaml"
         forged.write_text(f"ca: {creds / 'ca.pem'}\ntoken: not-the-token\n")
         with pytest.raises(Unauthenticated), \

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from kvpool.tools.bench_mooncake import why_unavailable as why_no_mooncake
 from kvpool.tools.bench_peers import RawTCPPeer, RedisPeer
-from kvpool.tools.bench_report import RATIO_DEFINITIONS, validate_report
+from kvpool.tools.bench_report import PLAIN, RATIO_DEFINITIONS, validate_report
 
 # A tiny version of every workload: seconds, not minutes.
 TINY = ["--quick", "--sizes", "4KiB", "--single-calls", "2", "--prompt-blocks", "4",
@@ -101,6 +101,42 @@ def test_quick_smoke_run_writes_a_valid_report(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["bench_batches.png",
                                                               "bench_single.png"]
     assert wait_until_none(mark) == []
+
+
+@pytest.mark.slow
+def test_security_on_beside_off_in_one_run(tmp_path):
+    """--compare-insecure: kvpool's figures on a secure and a plain cluster, each ratio both
+    ways and secure/plain against its bound; both clusters stopped at the end."""
+    mark = uuid.uuid4().hex
+    out = tmp_path / "bench.json"
+    proc = bench(*TINY, "--json", str(out), "--compare-insecure", "--no-master-bench",
+                 "--no-redis", "--transports", "shm,tcp", mark=mark)
+    stdout, stderr = proc.communicate(timeout=170)
+    assert proc.returncode == 0, stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert validate_report(report) == []
+    kinds = {(r["system"], r["transport"], r["workload"], r["op"]) for r in report["results"]}
+    for transport in ("shm", "tcp"):
+        for workload in ("single", "prompt", "small"):
+            for op in ("put", "get"):
+                assert {("kvpool", transport, workload, op),
+                        (PLAIN, transport, workload, op)} <= kinds
+    targets = {t["name"]: t for t in report["targets"]}
+    for name in ("shm_get_vs_memcpy", "tcp_put_vs_raw_tcp"):
+        ratios = report["ratios"]
+        assert ratios[f"{name}_secure_vs_plain"] == pytest.approx(
+            ratios[name] / ratios[f"{name}_plain"], rel=1e-3)
+        assert targets[f"{name}_secure_vs_plain"]["target"] == 0.9
+    assert "shm_get_vs_memcpy_secure_vs_plain" in stdout
+    assert "without credentials" in stderr   # the plain cluster was started, and said so
+    assert wait_until_none(mark) == []
+
+
+def test_compare_insecure_refuses_another_cluster_and_insecure():
+    for extra in (["--master", "127.0.0.1:1"], ["--insecure"]):
+        proc = bench(*TINY, "--compare-insecure", *extra, mark=uuid.uuid4().hex)
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 2 and "--compare-insecure" in stderr, stderr
 
 
 @pytest.mark.slow

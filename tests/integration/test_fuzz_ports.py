@@ -30,7 +30,7 @@ from kvpool.protos.kvpool.v1 import master_pb2 as pb
 from kvpool.protos.kvpool.v1 import master_pb2_grpc, routing_pb2_grpc
 from kvpool.rpc.master_client import MasterClient
 
-from .conftest import channel_to, lookup_socket, run_cluster
+from .conftest import SessionSocket, channel_to, run_cluster
 
 KNOWN = 12
 examples: dict[str, int] = {}   # examples run per property (hypothesis may stop early)
@@ -167,7 +167,9 @@ def lookup_address(fuzzed) -> tuple[str, int]:
 
 
 @st.composite
-def lookup_frames(draw) -> bytes:
+def lookup_frames(draw) -> tuple[bytes, int, int | None, bytes] | bytes:
+    """A frame for a session's connection: raw bytes (unsealed), or (magic, method, length
+    or None for the sealed body's own, body) to seal under the session."""
     if draw(st.integers(0, 4)) == 0:
         return draw(st.binary(max_size=200))
     method = draw(st.one_of(st.sampled_from(sorted(lookup_port.METHOD_NAMES)),
@@ -180,21 +182,35 @@ def lookup_frames(draw) -> bytes:
                   st.lists(st.text(min_size=1, max_size=20).map(lambda t: "fuzz/" + t),
                            max_size=4),
                   st.lists(st.integers(0, 1 << 40), max_size=4))))
-    n = len(body) if draw(st.integers(0, 3)) else draw(st.integers(0, (1 << 32) - 1))
+    n = None if draw(st.integers(0, 3)) else draw(st.integers(0, (1 << 32) - 1))
     magic = lookup_port.MAGIC if draw(st.integers(0, 4)) else draw(
         st.binary(min_size=4, max_size=4))
-    return struct.pack("!4sB3xI", magic, method, n) + body
+    return magic, method, n, body
 
 
 def test_fuzz_lookup_port_frames(fuzzed):
+    """As an authenticated client: a session's connection, with frames sealed under it (the
+    decoders past authentication) or not (what it refuses)."""
     address = lookup_address(fuzzed)
+    with MasterClient(fuzzed.cluster.master, retries=0) as mc:
+        session = mc._open_lookup_session(fuzzed.cluster.master)
 
     @FUZZ
     @given(frames=st.lists(lookup_frames(), min_size=1, max_size=3))
     def run(frames):
         count("lookup")
-        with lookup_socket(fuzzed.cluster, address[1]) as s:   # as an authenticated client
-            exchange(s, b"".join(frames))
+        with SessionSocket(fuzzed.cluster, address[1], session) as s:
+            data = b""
+            for frame in frames:
+                if isinstance(frame, bytes):
+                    data += frame
+                    continue
+                magic, method, n, body = frame
+                sealed = s.frame(method, body, magic)
+                if n is not None:   # a header whose length lies (the seal covers the truth)
+                    sealed = struct.pack("!4sB3xI", magic, method, n) + sealed[12:]
+                data += sealed
+            exchange(s.sock, data)
     run()
     still_serving(fuzzed)
 

@@ -9,6 +9,7 @@ import time
 
 import grpc
 import pytest
+from kvpool.common import pki, security
 from kvpool.common.config import MasterConfig
 from kvpool.common.errors import ClientClosed, InvalidArgument, MasterUnavailable
 from kvpool.common.types import NodeEndpoints, SegmentInfo
@@ -348,3 +349,35 @@ def test_a_node_whose_stream_connection_drops_is_unwatched_at_once(master):
             assert time.monotonic() < deadline, "the dead stream stayed watched"
             time.sleep(0.01)
         stream.close()
+
+
+def test_a_session_that_ended_is_refused_and_its_client_opens_another_before(tmp_path):
+    """A master with credentials seals its lookup port under sessions (net/lookup_port.py):
+    a client renews its session before the master ends it, and a connection used past its
+    session's end is refused there (the call is then answered over gRPC)."""
+    ca = tmp_path / "ca"
+    pki.make_ca(ca)
+    m = Master(credentials=security.load(pki.issue(ca, "master", "m", hosts=("127.0.0.1",))))
+    try:
+        m.server._lookup.sessions.ttl_s = 2.0
+        with MasterClient(m.address, credentials=str(pki.issue(ca, "client", "default"))) \
+                as mc:
+            assert mc.exists(["k"]) == [False]   # learns the port
+            assert mc.exists(["k"]) == [False]
+            channel = mc._lookups.channel
+            first, calls = channel._session, m.server._lookup.calls[lookup_port.EXISTS]
+            assert first is not None and calls >= 1
+            time.sleep(1.9)   # past the client's renewal (a tenth of the life before its end)
+            assert mc.exists(["k"]) == [False]
+            assert channel._session.session_id != first.session_id
+            assert m.server._lookup.calls[lookup_port.EXISTS] == calls + 1
+            # A connection kept past its session's end (as if the client had not renewed).
+            [conn] = channel._idle
+            conn.renew_at = float("inf")
+            grpc_calls = m.counter.calls.get("Exists", 0)
+            time.sleep(2.1)
+            assert mc.exists(["k"]) == [False]
+            assert m.counter.calls.get("Exists", 0) == grpc_calls + 1
+            assert m.server._lookup.calls[lookup_port.EXISTS] == calls + 1
+    finally:
+        m.stop()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from kvpool.tools.bench_report import (
     MASTER_FIGURES,
+    PLAIN,
     RATIO_DEFINITIONS,
     SCHEMA,
     Figure,
@@ -171,3 +173,33 @@ def test_single_calls_are_compared_by_p50_at_each_size():
     assert (met["single_put_64KiB_shm_p50_vs_mooncake_local"],
             met["single_put_1MiB_shm_p50_vs_mooncake_local"],
             met["single_put_64KiB_tcp_p50_vs_mooncake"]) == (True, False, None)
+
+
+def test_security_on_beside_off_divides_each_ratio_by_its_plain_twin():
+    """--compare-insecure: kvpool's figures of the plain cluster (system PLAIN) give each
+    data-path ratio a plain twin, and secure/plain is held to within 10% (throughput >= 0.9,
+    a single call's p50 <= 1.1); a run without them has no such targets."""
+    def single(system, op, p50, transport="shm"):
+        return Figure(system, transport, "single", op, 64 << 10, 1, 1.0, 1.0, p50, p50 * 2, 3,
+                      24)
+    plain = [replace(f, system=PLAIN) for f in all_figures() if f.system == "kvpool"]
+    plain[0] = replace(plain[0], gbps=10.0)   # shm prompt get: secure 8.0, plain 10.0
+    figures = [*all_figures(), *plain, single("kvpool", "get", 0.21),
+               single(PLAIN, "get", 0.2), single("redis", "get", 0.2, "tcp")]
+    ratios = compute_ratios(figures, MASTER)
+    assert ratios["shm_get_vs_memcpy"] == pytest.approx(0.8)
+    assert ratios["shm_get_vs_memcpy_plain"] == pytest.approx(1.0)
+    assert ratios["shm_get_vs_memcpy_secure_vs_plain"] == pytest.approx(0.8)
+    assert ratios["shm_put_vs_memcpy_secure_vs_plain"] == pytest.approx(1.0)
+    assert ratios["single_get_64KiB_shm_p50_vs_redis_secure_vs_plain"] == pytest.approx(1.05)
+    assert "mooncake_get_vs_raw_tcp_secure_vs_plain" not in ratios   # not kvpool's
+    met = {t["name"]: (t["op"], t["target"], t["met"]) for t in check_targets(ratios)}
+    assert met["shm_get_vs_memcpy_secure_vs_plain"] == (">=", 0.9, False)
+    assert met["shm_put_vs_memcpy_secure_vs_plain"] == (">=", 0.9, True)
+    assert met["single_get_64KiB_shm_p50_vs_redis_secure_vs_plain"] == ("<=", 1.1, True)
+    assert "tcp_get_vs_mooncake_secure_vs_plain" not in met   # measured neither way
+    assert not any(n.endswith("_secure_vs_plain")
+                   for n in (t["name"] for t in check_targets(compute_ratios(all_figures(),
+                                                                               MASTER))))
+    assert "shm_get_vs_memcpy_secure_vs_plain" in format_table(build_report(
+        figures, MASTER, config={}, environment={}, skipped={}))

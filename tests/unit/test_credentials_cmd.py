@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import socket
+import ssl
 import stat
 import threading
 from pathlib import Path
@@ -61,14 +62,22 @@ def test_a_master_and_a_client_it_issued_shake_hands(tmp_path):
     a, b = socket.socketpair()
     seen = {}
 
+    def context(creds, purpose):
+        ctx = ssl.create_default_context(purpose, cafile=creds.ca_file)
+        ctx.load_cert_chain(creds.cert_file, creds.key_file)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
     def serve():
-        with master.ssl_server.wrap_socket(a, server_side=True) as s:
-            seen["peer"] = security.identity_from_der(s.getpeercert(binary_form=True))
+        with context(master, ssl.Purpose.CLIENT_AUTH).wrap_socket(a, server_side=True) as s:
+            seen["peer"] = security.identity_from_pem(ssl.DER_cert_to_PEM_cert(
+                s.getpeercert(binary_form=True)).encode())
             s.sendall(b"ok")
 
     t = threading.Thread(target=serve)
     t.start()
-    with client.wrap(b) as s:
+    with context(client, ssl.Purpose.SERVER_AUTH).wrap_socket(
+            b, server_hostname=security.MASTER_NAME) as s:
         assert s.recv(2) == b"ok"
     t.join(10)
     assert seen["peer"] == security.Identity("client", "default")

@@ -444,3 +444,19 @@ class TenantStats(_message.Message):
     bytes: int
     quota_bytes: int
     def __init__(self, tenant: _Optional[str] = ..., objects: _Optional[int] = ..., bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ...) -> None: ...
+
+class OpenLookupSessionRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class OpenLookupSessionResponse(_message.Message):
+    __slots__ = ("session_id", "key", "ttl_s", "lookup_port")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_PORT_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    key: bytes
+    ttl_s: float
+    lookup_port: int
+    def __init__(self, session_id: _Optional[bytes] = ..., key: _Optional[bytes] = ..., ttl_s: _Optional[float] = ..., lookup_port: _Optional[int] = ...) -> None: ...

@@ -109,6 +109,11 @@ class MasterStub:
                 request_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.PinRequest.SerializeToString,
                 response_deserializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.StatusesResponse.FromString,
                 _registered_method=True)
+        self.OpenLookupSession = channel.unary_unary(
+                '/kvpool.v1.Master/OpenLookupSession',
+                request_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.OpenLookupSessionRequest.SerializeToString,
+                response_deserializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.OpenLookupSessionResponse.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -207,6 +212,13 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenLookupSession(self, request, context):
+        """Any authenticated peer (a client, an admin, a store node): a lookup-port session of its own.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -284,6 +296,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.Pin,
                     request_deserializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.PinRequest.FromString,
                     response_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.StatusesResponse.SerializeToString,
+            ),
+            'OpenLookupSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenLookupSession,
+                    request_deserializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.OpenLookupSessionRequest.FromString,
+                    response_serializer=kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.OpenLookupSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -691,6 +708,33 @@ class Master:
             '/kvpool.v1.Master/Pin',
             kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.PinRequest.SerializeToString,
             kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.StatusesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenLookupSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/OpenLookupSession',
+            kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.OpenLookupSessionRequest.SerializeToString,
+            kvpool_dot_protos_dot_kvpool_dot_v1_dot_master__pb2.OpenLookupSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,9 +1,9 @@
-"""What security costs a lookup: GetReplicas of one key over the master's lookup port (TLS with
-client certificates, as a secure cluster serves it, against plain tcp) and over gRPC (mutual TLS
-against plain), on two local clusters measured in interleaved rounds so that a busy host
-slows both alike. Prints the p50 and p99 of each, in microseconds, and the ratios.
+"""What security costs a lookup: GetReplicas of one key over the master's lookup port (frames
+sealed under a session, as a secure cluster serves it, against plain frames) and over gRPC
+(mutual TLS against plain), on two local clusters measured in interleaved rounds so that a busy
+host slows both alike. Prints the p50 and p99 of each, in microseconds, and the ratios.
 
-    python3 scripts/bench_lookup_tls.py [--rounds 5] [--calls 2000]
+    python3 scripts/bench_lookup_security.py [--rounds 5] [--calls 2000]
 """
 
 from __future__ import annotations
