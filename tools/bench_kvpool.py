@@ -13,7 +13,7 @@ import os
 import queue
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -144,43 +144,46 @@ def mooncake_figures(peer, shape: Shape, repeats: int, src: np.ndarray, prefix: 
 # ---------------------------------------------------------------- kvpool data path
 
 
-def kvpool_figures(kv, transport: str, shape: Shape, repeats: int, src: np.ndarray,
-                   prefix: str, settle_s: float = 0.0) -> list[Figure]:
+def kvpool_figures(kvs: Mapping[str, object], transport: str, shape: Shape, repeats: int,
+                   src: np.ndarray, prefix: str, settle_s: float = 0.0) -> list[Figure]:
     """Batched (or single-value) put then get_into of the same bytes, fresh keys per repeat;
-    ``settle_s``: a pause (untimed) after each repeat's removal, for its space to be freed."""
+    ``settle_s``: a pause (untimed) after each repeat's removal, for its space to be freed.
+    ``kvs``: the figures' system -> its client. With several (security's cost: a secure and
+    a plain cluster), each call is made on each in turn, the order swapped from call to call,
+    so that all are timed under the same load."""
     dst = np.zeros_like(src)
     dst.fill(0)   # fault the destination's pages in before timing, as memcpy's are
     src_rows, dst_rows = list(src), list(dst)
     single = shape.objects_per_call == 1
-    put, get = [], []
+    timed: dict[str, dict[str, list[list[float]]]] = {op: {s: [] for s in kvs}
+                                                      for op in ("put", "get")}
     for r in range(repeats):
         keys = _keys(prefix, r, shape)
-        lat = []
-        for k in keys:
-            if single:
-                t, res = _timed(kv.put, k[0], src_rows[0])
-                res = [res]
-            else:
-                t, res = _timed(kv.batch_put, k, src_rows)
-            _check(res, f"{transport} put")
-            lat.append(t)
-        put.append(lat)
-        lat = []
-        for k in keys:
-            if single:
-                t, res = _timed(kv.get_into, k[0], dst_rows[0])
-                res = [res]
-            else:
-                t, res = _timed(kv.batch_get_into, k, dst)   # one array: a row per key
-            _check(res, f"{transport} get")
-            lat.append(t)
-        get.append(lat)
-        if r == 0 and not np.array_equal(src, dst):
-            raise BenchError(f"{transport} get returned bytes that differ from those put")
-        _check(kv.batch_remove([x for ks in keys for x in ks]), "remove")
+        for op in ("put", "get"):
+            lat: dict[str, list[float]] = {s: [] for s in kvs}
+            for i, k in enumerate(keys):
+                order = list(kvs.items())
+                for system, kv in order[::-1] if i % 2 else order:
+                    if op == "put":
+                        t, res = _timed(kv.put, k[0], src_rows[0]) if single else \
+                            _timed(kv.batch_put, k, src_rows)
+                    else:   # batches: one array, a row per key
+                        t, res = _timed(kv.get_into, k[0], dst_rows[0]) if single else \
+                            _timed(kv.batch_get_into, k, dst)
+                    _check([res] if single else res, f"{transport} {op}")
+                    lat[system].append(t)
+                    if op == "get" and r == 0 and i == 0 and not np.array_equal(
+                            src[:shape.objects_per_call], dst[:shape.objects_per_call]):
+                        raise BenchError(f"{transport} get returned bytes that differ from "
+                                         f"those put ({system})")
+            for system in kvs:
+                timed[op][system].append(lat[system])
+        for kv in kvs.values():
+            _check(kv.batch_remove([x for ks in keys for x in ks]), "remove")
         time.sleep(settle_s)
-    return [summarize("kvpool", transport, shape.workload, op, shape.value_bytes,
-                      shape.objects_per_call, lat) for op, lat in (("put", put), ("get", get))]
+    return [summarize(system, transport, shape.workload, op, shape.value_bytes,
+                      shape.objects_per_call, timed[op][system])
+            for system in kvs for op in ("put", "get")]
 
 
 def _check(results: Sequence, what: str) -> None:

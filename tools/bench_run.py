@@ -14,7 +14,7 @@ import secrets
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -218,8 +218,8 @@ def _settle_s(config: BenchConfig, shape: w.Shape, segment: int | None) -> float
 
 def _kvpool_on(config: BenchConfig, data: dict, figures: list, skipped: dict,
                masters: dict[str, str], run_id: str, segment: int | None = None) -> None:
-    """kvpool's figures on each of ``masters`` (system -> address), one workload on each in
-    turn, the order alternated, so that a drifting load weighs on them alike."""
+    """kvpool's figures on each of ``masters`` (system -> address), their calls alternated
+    (tools/bench_kvpool.py kvpool_figures), so that a drifting load weighs on them alike."""
     from kvpool.client import KVClient
     for transport in config.transports:
         clients = {}
@@ -238,15 +238,13 @@ def _kvpool_on(config: BenchConfig, data: dict, figures: list, skipped: dict,
                 continue
             if transport == "shm":
                 _prefaulted()
-            for i, (shape, src) in enumerate(data.items()):
-                order = list(clients.items())
-                for system, kv in order[::-1] if i % 2 else order:
-                    _say(f"{system} {transport}: {shape.workload} {shape.objects_per_call} x "
-                         f"{format_size(shape.value_bytes)}")
-                    figures.extend(replace(f, system=system) for f in w.kvpool_figures(
-                        kv, transport, shape, config.repeats, src,
-                        f"bench-{run_id}-{transport}-{shape.workload}-{shape.value_bytes}",
-                        _settle_s(config, shape, segment)))
+            for shape, src in data.items():
+                _say(f"{' and '.join(clients)} {transport}: {shape.workload} "
+                     f"{shape.objects_per_call} x {format_size(shape.value_bytes)}")
+                figures.extend(w.kvpool_figures(
+                    clients, transport, shape, config.repeats, src,
+                    f"bench-{run_id}-{transport}-{shape.workload}-{shape.value_bytes}",
+                    _settle_s(config, shape, segment)))
         finally:
             for kv in clients.values():
                 kv.close()
