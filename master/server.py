@@ -59,9 +59,10 @@ class MasterServer:
         ``supervisor`` runs the tick (common/loops.py; a test's does not exit).
         ``metrics_port``: where to serve /metrics, /healthz and /readyz (common/metrics.py;
         0: any free port, None: nowhere).
-        ``credentials``: serve gRPC as mutual TLS and the lookup port as TLS, both with client
-        certificates required, and check each call against its caller's role (master/auth.py);
-        None: plain text, nothing checked (a test's in-process master, ``--insecure``).
+        ``credentials``: serve gRPC as mutual TLS with client certificates required, the
+        lookup port as sessions opened over it (net/lookup_port.py), and check each call
+        against its caller's role (master/auth.py); None: plain text, nothing checked (a
+        test's in-process master, ``--insecure``).
         ``tokens`` (with credentials): also serve gRPC on ``token_port`` (0: any free port) as
         TLS without client certificates, each call's bearer token naming its caller (for
         clients that cannot hold a certificate; common/security.py ``Tokens``)."""

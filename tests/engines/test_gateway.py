@@ -192,14 +192,19 @@ def read_stream(server: Server, body: dict) -> tuple[list[tuple[float, bytes]], 
 
 def test_a_stream_arrives_in_pieces_as_the_engine_makes_them(setup):
     body = completion(words(20, 4), max_tokens=120, stream=True)
-    chunks, _ = read_stream(setup.gateway, body)
+    # Not all at the end: the first token came well before the last. A gateway that holds
+    # the stream back does so every time; this process, starved of the CPU by the engines for
+    # the whole of a generation, reads it all at once only now and then (CI saw it once).
+    for _ in range(3):
+        chunks, _ = read_stream(setup.gateway, body)
+        if chunks[-1][0] - chunks[0][0] > 0.1:
+            break
+    assert chunks[-1][0] - chunks[0][0] > 0.1, [t for t, _ in chunks]
     body_bytes = b"".join(c for _, c in chunks)
     events = [e for e in body_bytes.split(b"\n\n") if e.startswith(b"data: ")]
     # A token an event, and the end (vLLM merges tokens its server had no time to send yet).
     assert events[-1] == b"data: [DONE]" and 10 <= len(events) <= 121
-    # Not all at the end: the first token came well before the last.
     assert len(chunks) >= 5
-    assert chunks[-1][0] - chunks[0][0] > 0.1, [t for t, _ in chunks]
     text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
     _, _, whole = setup.gateway.post("/v1/completions", completion(words(20, 4), 120))
     assert text == whole["choices"][0]["text"]
