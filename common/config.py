@@ -127,6 +127,10 @@ class MasterConfig:
     max_routing_instances_per_tenant: int = 256
     max_routing_blocks_per_instance: int = 1_000_000
     max_routing_blocks: int = 4_000_000
+    # The lookup port's sessions (net/lookup_port.py; a master with credentials): how long one
+    # lasts, and how many one identity may hold at once (a newer one drops its oldest).
+    lookup_session_ttl_s: float = 3600.0
+    max_lookup_sessions_per_identity: int = 1024
     # Tenants' byte quotas (master/quotas.py): "NAME=SIZE,...", "*" for every tenant not named;
     # "" (the default): none, every tenant bounded by the cluster's capacity only.
     tenant_quotas: str = ""
@@ -147,15 +151,15 @@ class MasterConfig:
         if self.namespace_depth < 0:
             raise ConfigError("namespace_depth must be 0 or more")
         for f in ("max_routing_instances", "max_routing_instances_per_tenant",
-                  "max_routing_blocks_per_instance",
-                  "max_routing_blocks"):
+                  "max_routing_blocks_per_instance", "max_routing_blocks",
+                  "max_lookup_sessions_per_identity"):
             if getattr(self, f) < 1:
                 raise ConfigError(f"{f} must be at least 1")
         parse_quotas(self.tenant_quotas)   # ConfigError if malformed
         if self.default_replicas < 1:
             raise ConfigError("default_replicas must be at least 1")
         for f in ("put_timeout_s", "lease_ttl_s", "node_ttl_s", "quarantine_s",
-                  "promote_window_s", "max_lease_s"):
+                  "promote_window_s", "max_lease_s", "lookup_session_ttl_s"):
             if getattr(self, f) <= 0:
                 raise ConfigError(f"{f} must be greater than zero")
 

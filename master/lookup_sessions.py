@@ -14,12 +14,6 @@ from dataclasses import dataclass, field
 from kvpool.common.security import Identity
 from kvpool.net import lookup_port
 
-SESSION_TTL_S = 3600.0
-# Sessions one identity may hold at once; opening another drops its oldest (connections
-# already open on that one last until its end). Every client process of a tenant opens one
-# per master and renews it before its end.
-MAX_SESSIONS_PER_IDENTITY = 1024
-
 
 @dataclass(slots=True)
 class LookupSession:
@@ -29,10 +23,13 @@ class LookupSession:
 
 
 class LookupSessions:
-    """The open sessions, bounded per identity; ``clock``: monotonic seconds."""
+    """The open sessions, each lasting ``ttl_s``, at most ``per_identity`` of one identity's
+    (opening another drops its oldest; connections already open on that one last until its
+    end: every client process opens one per master and renews it before its end);
+    ``clock``: monotonic seconds (MasterConfig ``lookup_session_ttl_s``,
+    ``max_lookup_sessions_per_identity``)."""
 
-    def __init__(self, ttl_s: float = SESSION_TTL_S,
-                 per_identity: int = MAX_SESSIONS_PER_IDENTITY,
+    def __init__(self, ttl_s: float, per_identity: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl_s, self._per_identity, self._clock = ttl_s, per_identity, clock
         self._by_id: dict[bytes, LookupSession] = {}

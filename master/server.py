@@ -179,7 +179,9 @@ class MasterServer:
                 streams={lookup_port.WATCH_MANIFEST: Stream(
                     pb.WatchManifestRequest, servicer.watch_manifest, lookup_port.ACK_MANIFEST,
                     pb.AckManifestRequest, servicer.ack_manifest)},
-                sessions=None if self.credentials is None else LookupSessions())
+                sessions=None if self.credentials is None else LookupSessions(
+                    self.config.lookup_session_ttl_s,
+                    self.config.max_lookup_sessions_per_identity))
             self._servicer.lookup_sessions = self._lookup.sessions
             try:
                 self._servicer.lookup_port = router.lookup_port = await self._lookup.start(

@@ -98,6 +98,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-routing-blocks", type=count_type, metavar="N",
                    help="blocks the routing index keeps in all, ~75 bytes each "
                         "(default: 4000000)")
+    p.add_argument("--lookup-session-ttl", type=duration_type, metavar="DURATION",
+                   help="with --credentials: how long a lookup-port session lasts (its peer "
+                        "opens the next before; a restart ends them all) (default: 1h)")
+    p.add_argument("--max-lookup-sessions-per-identity", type=count_type, metavar="N",
+                   help="with --credentials: lookup-port sessions one identity may hold at "
+                        "once; a newer one drops its oldest (default: 1024)")
     p.add_argument("--ha", metavar="etcd[s]://HOST:PORT[,HOST:PORT][/CLUSTER]",
                    help="run as one of several standby masters electing a leader on etcd "
                         "(CLUSTER names the election, default 'default'); standbys refuse "
@@ -144,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
                   max_routing_instances_per_tenant=args.max_routing_instances_per_tenant,
                   max_routing_blocks_per_instance=args.max_routing_blocks_per_instance,
                   max_routing_blocks=args.max_routing_blocks,
+                  lookup_session_ttl_s=args.lookup_session_ttl,
+                  max_lookup_sessions_per_identity=args.max_lookup_sessions_per_identity,
                   tenant_quotas=args.tenant_quotas)
     def announce(address: str, metrics: str | None) -> None:
         print(f"master: {address}", flush=True)

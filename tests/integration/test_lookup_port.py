@@ -36,9 +36,10 @@ class CountCalls(grpc.aio.ServerInterceptor):
 class Master:
     """A MasterServer on its own event-loop thread."""
 
-    def __init__(self, port: int = 0, **kw):
+    def __init__(self, port: int = 0, config: MasterConfig | None = None, **kw):
         self.counter = CountCalls()
-        self.server = MasterServer(MasterConfig(), port=port, interceptors=[self.counter], **kw)
+        self.server = MasterServer(config or MasterConfig(), port=port,
+                                   interceptors=[self.counter], **kw)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
@@ -357,9 +358,9 @@ def test_a_session_that_ended_is_refused_and_its_client_opens_another_before(tmp
     session's end is refused there (the call is then answered over gRPC)."""
     ca = tmp_path / "ca"
     pki.make_ca(ca)
-    m = Master(credentials=security.load(pki.issue(ca, "master", "m", hosts=("127.0.0.1",))))
+    m = Master(credentials=security.load(pki.issue(ca, "master", "m", hosts=("127.0.0.1",))),
+               config=MasterConfig(lookup_session_ttl_s=2.0))
     try:
-        m.server._lookup.sessions.ttl_s = 2.0
         with MasterClient(m.address, credentials=str(pki.issue(ca, "client", "default"))) \
                 as mc:
             assert mc.exists(["k"]) == [False]   # learns the port

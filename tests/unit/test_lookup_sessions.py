@@ -15,7 +15,7 @@ ALICE, BOB = Identity("client", "alice"), Identity("client", "bob")
 
 
 def test_a_session_is_found_until_its_end_and_names_who_opened_it(clock):
-    sessions = LookupSessions(ttl_s=60.0, clock=clock)
+    sessions = LookupSessions(ttl_s=60.0, per_identity=8, clock=clock)
     sid, session = sessions.open(ALICE)
     assert len(sid) == lookup_port.SESSION_ID_BYTES and len(session.key) == 32
     assert sessions.find(sid) is session and session.identity == ALICE
