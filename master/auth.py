@@ -127,6 +127,19 @@ def scope(method: str, identity: Identity | None, request) -> None:
         _rescope(request.parents, [tenants.scoped(name, p) if p else "" for p in request.parents])
 
 
+def scope_frame(method: str, identity: Identity | None, request, body: bytes) -> None:
+    """:func:`scope` for a ``request`` that came serialized as ``body`` (the lookup port): the
+    default tenant's keys stay as they are unless one holds the namespace mark, and a body
+    without the mark's byte anywhere holds no such key, so it is not looked at key by key."""
+    if method in KEYED_METHODS and tenant(identity) == tenants.DEFAULT \
+            and _MARK_BYTE not in body:
+        return
+    scope(method, identity, request)
+
+
+_MARK_BYTE = tenants.MARK.encode()
+
+
 def _rescope(field, keys: list[str] | None) -> None:
     """A repeated field's keys replaced by ``keys`` (None: they stay as they are)."""
     if keys is not None:

@@ -16,7 +16,7 @@ from google.protobuf.message import DecodeError, Message
 from kvpool.common.errors import InvalidArgument, KVPoolError, UnknownNode
 from kvpool.common.logging import get_logger
 from kvpool.common.security import Identity
-from kvpool.master.auth import Refused, check, scope, scope_answer
+from kvpool.master.auth import Refused, check, scope_answer, scope_frame
 from kvpool.master.lookup_sessions import LookupSession, LookupSessions
 from kvpool.net import lookup_port
 from kvpool.net.lookup_port import Seal, Unsealed
@@ -248,7 +248,7 @@ class LookupServer:
         name = lookup_port.METHOD_NAMES[method]
         try:
             self._check(method, identity, request)
-            scope(name, identity, request)
+            scope_frame(name, identity, request, body)
         except Refused as e:
             return e.code.value[0], str(e).encode()
         try:

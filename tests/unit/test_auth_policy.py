@@ -8,9 +8,11 @@ import os
 
 import grpc
 import pytest
-from kvpool.common import pki, security
+from hypothesis import given
+from hypothesis import strategies as st
+from kvpool.common import pki, security, tenants
 from kvpool.common.security import Identity, Tokens
-from kvpool.master.auth import NODE_METHODS, Refused, check
+from kvpool.master.auth import NODE_METHODS, Refused, check, scope, scope_frame
 from kvpool.master.rechecks import Rechecks
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
 
@@ -125,3 +127,21 @@ def test_a_local_cluster_is_found_by_its_address_only_in_a_private_directory(tmp
     (tmp_path / "clusters").chmod(0o700)
     security.unregister(["127.0.0.1:5"])
     assert security.resolve("127.0.0.1:5") is None
+
+
+@given(keys=st.lists(st.text(alphabet="ab/\x1d", max_size=6), min_size=1, max_size=4),
+       as_keys=st.lists(st.text(alphabet="ab/\x1d", max_size=6), max_size=4),
+       name=st.sampled_from(["default", "tenant-a"]))
+def test_a_frame_is_scoped_as_its_request_would_be(keys, as_keys, name):
+    """The lookup port's shortcut (scope_frame: the default tenant's body without the mark's
+    byte is left alone) scopes every request exactly as scope does."""
+    identity = Identity("client", name)
+    request = pb.PutEndRequest(keys=keys, as_keys=as_keys[:len(keys)])
+    expected, got = pb.PutEndRequest(), pb.PutEndRequest()
+    expected.CopyFrom(request)
+    got.CopyFrom(request)
+    scope("PutEnd", identity, expected)
+    scope_frame("PutEnd", identity, got, request.SerializeToString())
+    assert got == expected
+    if name == "default" and any(k.startswith(tenants.MARK) for k in keys):
+        assert list(got.keys) != keys   # such a key of the default tenant is namespaced
