@@ -127,6 +127,9 @@ def scope(method: str, identity: Identity | None, request) -> None:
         _rescope(request.parents, [tenants.scoped(name, p) if p else "" for p in request.parents])
 
 
+_MARK_BYTE = tenants.MARK.encode()
+
+
 def scope_frame(method: str, identity: Identity | None, request, body: bytes) -> None:
     """:func:`scope` for a ``request`` that came serialized as ``body`` (the lookup port): the
     default tenant's keys stay as they are unless one holds the namespace mark, and a body
@@ -135,9 +138,6 @@ def scope_frame(method: str, identity: Identity | None, request, body: bytes) ->
             and _MARK_BYTE not in body:
         return
     scope(method, identity, request)
-
-
-_MARK_BYTE = tenants.MARK.encode()
 
 
 def _rescope(field, keys: list[str] | None) -> None:

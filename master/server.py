@@ -14,8 +14,8 @@ from kvpool.common.loops import OnCrash, Supervisor
 from kvpool.common.metrics import MetricsServer, new_registry
 from kvpool.common.security import Credentials, Tokens
 from kvpool.master.auth import Authorizer
-from kvpool.master.lookup_sessions import LookupSessions
 from kvpool.master.lookup_server import LookupServer, Stream
+from kvpool.master.lookup_sessions import LookupSessions
 from kvpool.master.metrics import MasterCollector, RpcMetrics, ServerFigures
 from kvpool.master.request_guard import RequestGuard
 from kvpool.master.routing import RoutingIndex, RoutingLimits

@@ -52,7 +52,7 @@ class SessionSocket:
         from kvpool.rpc.master_client import MasterClient
         if answer is None:
             with MasterClient(cluster.master, retries=0) as mc:
-                answer = mc._open_lookup_session(cluster.master)
+                answer = mc.lookup_sessions(cluster.master)
         self.answer = answer
         self.sock = socket.create_connection((cluster.master.rpartition(":")[0], port),
                                              timeout_s)

@@ -193,7 +193,7 @@ def test_fuzz_lookup_port_frames(fuzzed):
     decoders past authentication) or not (what it refuses)."""
     address = lookup_address(fuzzed)
     with MasterClient(fuzzed.cluster.master, retries=0) as mc:
-        session = mc._open_lookup_session(fuzzed.cluster.master)
+        session = mc.lookup_sessions(fuzzed.cluster.master)
 
     @FUZZ
     @given(frames=st.lists(lookup_frames(), min_size=1, max_size=3))
