@@ -365,9 +365,10 @@ class _AsyncConnection:
 
 
 def _header(header: bytes) -> tuple[int, int]:
-    """An answer's (status, body length); LookupLost past the port's limit."""
+    """An answer's (status, body length); LookupLost past the port's limit (a sealed body's
+    tag included)."""
     status, length = lookup_port.RESPONSE.unpack(header)
-    if length > lookup_port.MAX_BODY_BYTES:
+    if length > lookup_port.MAX_BODY_BYTES + lookup_port.TAG_BYTES:
         raise LookupLost(f"an answer of {length} bytes")
     return status, length
 
