@@ -124,44 +124,43 @@ def _percentile(sorted_values: Sequence[float], pct: float) -> float:
 
 
 def compute_ratios(figures: Iterable[Figure], master: dict | None) -> dict:
-    """The ratios the issue names (None where a side was not measured), and ``master``."""
+    """The ratios the issue names (None where a side was not measured), and ``master``; with
+    the plain cluster's figures (PLAIN) each of kvpool's ratios also as ``<name>_plain`` and
+    ``<name>_secure_vs_plain``."""
     by_key = {f.key: f for f in figures}
-    ratios: dict = {}
-    for name, num, den in RATIO_DEFINITIONS:
-        a, b = by_key.get(num), by_key.get(den)
-        ratios[name] = round(a.gbps / b.gbps, 4) if a and b and b.gbps > 0 else None
     single = {(f.system, f.transport, f.op, f.value_bytes): f for f in figures
               if f.workload == "single"}
-    for name, num, den, size in SINGLE_P50_DEFINITIONS:
-        a, b = single.get((*num, size)), single.get((*den, size))
-        ratios[name] = round(a.p50_ms / b.p50_ms, 4) if a and b and b.p50_ms > 0 else None
-    if any(f.system == PLAIN for f in by_key.values()):
+    plain = any(f.system == PLAIN for f in by_key.values())
+    ratios: dict = {}
+    for system, suffix in (("kvpool", ""), (PLAIN, "_plain"))[:1 + plain]:
         for name, num, den in RATIO_DEFINITIONS:
-            a, b = by_key.get((PLAIN, *num[1:])), by_key.get(den)
             if num[0] == "kvpool":
-                plain = round(a.gbps / b.gbps, 4) if a and b and b.gbps > 0 else None
-                ratios[f"{name}_plain"] = plain
-                ratios[f"{name}_secure_vs_plain"] = _over(ratios[name], plain)
-        for name, num, den, size in SINGLE_P50_DEFINITIONS:
-            a, b = single.get((PLAIN, *num[1:], size)), single.get((*den, size))
-            plain = round(a.p50_ms / b.p50_ms, 4) if a and b and b.p50_ms > 0 else None
-            ratios[f"{name}_plain"] = plain
-            ratios[f"{name}_secure_vs_plain"] = _over(ratios[name], plain)
+                ratios[name + suffix] = _ratio(by_key.get((system, *num[1:])), by_key.get(den),
+                                               "gbps")
+            elif not suffix:   # a peer's own ratio
+                ratios[name] = _ratio(by_key.get(num), by_key.get(den), "gbps")
+        for name, num, den, size in SINGLE_P50_DEFINITIONS:   # each kvpool's, by p50
+            ratios[name + suffix] = _ratio(single.get((system, *num[1:], size)),
+                                           single.get((*den, size)), "p50_ms")
+    for name in [n for n in ratios if n + "_plain" in ratios]:
+        secure, insecure = ratios[name], ratios[name + "_plain"]
+        ratios[f"{name}_secure_vs_plain"] = round(secure / insecure, 4) \
+            if secure is not None and insecure else None
     ratios["master"] = {k: (master or {}).get(k) for k in MASTER_FIGURES}
     return ratios
 
 
-def _over(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 4) if a is not None and b else None
+def _ratio(a: Figure | None, b: Figure | None, field: str) -> float | None:
+    return round(getattr(a, field) / getattr(b, field), 4) \
+        if a and b and getattr(b, field) > 0 else None
 
 
 def security_targets(ratios: dict) -> list[tuple[str, str, float]]:
     """The security-cost targets of the ratios measured both ways (--compare-insecure)."""
-    singles = {name for name, *_ in SINGLE_P50_DEFINITIONS}
-    return [(f"{name}_secure_vs_plain", "<=" if name in singles else ">=",
-             1 + SECURITY_BOUND if name in singles else 1 - SECURITY_BOUND)
-            for name in [n for n, num, _ in RATIO_DEFINITIONS if num[0] == "kvpool"]
-            + sorted(singles, key=[n for n, *_ in SINGLE_P50_DEFINITIONS].index)
+    bounds = [*((n, ">=", 1 - SECURITY_BOUND) for n, num, _ in RATIO_DEFINITIONS
+                if num[0] == "kvpool"),
+              *((n, "<=", 1 + SECURITY_BOUND) for n, *_ in SINGLE_P50_DEFINITIONS)]
+    return [(f"{name}_secure_vs_plain", op, bound) for name, op, bound in bounds
             if ratios.get(f"{name}_secure_vs_plain") is not None]
 
 
