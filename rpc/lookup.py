@@ -74,9 +74,7 @@ class _Connection:
 
     def send(self, method: int, body: bytes) -> None:
         with self._sending:
-            self.sock.sendall(lookup_port.encode_request(method, body) if self.out is None
-                              else self.out.seal(lookup_port.REQUEST, lookup_port.MAGIC,
-                                                 method, body=body))
+            self.sock.sendall(_request(self.out, method, body))
 
     def receive(self) -> tuple[int, bytes]:
         """The next answer's (status, body); LookupLost if it does not open."""
@@ -87,6 +85,13 @@ class _Connection:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def _request(out: Seal | None, method: int, body: bytes) -> bytes:
+    """A request frame, sealed with ``out`` where the connection is a session's."""
+    if out is None:
+        return lookup_port.encode_request(method, body)
+    return out.seal(lookup_port.REQUEST, lookup_port.MAGIC, method, body=body)
 
 
 def _opened(inn: Seal | None, head: bytes, data: bytes, status: int) -> bytes:
@@ -273,22 +278,33 @@ class LookupChannel:
                 return _Connection(sock), False
             salt = lookup_port.new_salt()
             try:
-                sock.sendall(lookup_port.encode_request(lookup_port.SESSION,
-                                                        session.session_id + salt))
+                sock.sendall(_hello(session, salt))
                 status, length = _header(recv_exact(sock, lookup_port.RESPONSE.size,
                                                     "the master"))
-                answer = recv_exact(sock, length, "the master")
+                seals = self._welcome(session, salt, status,
+                                      recv_exact(sock, length, "the master"))
             except OSError as e:
                 sock.close()
                 raise self._lost(f"session: {e}") from None
-            if status == 0 and len(answer) == lookup_port.SALT_BYTES:
-                out, inn = lookup_port.session_seals(session.key, salt, answer, server=False)
-                return _Connection(sock, out, inn, session.renew_at), False
+            except LookupLost:
+                sock.close()
+                raise
+            if seals is not None:
+                return _Connection(sock, *seals, session.renew_at), False
             sock.close()
-            if status != _UNAUTHENTICATED:
-                raise self._lost(f"session refused: {answer[:200]!r}")
             stale = session   # the master forgot it (restarted, or dropped it): a new one
         raise self._lost("a new session was refused too")
+
+    def _welcome(self, session: Session, salt: bytes, status: int, answer: bytes
+                 ) -> tuple[Seal, Seal] | None:
+        """The seals of a connection whose SESSION frame the master answered ``status``,
+        ``answer``; None if it does not know the session (open another); LookupLost if it
+        refused otherwise."""
+        if status == 0 and len(answer) == lookup_port.SALT_BYTES:
+            return lookup_port.session_seals(session.key, salt, answer, server=False)
+        if status != _UNAUTHENTICATED:
+            raise self._lost(f"session refused: {answer[:200]!r}")
+        return None
 
     async def _connection_async(self) -> tuple[_AsyncConnection, bool]:
         loop, now = asyncio.get_running_loop(), self._clock()
@@ -316,20 +332,20 @@ class LookupChannel:
             salt = lookup_port.new_salt()
             try:
                 async with asyncio.timeout(self._timeout_s):
-                    writer.write(lookup_port.encode_request(lookup_port.SESSION,
-                                                            session.session_id + salt))
+                    writer.write(_hello(session, salt))
                     status, length = _header(
                         await reader.readexactly(lookup_port.RESPONSE.size))
-                    answer = await reader.readexactly(length)
+                    seals = self._welcome(session, salt, status,
+                                          await reader.readexactly(length))
             except (OSError, TimeoutError, asyncio.IncompleteReadError) as e:
                 writer.close()
                 raise self._lost(f"session: {e}") from None
-            if status == 0 and len(answer) == lookup_port.SALT_BYTES:
-                out, inn = lookup_port.session_seals(session.key, salt, answer, server=False)
-                return _AsyncConnection(reader, writer, out, inn, session.renew_at), False
+            except LookupLost:
+                writer.close()
+                raise
+            if seals is not None:
+                return _AsyncConnection(reader, writer, *seals, session.renew_at), False
             writer.close()
-            if status != _UNAUTHENTICATED:
-                raise self._lost(f"session refused: {answer[:200]!r}")
             stale = session
         raise self._lost("a new session was refused too")
 
@@ -353,15 +369,18 @@ class _AsyncConnection:
         self.renew_at = renew_at
 
     async def call(self, method: int, body: bytes) -> tuple[int, bytes]:
-        self.writer.write(lookup_port.encode_request(method, body) if self.out is None
-                          else self.out.seal(lookup_port.REQUEST, lookup_port.MAGIC, method,
-                                             body=body))
+        self.writer.write(_request(self.out, method, body))
         head = await self.reader.readexactly(lookup_port.RESPONSE.size)
         status, length = _header(head)
         return status, _opened(self.inn, head, await self.reader.readexactly(length), status)
 
     def close(self) -> None:
         self.writer.close()
+
+
+def _hello(session: Session, salt: bytes) -> bytes:
+    """A connection's first frame: it names ``session``, with the client's ``salt``."""
+    return lookup_port.encode_request(lookup_port.SESSION, session.session_id + salt)
 
 
 def _header(header: bytes) -> tuple[int, int]:
