@@ -391,10 +391,10 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     async def OpenLookupSession(self, request, context):
         sessions, identity = self.lookup_sessions, CALLER.get()
         if sessions is None or identity is None:   # plain frames (a master without credentials)
-            return pb.OpenLookupSessionResponse(lookup_port=self.lookup_port)
+            return pb.OpenLookupSessionResponse()
         session_id, session = sessions.open(identity)
         return pb.OpenLookupSessionResponse(session_id=session_id, key=session.key,
-                                            ttl_s=sessions.ttl_s, lookup_port=self.lookup_port)
+                                            ttl_s=sessions.ttl_s)
 
     async def Stats(self, request, context):
         s = self._state.stats(audit=request.audit)

@@ -450,13 +450,11 @@ class OpenLookupSessionRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class OpenLookupSessionResponse(_message.Message):
-    __slots__ = ("session_id", "key", "ttl_s", "lookup_port")
+    __slots__ = ("session_id", "key", "ttl_s")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
-    LOOKUP_PORT_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     key: bytes
     ttl_s: float
-    lookup_port: int
-    def __init__(self, session_id: _Optional[bytes] = ..., key: _Optional[bytes] = ..., ttl_s: _Optional[float] = ..., lookup_port: _Optional[int] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., key: _Optional[bytes] = ..., ttl_s: _Optional[float] = ...) -> None: ...
