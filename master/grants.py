@@ -34,29 +34,36 @@ class GrantMinter:
         ``(segment_ids[j], offsets[j])``, of ``sizes[i]`` bytes and version ``versions[i]``.
         ``keys``: each object's stored key, for WRITE grants with record tags."""
         expiry = capabilities.expiry_ms(ttl_s)
+        n = len(segment_ids)
+        if n and len(counts) == n and counts.count(1) == n \
+                and segment_ids.count(segment_ids[0]) == n:
+            # One replica each, all in one segment (most batches): the columns as they are.
+            sid = segment_ids[0]
+            return self._signer(self._replica_in(sid).node.node_id).mint_many(
+                op, sid.encode(), offsets, sizes, versions, expiry, keys)
         # Grouped by segment (a batch's replicas share a few), minted per segment, then put
         # back in replica order.
         by_segment: dict[str, list[int]] = {}
-        extents: dict[str, list[tuple[int, int, int]]] = {}
-        named: dict[str, list[str]] | None = {} if keys is not None else None
+        columns: dict[str, tuple[list[int], list[int], list[int], list[str] | None]] = {}
         j = 0
         for i, (count, size, version) in enumerate(zip(counts, sizes, versions)):
             for k in range(j, j + count):
                 sid = segment_ids[k]
                 if sid not in by_segment:
-                    by_segment[sid], extents[sid] = [], []
-                    if named is not None:
-                        named[sid] = []
+                    by_segment[sid] = []
+                    columns[sid] = ([], [], [], [] if keys is not None else None)
                 by_segment[sid].append(k)
-                extents[sid].append((offsets[k], size, version))
+                offs, lens, vers, named = columns[sid]
+                offs.append(offsets[k])
+                lens.append(size)
+                vers.append(version)
                 if named is not None:
-                    named[sid].append(keys[i])
+                    named.append(keys[i])
             j += count
         grants: list[bytes] = [b""] * j
         for sid, where in by_segment.items():
             signer = self._signer(self._replica_in(sid).node.node_id)
-            for k, grant in zip(where, signer.mint_many(
-                    op, sid.encode(), extents[sid], expiry,
-                    named[sid] if named is not None else None)):
+            for k, grant in zip(where, signer.mint_many(op, sid.encode(), *columns[sid][:3],
+                                                        expiry, columns[sid][3])):
                 grants[k] = grant
         return grants

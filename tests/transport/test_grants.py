@@ -152,3 +152,63 @@ def test_grant_check_cost():
     mint_us = (time.perf_counter() - start) / n * 1e6
     print(f"grant check {check_us:.2f} us, mint {mint_us:.2f} us")
     assert check_us < 200 and mint_us < 200
+
+
+def test_a_batch_of_grants_is_minted_as_one_by_one_and_each_checks():
+    """mint_many's batch path (two AES calls over every grant) makes the grants mint makes."""
+    signer = caps.Signer(KEY)
+    expiry = caps.expiry_ms(10)
+    offsets = [i * 2112 for i in range(40)]
+    lengths = [64 + 13 * i for i in range(40)]
+    versions = [(1 << 62) + 7 * i for i in range(40)]
+    for n in (1, 7, 8, 40):
+        batch = signer.mint_many(caps.READ, b"n/0-a", offsets[:n], lengths[:n], versions[:n],
+                                 expiry)
+        assert batch == [signer.mint(caps.READ, b"n/0-a", o, ln, v, expiry)
+                         for o, ln, v in zip(offsets, lengths, versions[:n])]
+        for g, o, ln, v in zip(batch, offsets, lengths, versions):
+            assert caps.check(KEY, g, caps.READ, b"n/0-a", o, ln) == (v, "")
+            assert caps.check(KEY, g, caps.WRITE, b"n/0-a", o, ln)[1]
+            assert caps.check(KEY, g, caps.READ, b"n/0-a", o, ln + 1)[1]
+        # Write grants with their record tags: each record checks for its own key only.
+        keys = [f"k{i}" for i in range(n)]
+        writes = signer.mint_many(caps.WRITE, b"n/0-a", offsets[:n], lengths[:n],
+                                  versions[:n], expiry, keys)
+        for g, o, ln, v, k in zip(writes, offsets, lengths, versions, keys):
+            assert caps.check(KEY, caps.write_grant(g), caps.WRITE, b"n/0-a", o, ln) == (v, "")
+            record = caps.record_grant(g)
+            assert signer.check(record, caps.RECORD, b"n/0-a", o, ln, key=k.encode()) == (v, "")
+            assert signer.check(record, caps.RECORD, b"n/0-a", o, ln, key=b"other")[1]
+
+
+def test_the_master_mints_a_batchs_grants_in_replica_order_over_several_segments():
+    """GrantMinter: one segment's batch goes whole; replicas over several segments (and
+    misses, with no replica) are minted per segment and put back in replica order."""
+    from kvpool.master.grants import GrantMinter
+    nodes = {"a/0": "a", "b/0": "b"}
+
+    def replica_in(sid: str) -> Replica:
+        return Replica(NodeEndpoints(nodes[sid], "", "127.0.0.1:9", ""), Extent(sid, 0, 0))
+
+    minter = GrantMinter(replica_in)
+    keys = {n: caps.Signer(minter.key_for(n)) for n in ("a", "b")}
+    counts = [1, 2, 0] * 4 + [1] * 8
+    segment_ids, offsets = [], []
+    for i, c in enumerate(counts):
+        for r in range(c):
+            segment_ids.append("a/0" if (i + r) % 2 == 0 else "b/0")
+            offsets.append(4096 * len(offsets))
+    sizes = [100 + i for i in range(len(counts))]
+    versions = [1000 + i for i in range(len(counts))]
+    grants = minter.mint(caps.READ, counts, segment_ids, offsets, sizes, versions, 10)
+    assert len(grants) == len(segment_ids)
+    j = 0
+    for i, c in enumerate(counts):
+        for _ in range(c):
+            sid = segment_ids[j]
+            assert keys[nodes[sid]].check(grants[j], caps.READ, sid.encode(), offsets[j],
+                                          sizes[i]) == (versions[i], "")
+            j += 1
+    one = minter.mint(caps.READ, [1] * 9, ["a/0"] * 9, offsets[:9], sizes[:9], versions[:9], 10)
+    for g, o, s, v in zip(one, offsets, sizes, versions):
+        assert keys["a"].check(g, caps.READ, b"a/0", o, s) == (v, "")
