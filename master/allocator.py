@@ -10,6 +10,12 @@ from __future__ import annotations
 from sortedcontainers import SortedDict, SortedList
 
 _MAX_SHARED_LENGTHS = 1024
+PAGE_BYTES = 4096
+PHASE_BYTES = 2048                 # where a large extent starts within its page
+PHASED_MIN_BYTES = 64 << 10
+# Ranges looked at past the best fit for one that fits once its start is moved to the phase;
+# beyond them, the first range with room for any move is taken.
+_PHASE_SCAN = 16
 
 
 class RangeAllocator:
@@ -35,6 +41,8 @@ class RangeAllocator:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, not {capacity_bytes}")
         self._alignment = alignment_bytes
+        # Large extents start at PHASE_BYTES within their page where the alignment allows it.
+        self._phased = alignment_bytes <= PHASE_BYTES and PHASE_BYTES % alignment_bytes == 0
         self._capacity = capacity_bytes - capacity_bytes % alignment_bytes
         self._by_size: SortedList = SortedList()
         self._by_offset: SortedDict = SortedDict()
@@ -79,13 +87,31 @@ class RangeAllocator:
     def allocate(self, size: int) -> int | None:
         """Allocate ``size`` bytes (best fit); return the offset, or None if no range fits."""
         length = self.aligned_size(size)
+        by_size = self._by_size
         # (length, -1) sorts before every (length, offset): the first hit is the smallest range
         # that fits, lowest offset among ranges of that length.
-        i = self._by_size.bisect_left((length, -1))
-        if i == len(self._by_size):
+        i = by_size.bisect_left((length, -1))
+        if i == len(by_size):
             return None
-        free_len, offset = self._by_size[i]
+        free_len, offset = by_size[i]
+        gap = 0
+        if length >= PHASED_MIN_BYTES and self._phased:
+            gap = (PHASE_BYTES - offset) % PAGE_BYTES
+            if free_len < gap + length:   # the next ranges by size, then any with room
+                for j in range(i + 1, min(i + _PHASE_SCAN, len(by_size))):
+                    free_len, offset = by_size[j]
+                    gap = (PHASE_BYTES - offset) % PAGE_BYTES
+                    if free_len >= gap + length:
+                        break
+                else:   # none with room for the move: the best fit where it starts
+                    j = by_size.bisect_left((length + PAGE_BYTES - self._alignment, -1))
+                    free_len, offset = by_size[j if j < len(by_size) else i]
+                    gap = (PHASE_BYTES - offset) % PAGE_BYTES if j < len(by_size) else 0
         self._remove_free(offset, free_len)
+        if gap:
+            self._add_free(offset, gap)
+            offset += gap
+            free_len -= gap
         if free_len > length:
             self._add_free(offset + length, free_len - length)
         self._remember(offset, length)

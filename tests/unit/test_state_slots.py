@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from kvpool.common.errors import AlreadyExists, InvalidArgument, NoSpace, NotPending
 from kvpool.common.types import ObjectRecord, Reservation, SegmentInfo
+from kvpool.master.allocator import PHASE_BYTES
 from kvpool.master.state import MasterState
 
 from .conftest import get_replicas
@@ -28,16 +29,18 @@ def test_a_slot_is_committed_as_the_key_that_fills_it_and_its_tail_freed(clock):
     assert segment(state, "s1").used_bytes == 2 * (64 << 10)
     assert state.put_end([a], [0x1234], ["k"], [1000], ["p"]) == [None]
     [view] = get_replicas(state, ["k"])
-    assert (view.size, view.version, view.replicas[0].extent.offset) == (1000, version, 0)
+    # A slot is a large extent: it starts half a page in (master/allocator.py).
+    base = PHASE_BYTES
+    assert (view.size, view.version, view.replicas[0].extent.offset) == (1000, version, base)
     assert state.exists([a, "k"]) == [False, True]
     assert segment(state, "s1").used_bytes == (64 << 10) + 1024   # the tail is free again
     stats = state.stats()
     assert (stats.objects, stats.pending_objects) == (1, 1)
     [record] = state.take_manifest("n1").committed
-    assert record == ObjectRecord("k", "s1", 0, 1000, 0x1234, version, "p")
+    assert record == ObjectRecord("k", "s1", base, 1000, 0x1234, version, "p")
     # The tail takes a new object at once.
     [placed] = state.put_start_extents(["next"], [4096])
-    assert placed[0].offset == 1024
+    assert placed[0].offset == base + 1024
 
 
 def test_a_slot_filled_with_a_stored_key_is_released_into_quarantine(clock):
