@@ -3,9 +3,14 @@ hand-off, lookup port)."""
 
 from __future__ import annotations
 
+import math
+import os
+import select
 import socket
+import time
 from collections.abc import Sequence
 
+from kvpool.common.config import ConfigError
 from kvpool.common.errors import TransportError
 
 
@@ -25,6 +30,66 @@ def recv_exact_into(sock: socket.socket, view: memoryview, what: str = "node") -
         if n == 0:
             raise PeerClosed(f"{what} closed the connection", got)
         got += n
+
+
+SPIN_ENV = "KVPOOL_SPIN_US"
+_SPIN_DEFAULT_US = 200
+_SPIN_MAX_US = 100_000
+_MAX_BACKOFF = 6      # after misses in a row, up to 2**6 - 1 waits sleep at once
+
+
+def spin_default_s() -> float:
+    """How long a caller waiting for an answer polls before it sleeps: ``$KVPOOL_SPIN_US``
+    microseconds (0: never; default 200). See :class:`Spinner`."""
+    text = os.environ.get(SPIN_ENV, "").strip()
+    if not text:
+        return _SPIN_DEFAULT_US / 1e6
+    try:
+        us = float(text)
+    except ValueError:
+        us = math.nan
+    if not 0 <= us <= _SPIN_MAX_US:
+        raise ConfigError(f"${SPIN_ENV}: {text!r} is not a number of microseconds from 0 to "
+                          f"{_SPIN_MAX_US}")
+    return us / 1e6
+
+
+class Spinner:
+    """Waits for the next answer on one socket by polling, without sleeping, for up to
+    ``spin_s`` before the caller's blocking read. Why: a thread that sleeps on an answer
+    waits for a wake-up after it arrives, and on a virtual machine that wake-up is most of a
+    short round trip (a Python echo over loopback here: 85 us sleeping, 27 us polling; a 64
+    KiB get over shm 0.18 ms against 0.14). Each poll releases the GIL and the thread yields
+    its CPU between polls, so other threads, and a peer on the same CPU, still run. An answer
+    that does not come within ``spin_s`` (a large batch, a busy peer) costs that much CPU
+    for nothing: after such misses in a row the next 1, 3, 7, ... 63 waits sleep at once,
+    and the first answer that comes in time ends the back-off."""
+
+    __slots__ = ("_poller", "_spin_s", "_misses", "_skip")
+
+    def __init__(self, sock: socket.socket, spin_s: float | None = None) -> None:
+        self._poller = select.poll()
+        self._poller.register(sock, select.POLLIN)
+        self._spin_s = spin_default_s() if spin_s is None else spin_s
+        self._misses = self._skip = 0
+
+    def wait(self) -> bool:
+        """Poll until the socket is readable or the spin ends; whether it is readable (False
+        too when this wait sleeps: the caller reads, blocking, as it would without)."""
+        if not self._spin_s:
+            return False
+        if self._skip:
+            self._skip -= 1
+            return False
+        poll, end = self._poller.poll, time.perf_counter() + self._spin_s
+        while not poll(0):
+            if time.perf_counter() >= end:
+                self._misses = min(self._misses + 1, _MAX_BACKOFF)
+                self._skip = (1 << self._misses) - 1
+                return False
+            os.sched_yield()
+        self._misses = 0
+        return True
 
 
 def recv_exact(sock: socket.socket, size: int, what: str = "node") -> bytes:

@@ -23,7 +23,7 @@ from google.protobuf.message import Message
 from kvpool.common.errors import KVPoolError, MasterUnavailable
 from kvpool.net import lookup_port
 from kvpool.net.lookup_port import Seal, Unsealed
-from kvpool.net.sockets import recv_exact
+from kvpool.net.sockets import Spinner, recv_exact
 
 # After a port failed: use gRPC alone this long before trying the same port again.
 RETRY_AFTER_S = 10.0
@@ -65,12 +65,13 @@ class _Connection:
     """One connection to the port: its socket, and its seals when it is a session's (``out``
     for what we send, ``inn`` for what we receive), until ``renew_at``."""
 
-    __slots__ = ("sock", "out", "inn", "renew_at", "_sending")
+    __slots__ = ("sock", "out", "inn", "renew_at", "_sending", "_answer")
 
     def __init__(self, sock: socket.socket, out: Seal | None = None, inn: Seal | None = None,
                  renew_at: float = math.inf) -> None:
         self.sock, self.out, self.inn, self.renew_at = sock, out, inn, renew_at
         self._sending = threading.Lock()   # a stream's acks come from other threads
+        self._answer = Spinner(sock)   # polls a while for each answer before sleeping
 
     def send(self, method: int, body: bytes) -> None:
         with self._sending:
@@ -78,6 +79,7 @@ class _Connection:
 
     def receive(self) -> tuple[int, bytes]:
         """The next answer's (status, body); LookupLost if it does not open."""
+        self._answer.wait()
         head = recv_exact(self.sock, lookup_port.RESPONSE.size, "the master")
         status, length = _header(head)
         data = recv_exact(self.sock, length, "the master")

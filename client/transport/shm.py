@@ -50,7 +50,7 @@ from kvpool.net.data_port import (
     encode_handoff_request,
     recv_refusal,
 )
-from kvpool.net.sockets import recv_exact
+from kvpool.net.sockets import Spinner, recv_exact
 
 log = get_logger(__name__)
 
@@ -243,6 +243,7 @@ class _NodeLink:
         self.lock = threading.Lock()        # serializes hand-offs on the socket
         self.mappings: dict[tuple[str, bool], _Mapping] = {}   # by (segment id, writable)
         self.closed = False
+        self._answer = Spinner(sock)   # polls a while for RESERVE and SEAL answers
 
     def alive(self) -> bool:
         """False once the node hung up (closed its end, or its process died)."""
@@ -330,6 +331,7 @@ class _NodeLink:
     def _answers(self, op: Op, items: list[tuple[IoOp, PutRecord]]
                  ) -> list[TransportError | None]:
         out: list[TransportError | None] = []
+        self._answer.wait()
         for io, record in items:
             status, length = RESPONSE.unpack(recv_exact(self.sock, RESPONSE.size,
                                                         "shm node"))

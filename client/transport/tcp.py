@@ -17,6 +17,7 @@ from __future__ import annotations
 import select
 import socket
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 
@@ -46,7 +47,7 @@ from kvpool.net.data_port import (
     encode_request,
     recv_refusal,
 )
-from kvpool.net.sockets import recv_exact_into, send_all
+from kvpool.net.sockets import Spinner, recv_exact_into, send_all
 
 log = get_logger(__name__)
 
@@ -89,6 +90,9 @@ class TCPTransport(Transport):
         self._max_parallel = max_parallel_endpoints
         self._lock = threading.Lock()
         self._idle: dict[str, list[socket.socket]] = {}
+        # Each connection's answer spinner (net/sockets.py), for as long as it lives.
+        self._spinners: weakref.WeakKeyDictionary[socket.socket, Spinner] = \
+            weakref.WeakKeyDictionary()
         self._executor: ThreadPoolExecutor | None = None
         self._closed = False
 
@@ -130,6 +134,7 @@ class TCPTransport(Transport):
                 sock.sendall(b"".join(_record_request(Op.RESERVE, ops[k], records[k])
                                       for k in indexes))
                 header = bytearray(RESPONSE.size)
+                self._spinner(sock).wait()
                 for k in indexes:
                     recv_exact_into(sock, memoryview(header))
                     status, length = RESPONSE.unpack(header)
@@ -222,6 +227,7 @@ class TCPTransport(Transport):
                 _record_request(Op.SEAL, ops[k], _with_checksum(records[k], crc(k)))
                 for k in pending))
             header = bytearray(RESPONSE.size)
+            self._spinner(sock).wait()
             for k in pending:
                 for op in (Op.WRITE, Op.SEAL) if reserved else (Op.RESERVE, Op.WRITE, Op.SEAL):
                     recv_exact_into(sock, memoryview(header))
@@ -332,6 +338,8 @@ class TCPTransport(Transport):
                         send_all(sock, [_request(op, ops[i]), views[i]])
                 sent = end
             i = pending[done]
+            if done == 0:
+                self._spinner(sock).wait()
             recv_exact_into(sock, header_view)
             status, length = RESPONSE.unpack(header)
             if status == FrameStatus.OK:
@@ -361,6 +369,12 @@ class TCPTransport(Transport):
         return TransportError(f"tcp {endpoint}: {exc.strerror or exc}")
 
     # ---------------------------------------------------------------- connection pool
+
+    def _spinner(self, sock: socket.socket) -> Spinner:
+        spinner = self._spinners.get(sock)
+        if spinner is None:
+            spinner = self._spinners[sock] = Spinner(sock)
+        return spinner
 
     def _acquire(self, endpoint: str) -> socket.socket:
         with self._lock:
