@@ -10,6 +10,7 @@ import pytest
 from kvpool.client import KVClient
 from kvpool.client.blocks import TokenBlocks
 from kvpool.common.hashing import HashSpec
+from kvpool.master.allocator import PHASE_BYTES
 
 from .conftest import run_cluster
 
@@ -20,9 +21,11 @@ SLOTS = 16               # blocks a segment holds
 
 @pytest.fixture
 def small_cluster(tmp_path):
-    """One node with one 16-block segment. A high watermark of 1.0 leaves eviction to the puts
-    that need room, so what is evicted does not depend on when the master's tick runs."""
-    yield from run_cluster(tmp_path, nodes=1, segment_size=str(SLOTS * BLOCK_BYTES),
+    """One node with one 16-block segment (and half a page: the first block starts there,
+    master/allocator.py). A high watermark of 1.0 leaves eviction to the puts that need room,
+    so what is evicted does not depend on when the master's tick runs."""
+    yield from run_cluster(tmp_path, nodes=1,
+                           segment_size=str(SLOTS * BLOCK_BYTES + PHASE_BYTES),
                            master_args=["--high-watermark", "1.0", "--low-watermark", "0.9"])
 
 
