@@ -186,12 +186,16 @@ def test_store_node_killed_between_save_and_load(engine, kv_cluster, cold):
 def test_engine_runs_when_the_store_is_full(engine, kv_cluster, cold):
     # Every byte hard-pinned (pins may take it all): no put finds room, none can evict.
     c = kv_cluster(master_args=["--pin-quota", "1"], segment_size="4MiB")
-    with KVClient(c.master) as kv:
+    # No slots: a slot asked for may evict the last filler before its pin (client/slots.py).
+    with KVClient(c.master, put_slots=False) as kv:
+        size = 256 << 10   # then smaller, for the gaps large extents leave (master/allocator.py)
         for i in range(1000):
             try:
-                kv.put(f"filler/{i}", bytes(256 << 10), pin=True)
+                kv.put(f"filler/{i}", bytes(size), pin=True)
             except NoSpace:
-                break
+                size //= 2
+                if size < 64:
+                    break
         else:
             raise AssertionError("the cluster never filled up")
     e = engine(master=c.master, prefix_caching=False)
