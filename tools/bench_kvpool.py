@@ -149,21 +149,24 @@ def kvpool_figures(kvs: Mapping[str, object], transport: str, shape: Shape, repe
     """Batched (or single-value) put then get_into of the same bytes, fresh keys per repeat;
     ``settle_s``: a pause (untimed) after each repeat's removal, for its space to be freed.
     ``kvs``: the figures' system -> its client. With several (security's cost: a secure and
-    a plain cluster), each call is made on each in turn, the order swapped from call to call,
-    so that all are timed under the same load."""
+    a plain cluster), each call is made on each in turn, the order swapped from call to call
+    (across repeats too: a prompt is one call per repeat), so that all are timed under the
+    same load."""
     dst = np.zeros_like(src)
     dst.fill(0)   # fault the destination's pages in before timing, as memcpy's are
     src_rows, dst_rows = list(src), list(dst)
     single = shape.objects_per_call == 1
     timed: dict[str, dict[str, list[list[float]]]] = {op: {s: [] for s in kvs}
                                                       for op in ("put", "get")}
+    calls = {"put": 0, "get": 0}
     for r in range(repeats):
         keys = _keys(prefix, r, shape)
         for op in ("put", "get"):
             lat: dict[str, list[float]] = {s: [] for s in kvs}
             for i, k in enumerate(keys):
                 order = list(kvs.items())
-                for system, kv in order[::-1] if i % 2 else order:
+                calls[op] += 1
+                for system, kv in order if calls[op] % 2 else order[::-1]:
                     if op == "put":
                         t, res = _timed(kv.put, k[0], src_rows[0]) if single else \
                             _timed(kv.batch_put, k, src_rows)

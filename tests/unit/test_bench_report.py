@@ -203,3 +203,38 @@ def test_security_on_beside_off_divides_each_ratio_by_its_plain_twin():
                                                                                MASTER))))
     assert "shm_get_vs_memcpy_secure_vs_plain" in format_table(build_report(
         figures, MASTER, config={}, environment={}, skipped={}))
+
+
+class _Recorder:
+    """A stand-in client that records which system each call reached, in order."""
+
+    def __init__(self, name: str, calls: list) -> None:
+        self.name, self.calls = name, calls
+
+    def _record(self, op: str, n: int) -> list:
+        self.calls.append((op, self.name))
+        return [None] * n
+
+    def batch_put(self, keys, rows):
+        return self._record("put", len(keys))
+
+    def batch_get_into(self, keys, dst):
+        dst[:len(keys)] = 0
+        return self._record("get", len(keys))
+
+    def batch_remove(self, keys):
+        return [None] * len(keys)
+
+
+def test_two_systems_take_turns_going_first_across_repeats_too():
+    """Security's cost: a prompt is one call per repeat, so the order must swap from repeat
+    to repeat (it once started every prompt on the secure cluster)."""
+    import numpy as np
+    from kvpool.tools.bench_kvpool import Shape, kvpool_figures
+    calls: list = []
+    kvs = {"a": _Recorder("a", calls), "b": _Recorder("b", calls)}
+    src = np.zeros((4, 64), np.uint8)
+    kvpool_figures(kvs, "shm", Shape("prompt", 64, 4, 1), 4, src, "t")
+    for op in ("put", "get"):
+        firsts = [c[1] for c in calls if c[0] == op][::2]
+        assert firsts == ["a", "b", "a", "b"], (op, firsts)
