@@ -75,15 +75,14 @@ def expiry_ms(ttl_s: float, now_s: float | None = None) -> int:
 
 
 class Signer:
-    """Mints and checks grants under one node's key. Per segment it keeps the AES key derived
-    for it (an encryptor per thread: ECB holds no state between calls, but a node checks
-    grants on many threads) and the record tags' hash state keyed and fed the segment id,
+    """Mints and checks grants under one node's key. Per segment it keeps an AES-ECB encryptor
+    under the key derived for it, one per thread (ECB holds no state between calls, but a
+    node checks grants on many threads) and the record tags' hash state keyed and fed the segment id,
     copied per tag."""
 
     def __init__(self, key: bytes) -> None:
         self.key = key
         self._by_segment: dict[bytes, object] = {}
-        self._aes_keys: dict[bytes, bytes] = {}
         self._local = threading.local()
 
     def segment_state(self, segment_id: bytes):
@@ -104,15 +103,10 @@ class Signer:
             mine = self._local.by_segment = {}
         update = mine.get(segment_id)
         if update is None:
-            key = self._aes_keys.get(segment_id)
-            if key is None:
-                if len(self._aes_keys) >= _MAX_CACHED_SEGMENTS:
-                    self._aes_keys.clear()
-                key = self._aes_keys[segment_id] = hashlib.blake2b(
-                    _SEGMENT.pack(len(segment_id)) + segment_id, key=self.key,
-                    digest_size=32, person=_AES_PERSON).digest()
             if len(mine) >= _MAX_CACHED_SEGMENTS:
                 mine.clear()
+            key = hashlib.blake2b(_SEGMENT.pack(len(segment_id)) + segment_id, key=self.key,
+                                  digest_size=32, person=_AES_PERSON).digest()
             update = mine[segment_id] = Cipher(algorithms.AES(key), modes.ECB()).encryptor().update
         return update
 
@@ -158,12 +152,9 @@ class Signer:
             flat, size = grants.tobytes(), GRANT.size
             out = [flat[i:i + size] for i in range(0, n * size, size)]
         if keys is not None:
-            copy = self.segment_state(segment_id).copy
             for i, key in enumerate(keys):
-                h = copy()
-                h.update(_FIELDS.pack(RECORD, offsets[i], lengths[i], versions[i], expiry)
-                         + key.encode())
-                out[i] += h.digest()
+                out[i] += self._record_tag(segment_id, offsets[i], lengths[i], versions[i],
+                                           expiry, key.encode())
         return out
 
     def _record_tag(self, segment_id: bytes, offset: int, length: int, version: int,
