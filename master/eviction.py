@@ -227,10 +227,10 @@ class PrefixAwarePolicy(EvictionPolicy):
         # ``on_access`` inlined (a read of a prompt touches hundreds of blocks), ``_now`` too:
         # the same epochs as one call per key.
         leaves, inner, revived = self._leaves, self._inner, self._revived
+        take_leaf = leaves.pop   # one lookup for a leaf, not two: reads touch mostly leaves
         touches, epoch, every = self._touches, self._epoch, self._EPOCH_TOUCHES
         for key in keys:
-            if key in leaves:
-                del leaves[key]
+            if take_leaf(key, None) is not None:
                 into = leaves
             elif key in inner:
                 into = inner

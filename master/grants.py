@@ -6,15 +6,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvpool.common import capabilities
-from kvpool.common.types import Replica
 
 
 class GrantMinter:
     """Keys by node id (random per master process: a restarted master hands out new ones as
     its nodes mount again) and the grants of a batch, in ReplicaColumns' order."""
 
-    def __init__(self, replica_in: Callable[[str], Replica]) -> None:
-        self._replica_in = replica_in
+    def __init__(self, node_of: Callable[[str], str]) -> None:
+        """``node_of(segment_id)``: the id of the node that holds a segment."""
+        self._node_of = node_of
         self._signers: dict[str, capabilities.Signer] = {}
 
     def _signer(self, node_id: str) -> capabilities.Signer:
@@ -39,7 +39,7 @@ class GrantMinter:
                 and segment_ids.count(segment_ids[0]) == n:
             # One replica each, all in one segment (most batches): the columns as they are.
             sid = segment_ids[0]
-            return self._signer(self._replica_in(sid).node.node_id).mint_many(
+            return self._signer(self._node_of(sid)).mint_many(
                 op, sid.encode(), offsets, sizes, versions, expiry, keys)
         # Grouped by segment (a batch's replicas share a few), minted per segment, then put
         # back in replica order.
@@ -62,7 +62,7 @@ class GrantMinter:
             j += count
         grants: list[bytes] = [b""] * j
         for sid, where in by_segment.items():
-            signer = self._signer(self._replica_in(sid).node.node_id)
+            signer = self._signer(self._node_of(sid))
             for k, grant in zip(where, signer.mint_many(op, sid.encode(), *columns[sid][:3],
                                                         expiry, columns[sid][3])):
                 grants[k] = grant

@@ -68,6 +68,9 @@ class Membership:
         # new objects go elsewhere while the TTL runs out, instead of failing their writes
         # there. Their next heartbeat clears them; if every node is silent, none is avoided.
         self._silent: set[str] = set()
+        # Bumped whenever what a replica's descriptor says can change (a segment comes or
+        # goes, a node's endpoints change): whoever caches descriptors keys them by it.
+        self.version = 0
 
     def check_mount(self, node: NodeEndpoints, segment: SegmentInfo) -> None:
         """InvalidArgument for a segment id mounted by another node or with another
@@ -100,6 +103,8 @@ class Membership:
         n = self.nodes.get(node.node_id)
         if n is None:
             n = self.nodes[node.node_id] = Node(node, now)
+        elif n.endpoints != node:
+            self.version += 1
         n.endpoints, n.last_seen = node, now
         self._silent.discard(node.node_id)
         seg = self.segments.get(segment.segment_id)
@@ -109,6 +114,7 @@ class Membership:
             alloc = RangeAllocator(segment.size_bytes, self._config.alignment_bytes,
                                    track=False)
             seg = self.segments[segment.segment_id] = Segment(node.node_id, segment, alloc)
+            self.version += 1
             n.segment_ids.add(segment.segment_id)
             if segment.tier == "disk":
                 self.disk_segments.add(segment.segment_id)
@@ -118,6 +124,7 @@ class Membership:
     def remove_segment(self, seg: Segment) -> None:
         sid = seg.info.segment_id
         del self.segments[sid]
+        self.version += 1
         self.disk_segments.discard(sid)
         self.nodes[seg.node_id].segment_ids.discard(sid)
 
@@ -151,6 +158,7 @@ class Membership:
 
     def forget(self, node_id: str) -> None:
         del self.nodes[node_id]
+        self.version += 1
 
     def open_segments(self, replicas: int = 1, closed: Collection[str] = ()
                       ) -> Iterable[Segment]:

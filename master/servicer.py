@@ -95,6 +95,26 @@ def _changes(delta: ManifestDelta, seq: int, now: float) -> pb.ManifestChanges:
                               reserved=wire.reservations_to_pb(delta.reserved, now))
 
 
+class _Descriptors:
+    """Each mounted segment's descriptor as answers carry it (``wire.descriptor``), made once
+    while the cluster's membership stays as it is, not per answer: a single key's lookup
+    spent longer describing its segment than finding its object."""
+
+    def __init__(self, state: MasterState) -> None:
+        self._state = state
+        self._version = -1
+        self._made: dict[str, pb.Replica] = {}
+
+    def __call__(self, segment_id: str) -> pb.Replica:
+        if (version := self._state.descriptors_version) != self._version:
+            self._made.clear()
+            self._version = version
+        made = self._made.get(segment_id)
+        if made is None:
+            made = self._made[segment_id] = wire.descriptor(self._state.replica_in(segment_id))
+        return made
+
+
 class MasterServicer(master_pb2_grpc.MasterServicer):
     def __init__(self, state: MasterState, epoch: int | None = None):
         self._state = state
@@ -107,7 +127,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self.epoch = epoch if epoch is not None else secrets.randbits(63) | 1
         # Keys per node, and a grant per replica of each placement and location: a node serves
         # a tcp READ or WRITE only of an extent granted for it (common/capabilities.py).
-        self._grants = GrantMinter(state.replica_in)
+        self._grants = GrantMinter(state.node_of)
+        self._descriptors = _Descriptors(state)
 
     @mutation(wait=False)
     async def MountSegment(self, request, context):
@@ -290,7 +311,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                 segment_ids += [e.segment_id for e in r]
                 offsets += [e.offset for e in r]
         columns = wire.ReplicaColumnsWriter()
-        columns.add_columns(counts, segment_ids, offsets, self._state.replica_in)
+        columns.add_columns(counts, segment_ids, offsets, self._descriptors)
         summary = self._state.space_summary() if pb.STATUS_NO_SPACE in statuses else ""
         quota = next((str(r) for r in results if isinstance(r, QuotaExceeded)), "")
         pending = self._state.pending_version
@@ -377,7 +398,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             statuses[i] = status_for_error(error)
         columns = wire.ReplicaColumnsWriter()
         columns.add_columns(located.counts, located.segment_ids, located.offsets,
-                            self._state.replica_in)
+                            self._descriptors)
         # The shortest lease granted (max_lease_s caps a lease re-read for long).
         lease_s = self._state.config.lease_ttl_s if located.lease_s is None else located.lease_s
         grants = self._grants.mint(capabilities.READ, located.counts, located.segment_ids,

@@ -408,6 +408,16 @@ class MasterState:
         """The descriptor of ``[offset, offset + length)`` in a mounted segment."""
         return self._members.replica(Extent(segment_id, offset, length))
 
+    @property
+    def descriptors_version(self) -> int:
+        """Changes whenever :meth:`replica_in` may describe some segment otherwise (one comes
+        or goes, a node's endpoints change): a cache of descriptors is keyed by it."""
+        return self._members.version
+
+    def node_of(self, segment_id: str) -> str:
+        """The id of the node that holds a mounted segment."""
+        return self._segments[segment_id].node_id
+
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is a complete object (no lease, no LRU touch, no hit counted)."""
         return self._index.exists(keys)

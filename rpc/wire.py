@@ -86,7 +86,7 @@ class ReplicaColumnsWriter:
             i = self._index.get(r.extent.segment_id)
             if i is None:
                 i = self._index[r.extent.segment_id] = len(self._locations)
-                self._locations.append(_template(r))
+                self._locations.append(descriptor(r))
             self.location.append(i)
             self.offsets.append(r.extent.offset)
 
@@ -95,15 +95,15 @@ class ReplicaColumnsWriter:
         self.counts.append(0)
 
     def add_columns(self, counts: list[int], segment_ids: list[str], offsets: list[int],
-                    replica_in: Callable[[str], Replica]) -> None:
+                    descriptor_of: Callable[[str], pb.Replica]) -> None:
         """Many objects at once: ``counts[i]`` replicas each (0: an error), then per replica
-        its ``(segment_ids[j], offsets[j])``; ``replica_in(id)`` describes a segment the first
-        time it appears (any offset and length: both are reset)."""
+        its ``(segment_ids[j], offsets[j])``; ``descriptor_of(id)`` is a segment's
+        :func:`descriptor`, asked the first time the segment appears (never changed here)."""
         index = self._index
         for segment_id in dict.fromkeys(segment_ids):
             if segment_id not in index:
                 index[segment_id] = len(self._locations)
-                self._locations.append(_template(replica_in(segment_id)))
+                self._locations.append(descriptor_of(segment_id))
         self.counts += counts
         self.location += map(index.__getitem__, segment_ids)
         self.offsets += offsets
@@ -119,7 +119,7 @@ class ReplicaColumnsWriter:
         return [ids[i] for i in self.location]
 
 
-def _template(r: Replica) -> pb.Replica:
+def descriptor(r: Replica) -> pb.Replica:
     """A location's descriptor: ``r`` without the extent's offset and length."""
     template = replica_to_pb(r)
     template.ClearField("offset")

@@ -186,11 +186,7 @@ def test_the_master_mints_a_batchs_grants_in_replica_order_over_several_segments
     misses, with no replica) are minted per segment and put back in replica order."""
     from kvpool.master.grants import GrantMinter
     nodes = {"a/0": "a", "b/0": "b"}
-
-    def replica_in(sid: str) -> Replica:
-        return Replica(NodeEndpoints(nodes[sid], "", "127.0.0.1:9", ""), Extent(sid, 0, 0))
-
-    minter = GrantMinter(replica_in)
+    minter = GrantMinter(nodes.__getitem__)
     keys = {n: caps.Signer(minter.key_for(n)) for n in ("a", "b")}
     counts = [1, 2, 0] * 4 + [1] * 8
     segment_ids, offsets = [], []

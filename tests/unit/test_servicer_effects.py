@@ -5,6 +5,7 @@ changed in their manifests (a master in this process, on 127.0.0.1, port 0)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -119,3 +120,31 @@ async def test_fenced_and_sealed_puts_answer_without_the_nodes_ack_unless_a_remo
     await stub.AckManifest(pb.AckManifestRequest(node_id="n1", seq=reservation.seq))
     await asyncio.wait_for(put, 5)
     stream.cancel()
+
+
+def test_answers_describe_a_segment_as_its_node_now_is():
+    """Segment descriptors are made once per membership, not per answer (servicer.py
+    ``_Descriptors``): a node that comes back with new endpoints is described anew, in the
+    answers of both GetReplicas and PutStart."""
+    from kvpool.master.state import MasterState
+
+    state = MasterState(MasterConfig(), time.monotonic)
+    servicer = MasterServicer(state)
+
+    def mount(boot: str, tcp: str) -> None:
+        state.mount_segment(NodeEndpoints("n1", boot, tcp), SegmentInfo("n1/0", 1 << 20))
+
+    def stored(key: str) -> str:
+        state.put_start([key], [64])
+        state.put_end([key])
+        answer = servicer.get_replicas(pb.KeysRequest(keys=[key]))
+        [location] = answer.replicas.locations
+        return location.node.tcp_endpoint
+
+    mount("boot-1", "127.0.0.1:1")
+    assert stored("a") == "127.0.0.1:1"
+    assert stored("b") == "127.0.0.1:1"
+    mount("boot-2", "127.0.0.1:2")   # the node restarted: new endpoints, its segment again
+    assert stored("c") == "127.0.0.1:2"
+    started = servicer.put_start(pb.PutStartRequest(keys=["d"], sizes=[64]))
+    assert [loc.node.tcp_endpoint for loc in started.replicas.locations] == ["127.0.0.1:2"]

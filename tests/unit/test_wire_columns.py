@@ -32,13 +32,13 @@ def test_replica_columns_round_trip():
 def test_add_columns_describes_each_segment_once():
     calls = []
 
-    def replica_in(segment_id: str) -> Replica:
+    def descriptor_of(segment_id: str):
         calls.append(segment_id)
-        return Replica(A, Extent(segment_id, 0, 0))
+        return wire.descriptor(Replica(A, Extent(segment_id, 0, 0)))
 
     writer = wire.ReplicaColumnsWriter()
-    writer.add_columns([1, 0], ["sa"], [0], replica_in)
-    writer.add_columns([2], ["sa", "sb"], [64, 0], replica_in)
+    writer.add_columns([1, 0], ["sa"], [0], descriptor_of)
+    writer.add_columns([2], ["sa", "sb"], [64, 0], descriptor_of)
     assert calls == ["sa", "sb"]
     got = wire.replicas_from_columns(writer.to_pb(), [64, 0, 32])
     assert got == [(Replica(A, Extent("sa", 0, 64)),), (),
