@@ -20,6 +20,7 @@ from kvpool.master.auth import Refused, check, scope_answer, scope_frame
 from kvpool.master.lookup_sessions import LookupSession, LookupSessions
 from kvpool.net import lookup_port
 from kvpool.net.lookup_port import Seal, Unsealed
+from kvpool.net.sockets import LoopSpinner
 
 log = get_logger(__name__)
 
@@ -73,6 +74,8 @@ class LookupServer:
         self._connections: dict[asyncio.StreamWriter, asyncio.Task] = {}
         self.port = 0
         self.calls: dict[int, int] = dict.fromkeys(self._handlers, 0)   # by method, answered
+        # After an answer the loop polls a while for the next request ($KVPOOL_SPIN_US).
+        self._spinner = LoopSpinner()
 
     async def start(self, host: str, port: int = 0) -> int:
         """Listen on ``host:port`` (0: any free port); return the bound port."""
@@ -157,8 +160,10 @@ class LookupServer:
             if (frames := await self._open(reader, writer)) is None:
                 return
             identity = frames.session.identity if frames.session is not None else None
+            loop = asyncio.get_running_loop()
             while True:
                 method, body = await self._read(reader, frames)
+                self._spinner.heard()
                 if method in self._streams:
                     return await self._stream(method, body, reader, writer, frames, identity)
                 started = time.perf_counter()
@@ -168,6 +173,7 @@ class LookupServer:
                                   time.perf_counter() - started)
                 self.calls[method] += 1   # before the answer: whoever has it sees it counted
                 writer.write(frames.answer(status, answer))
+                self._spinner.answered(loop)
                 await writer.drain()
         except _Ends as e:   # (closing the writer below sends what it holds first)
             writer.write(frames.answer(e.code, str(e).encode()))

@@ -92,6 +92,59 @@ class Spinner:
         return True
 
 
+class LoopSpinner:
+    """A server's side of :class:`Spinner`: after each answer its asyncio event loop keeps
+    polling for up to ``spin_s`` instead of sleeping in its selector, so that the next
+    request of a client making call after call is not met by a sleeping core (on a virtual
+    machine, waking it is most of a short round trip). It polls by running: a callback that
+    reschedules itself keeps the loop's selector polling without a timeout, so whatever
+    arrives (any connection, a timer, another thread's callback) is served at once; the
+    callback yields the CPU each time round, so other processes on it still run. A spin that
+    ends with no request in it counts as a miss, and misses back off as :class:`Spinner`'s
+    do."""
+
+    __slots__ = ("_spin_s", "_until", "_running", "_heard", "_misses", "_skip")
+
+    def __init__(self, spin_s: float | None = None) -> None:
+        self._spin_s = spin_default_s() if spin_s is None else spin_s
+        self._until = 0.0
+        self._running = self._heard = False
+        self._misses = self._skip = 0
+
+    @property
+    def spinning(self) -> bool:
+        """Whether the loop is being kept polling now."""
+        return self._running
+
+    def heard(self) -> None:
+        """A request arrived (it ends a back-off, as an answer caught in time does)."""
+        self._heard = True
+
+    def answered(self, loop) -> None:
+        """An answer went out: keep ``loop`` polling for up to ``spin_s`` from now."""
+        if not self._spin_s:
+            return
+        if self._skip:
+            self._skip -= 1
+            return
+        self._until = time.perf_counter() + self._spin_s
+        if not self._running:
+            self._running, self._heard = True, False
+            loop.call_soon(self._poll, loop)
+
+    def _poll(self, loop) -> None:
+        if time.perf_counter() < self._until:
+            os.sched_yield()
+            loop.call_soon(self._poll, loop)
+            return
+        self._running = False
+        if self._heard:   # a request came within the spin (each answer extends it)
+            self._misses = 0
+        else:
+            self._misses = min(self._misses + 1, _MAX_BACKOFF)
+            self._skip = (1 << self._misses) - 1
+
+
 def recv_exact(sock: socket.socket, size: int, what: str = "node") -> bytes:
     buf = bytearray(size)
     recv_exact_into(sock, memoryview(buf), what)

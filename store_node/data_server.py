@@ -75,7 +75,7 @@ from kvpool.net.data_port import (
     send_refusal,
     send_reply,
 )
-from kvpool.net.sockets import PeerClosed, recv_exact_into
+from kvpool.net.sockets import PeerClosed, Spinner, recv_exact_into
 from kvpool.store_node.manifest import Manifest, SealConflict, StaleEpoch
 from kvpool.store_node.memory import Segment
 from kvpool.store_node.rdma import RegionRefused
@@ -219,8 +219,8 @@ class _GrantChecker:
 class _Conn:
     """One client connection and what serving it keeps between frames."""
 
-    __slots__ = ("busy", "fd", "header", "keep_open", "last_active", "peer", "poller",
-                 "queue_pairs", "shm", "sid_buf", "sock", "trust")
+    __slots__ = ("busy", "fd", "header", "keep_open", "last_active", "next_frame", "peer",
+                 "poller", "queue_pairs", "shm", "sid_buf", "sock", "trust")
 
     def __init__(self, sock: socket.socket, peer: str, shm: bool, trust: int) -> None:
         self.sock, self.fd, self.peer, self.shm, self.trust = sock, sock.fileno(), peer, shm, trust
@@ -234,6 +234,9 @@ class _Conn:
         self.queue_pairs: list = []        # RDMA queue pairs set up on it: die with it
         self.poller = select.poll()
         self.poller.register(self.fd, select.POLLIN)
+        # A worker polls a while for the client's next frame before it sleeps on it
+        # ($KVPOOL_SPIN_US): a client making call after call is not met by a sleeping core.
+        self.next_frame = Spinner(sock)
 
 
 class DataServer:
@@ -515,7 +518,7 @@ class DataServer:
         keep = False
         try:
             while serve(c) and not self._stopping.is_set():
-                if not c.poller.poll(_LINGER_WORK_MS):
+                if not (c.next_frame.wait() or c.poller.poll(_LINGER_WORK_MS)):
                     keep = True
                     break
         except _Disconnected as exc:

@@ -1,15 +1,17 @@
 """net/sockets.py Spinner: an answer is polled for a while before the caller sleeps on it, and
-answers that do not come in time make the following waits sleep at once (a back-off)."""
+answers that do not come in time make the following waits sleep at once (a back-off);
+LoopSpinner: a server's event loop polls a while after each answer, with the same back-off."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
 
 import pytest
 from kvpool.common.config import ConfigError
-from kvpool.net.sockets import SPIN_ENV, Spinner, spin_default_s
+from kvpool.net.sockets import SPIN_ENV, LoopSpinner, Spinner, spin_default_s
 
 SPIN_S = 0.05   # long against a loaded machine's scheduling delays
 
@@ -74,3 +76,38 @@ def test_spinning_is_off_at_zero_and_the_environment_sets_it(pair, monkeypatch):
         monkeypatch.setenv(SPIN_ENV, bad)
         with pytest.raises(ConfigError, match=SPIN_ENV):
             spin_default_s()
+
+
+async def _spun(spinner: LoopSpinner) -> bool:
+    """Whether an answer now keeps the loop polling; if so, waits until it stops."""
+    spinner.answered(asyncio.get_running_loop())
+    if not spinner.spinning:
+        return False
+    while spinner.spinning:
+        await asyncio.sleep(0.002)
+    return True
+
+
+async def test_a_server_loop_keeps_polling_after_an_answer_while_serving_others():
+    spinner = LoopSpinner(1.0)
+    spinner.answered(asyncio.get_running_loop())
+    served = []
+    asyncio.get_running_loop().call_later(0.05, served.append, "timer")
+    await asyncio.sleep(0.1)   # the loop runs everything else while it polls
+    assert served == ["timer"] and spinner.spinning
+    while spinner.spinning:
+        await asyncio.sleep(0.01)
+
+
+async def test_server_spins_with_no_request_in_them_back_off_and_a_request_ends_it():
+    spinner = LoopSpinner(0.01)
+    pattern = [await _spun(spinner) for _ in range(12)]
+    # Spun (a miss), then 1 answer that does not spin, spun, 3, spun, 7.
+    assert pattern == [True, False, True, False, False, False, True] + [False] * 5
+    assert [await _spun(spinner) for _ in range(2)] == [False, False]   # the rest
+    spinner.answered(asyncio.get_running_loop())
+    spinner.heard()   # a request within the spin: no miss
+    while spinner.spinning:
+        await asyncio.sleep(0.002)
+    assert await _spun(spinner) and await _spun(spinner) is False   # a miss again backs off
+    assert not await _spun(LoopSpinner(0.0))
