@@ -2,7 +2,8 @@
 of one size put one at a time, each phase of the client's put timed on the way (PutStart, the
 node's RESERVE, the copy, SEAL with PutEnd overlapped inside it, PutEnd alone) and the master's
 own time per call (its /metrics), so that what is left of a phase is wire, wake-ups and the
-other end's framing. Secure (mutual TLS, grants) unless --insecure.
+other end's framing; and the CPU each process spent per call (on two cores a single put keeps
+them all busy). Secure (mutual TLS, grants) unless --insecure.
 
     python3 scripts/put_phases.py [--transport shm|tcp] [--size 64KiB] [--calls 1000]
                                   [--insecure]
@@ -93,14 +94,19 @@ def main() -> int:
                 + " (node round trip, PutEnd overlapped)", times)
             _wrap(transport, "reserve", "RESERVE (node round trip)", times)
         puts, gets = [], []
+        pids = {"client": None, "master": cluster.master_proc.popen.pid,
+                "node": cluster.nodes[0].popen.pid}
+        cpu = {"put": _cpu_s(pids)}
         for i in range(args.calls):
             t = time.perf_counter()
             kv.put(f"k{i}", value)
             puts.append(time.perf_counter() - t)
+        cpu["get"] = _cpu_s(pids)
         for i in range(args.calls):
             t = time.perf_counter()
             kv.get(f"k{i}")
             gets.append(time.perf_counter() - t)
+        end = _cpu_s(pids)
         master = _master_means(cluster.metrics_addresses["master"])
     ms = 1e3
     print(f"{args.transport}, {'plain' if args.insecure else 'secure'}, "
@@ -110,11 +116,29 @@ def main() -> int:
     print("  put phases, client side:")
     for label, xs in times.items():
         print(f"    {label:58s} {statistics.median(xs) * ms:.3f}")
+    print("  CPU per call by process (us; polling for answers included, $KVPOOL_SPIN_US):")
+    for op, after in (("put", cpu["get"]), ("get", end)):
+        print(f"    {op}: " + ", ".join(f"{who} {(after[who] - cpu[op][who]) / args.calls * 1e6:.0f}"
+                                      for who in pids))
     print("  master's own time per call (mean):")
     for method in ("PutStart", "PutEnd", "GetReplicas"):
         if method in master:
             print(f"    {method:58s} {master[method] * ms:.3f}")
     return 0
+
+
+def _cpu_s(pids: dict[str, int | None]) -> dict[str, float]:
+    """CPU seconds (user + system, every thread) each process has used: None is this one."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for who, pid in pids.items():
+        if pid is None:
+            out[who] = time.process_time()
+            continue
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        out[who] = (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 if __name__ == "__main__":
