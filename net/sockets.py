@@ -54,7 +54,31 @@ def spin_default_s() -> float:
     return us / 1e6
 
 
-class Spinner:
+class _BackOff:
+    """The back-off both spinners share: after spins that caught nothing, ``n`` in a row, the
+    next ``2**n - 1`` (up to 63) are skipped; a spin that catches something ends it."""
+
+    __slots__ = ("_misses", "_skip")
+
+    def __init__(self) -> None:
+        self._misses = self._skip = 0
+
+    def _skips(self) -> bool:
+        """Whether this spin is one the back-off skips (counted off)."""
+        if self._skip:
+            self._skip -= 1
+            return True
+        return False
+
+    def _caught(self) -> None:
+        self._misses = 0
+
+    def _missed(self) -> None:
+        self._misses = min(self._misses + 1, _MAX_BACKOFF)
+        self._skip = (1 << self._misses) - 1
+
+
+class Spinner(_BackOff):
     """Waits for the next answer on one socket by polling, without sleeping, for up to
     ``spin_s`` before the caller's blocking read. Why: a thread that sleeps on an answer
     waits for a wake-up after it arrives, and on a virtual machine that wake-up is most of a
@@ -65,34 +89,35 @@ class Spinner:
     for nothing: after such misses in a row the next 1, 3, 7, ... 63 waits sleep at once,
     and the first answer that comes in time ends the back-off."""
 
-    __slots__ = ("_poller", "_spin_s", "_misses", "_skip")
+    __slots__ = ("_poller", "_spin_s")
 
     def __init__(self, sock: socket.socket, spin_s: float | None = None) -> None:
+        super().__init__()
         self._poller = select.poll()
         self._poller.register(sock, select.POLLIN)
         self._spin_s = spin_default_s() if spin_s is None else spin_s
-        self._misses = self._skip = 0
 
     def wait(self) -> bool:
         """Poll until the socket is readable or the spin ends; whether it is readable (False
         too when this wait sleeps: the caller reads, blocking, as it would without)."""
-        if not self._spin_s:
-            return False
-        if self._skip:
-            self._skip -= 1
+        if not self._spin_s or self._skips():
             return False
         poll, end = self._poller.poll, time.perf_counter() + self._spin_s
         while not poll(0):
             if time.perf_counter() >= end:
-                self._misses = min(self._misses + 1, _MAX_BACKOFF)
-                self._skip = (1 << self._misses) - 1
+                self._missed()
                 return False
             os.sched_yield()
-        self._misses = 0
+        self._caught()
         return True
 
+    def readable_within(self, timeout_ms: int) -> bool:
+        """Whether the socket becomes readable within ``timeout_ms``, sleeping on it (after
+        :meth:`wait`, for a caller that gives up on the socket after a while)."""
+        return bool(self._poller.poll(timeout_ms))
 
-class LoopSpinner:
+
+class LoopSpinner(_BackOff):
     """A server's side of :class:`Spinner`: after each answer its asyncio event loop keeps
     polling for up to ``spin_s`` instead of sleeping in its selector, so that the next
     request of a client making call after call is not met by a sleeping core (on a virtual
@@ -103,13 +128,13 @@ class LoopSpinner:
     ends with no request in it counts as a miss, and misses back off as :class:`Spinner`'s
     do."""
 
-    __slots__ = ("_spin_s", "_until", "_running", "_heard", "_misses", "_skip")
+    __slots__ = ("_spin_s", "_until", "_running", "_heard")
 
     def __init__(self, spin_s: float | None = None) -> None:
+        super().__init__()
         self._spin_s = spin_default_s() if spin_s is None else spin_s
         self._until = 0.0
         self._running = self._heard = False
-        self._misses = self._skip = 0
 
     @property
     def spinning(self) -> bool:
@@ -122,10 +147,7 @@ class LoopSpinner:
 
     def answered(self, loop) -> None:
         """An answer went out: keep ``loop`` polling for up to ``spin_s`` from now."""
-        if not self._spin_s:
-            return
-        if self._skip:
-            self._skip -= 1
+        if not self._spin_s or self._skips():
             return
         self._until = time.perf_counter() + self._spin_s
         if not self._running:
@@ -139,10 +161,9 @@ class LoopSpinner:
             return
         self._running = False
         if self._heard:   # a request came within the spin (each answer extends it)
-            self._misses = 0
+            self._caught()
         else:
-            self._misses = min(self._misses + 1, _MAX_BACKOFF)
-            self._skip = (1 << self._misses) - 1
+            self._missed()
 
 
 def recv_exact(sock: socket.socket, size: int, what: str = "node") -> bytes:

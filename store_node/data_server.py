@@ -220,7 +220,7 @@ class _Conn:
     """One client connection and what serving it keeps between frames."""
 
     __slots__ = ("busy", "fd", "header", "keep_open", "last_active", "next_frame", "peer",
-                 "poller", "queue_pairs", "shm", "sid_buf", "sock", "trust")
+                 "queue_pairs", "shm", "sid_buf", "sock", "trust")
 
     def __init__(self, sock: socket.socket, peer: str, shm: bool, trust: int) -> None:
         self.sock, self.fd, self.peer, self.shm, self.trust = sock, sock.fileno(), peer, shm, trust
@@ -232,8 +232,6 @@ class _Conn:
         self.header = bytearray(HANDOFF_REQUEST.size if shm else REQUEST.size)
         self.sid_buf = bytearray(MAX_SEGMENT_ID_BYTES)
         self.queue_pairs: list = []        # RDMA queue pairs set up on it: die with it
-        self.poller = select.poll()
-        self.poller.register(self.fd, select.POLLIN)
         # A worker polls a while for the client's next frame before it sleeps on it
         # ($KVPOOL_SPIN_US): a client making call after call is not met by a sleeping core.
         self.next_frame = Spinner(sock)
@@ -518,7 +516,7 @@ class DataServer:
         keep = False
         try:
             while serve(c) and not self._stopping.is_set():
-                if not (c.next_frame.wait() or c.poller.poll(_LINGER_WORK_MS)):
+                if not (c.next_frame.wait() or c.next_frame.readable_within(_LINGER_WORK_MS)):
                     keep = True
                     break
         except _Disconnected as exc:
