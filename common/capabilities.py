@@ -77,8 +77,8 @@ def expiry_ms(ttl_s: float, now_s: float | None = None) -> int:
 class Signer:
     """Mints and checks grants under one node's key. Per segment it keeps an AES-ECB encryptor
     under the key derived for it, one per thread (ECB holds no state between calls, but a
-    node checks grants on many threads) and the record tags' hash state keyed and fed the segment id,
-    copied per tag."""
+    node checks grants on many threads) and the record tags' hash state keyed and fed the
+    segment id, copied per tag."""
 
     def __init__(self, key: bytes) -> None:
         self.key = key

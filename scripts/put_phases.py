@@ -96,17 +96,17 @@ def main() -> int:
         puts, gets = [], []
         pids = {"client": None, "master": cluster.master_proc.popen.pid,
                 "node": cluster.nodes[0].popen.pid}
-        cpu = {"put": _cpu_s(pids)}
+        cpu = [_cpu_s(pids)]   # before the puts, after them, after the gets
         for i in range(args.calls):
             t = time.perf_counter()
             kv.put(f"k{i}", value)
             puts.append(time.perf_counter() - t)
-        cpu["get"] = _cpu_s(pids)
+        cpu.append(_cpu_s(pids))
         for i in range(args.calls):
             t = time.perf_counter()
             kv.get(f"k{i}")
             gets.append(time.perf_counter() - t)
-        end = _cpu_s(pids)
+        cpu.append(_cpu_s(pids))
         master = _master_means(cluster.metrics_addresses["master"])
     ms = 1e3
     print(f"{args.transport}, {'plain' if args.insecure else 'secure'}, "
@@ -117,9 +117,9 @@ def main() -> int:
     for label, xs in times.items():
         print(f"    {label:58s} {statistics.median(xs) * ms:.3f}")
     print("  CPU per call by process (us; polling for answers included, $KVPOOL_SPIN_US):")
-    for op, after in (("put", cpu["get"]), ("get", end)):
-        print(f"    {op}: " + ", ".join(f"{who} {(after[who] - cpu[op][who]) / args.calls * 1e6:.0f}"
-                                      for who in pids))
+    for op, before, after in (("put", *cpu[:2]), ("get", *cpu[1:])):
+        print(f"    {op}: " + ", ".join(
+            f"{who} {(after[who] - before[who]) / args.calls * 1e6:.0f}" for who in pids))
     print("  master's own time per call (mean):")
     for method in ("PutStart", "PutEnd", "GetReplicas"):
         if method in master:
