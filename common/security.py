@@ -29,6 +29,7 @@ import functools
 import hashlib
 import hmac
 import ipaddress
+import json
 import os
 import stat
 import tempfile
@@ -253,13 +254,37 @@ def _entry(address: str) -> Path:
     return registry_dir() / urllib.parse.quote(address, safe="")
 
 
+def _process_start(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot, from /proc), "" where there is no
+    /proc to ask, None when no such process lives: with the pid, it names one process even
+    after the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except FileNotFoundError:
+        if Path("/proc/self/stat").exists():
+            return None
+    except (OSError, IndexError):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    return ""
+
+
 def register(addresses: list[str], directory: str | os.PathLike) -> None:
     """Record that the cluster reached at each of ``addresses`` keeps its credentials (a CA
-    and ``client.yaml``) in ``directory``."""
+    and ``client.yaml``) in ``directory``, for as long as this process (the cluster's owner:
+    its servers die with it) lives."""
     if not _private_dir(registry_dir(), create=True):
         raise PermissionError(f"{registry_dir()} is not a private directory of this user")
+    owner = {"credentials": str(Path(directory).resolve()), "pid": os.getpid(),
+             "started": _process_start(os.getpid())}
     for address in addresses:
-        _entry(address).write_text(str(Path(directory).resolve()))
+        _entry(address).write_text(json.dumps(owner))
 
 
 def unregister(addresses: list[str]) -> None:
@@ -268,12 +293,23 @@ def unregister(addresses: list[str]) -> None:
 
 
 def registered(address: str) -> Path | None:
-    """The credentials directory a local cluster registered for ``address``, if any."""
+    """The credentials directory a live local cluster registered for ``address``, if any. The
+    entry of a cluster whose owner is gone (killed before it could unregister) is removed:
+    another server may listen on that port now, and it would be dialled with a dead cluster's
+    credentials."""
     if not address or not _private_dir(registry_dir(), create=False):
         return None
+    entry = _entry(address)
     try:
-        directory = Path(_entry(address).read_text().strip())
+        owner = json.loads(entry.read_text())
+        directory, pid, started = Path(owner["credentials"]), int(owner["pid"]), owner["started"]
     except OSError:
+        return None
+    except (ValueError, KeyError, TypeError):   # unreadable, or written by an older kvpool
+        entry.unlink(missing_ok=True)
+        return None
+    if _process_start(pid) != started:
+        entry.unlink(missing_ok=True)
         return None
     return directory if _private_dir(directory, create=False) else None
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -127,6 +129,30 @@ def test_a_local_cluster_is_found_by_its_address_only_in_a_private_directory(tmp
     (tmp_path / "clusters").chmod(0o700)
     security.unregister(["127.0.0.1:5"])
     assert security.resolve("127.0.0.1:5") is None
+
+
+def test_a_dead_clusters_entry_is_not_used_for_its_port(tmp_path, monkeypatch):
+    """A cluster killed before it could unregister leaves its entry behind; a plain master that
+    later takes the port must not be dialled with the dead cluster's credentials (CI saw a TLS
+    handshake against one)."""
+    clusters = tmp_path / "clusters"
+    monkeypatch.setenv("KVPOOL_CLUSTERS_DIR", str(clusters))
+    monkeypatch.delenv(security.ENV, raising=False)
+    creds = tmp_path / "creds"
+    pki.make_local(creds, "127.0.0.1")
+    creds.chmod(0o700)
+    register = ("import sys; from kvpool.common import security; "
+                "security.register([sys.argv[1]], sys.argv[2])")
+    subprocess.run([sys.executable, "-c", register, "127.0.0.1:5", str(creds)], check=True,
+                   env={**os.environ, "KVPOOL_CLUSTERS_DIR": str(clusters)}, timeout=60)
+    assert len(list(clusters.iterdir())) == 1        # the owner exited without unregistering
+    assert security.resolve("127.0.0.1:5") is None
+    assert list(clusters.iterdir()) == []            # and its entry is gone
+    # An entry another kvpool wrote in its own format names no owner: not trusted either.
+    (clusters / "127.0.0.1%3A6").write_text(str(creds))
+    assert security.resolve("127.0.0.1:6") is None
+    security.register(["127.0.0.1:5"], creds)        # a live owner's entry is used
+    assert security.resolve("127.0.0.1:5") is not None
 
 
 @given(keys=st.lists(st.text(alphabet="ab/\x1d", max_size=6), min_size=1, max_size=4),
