@@ -13,14 +13,17 @@ it releases into quarantine, whose reservation drops the seal at the node.
 
 What a slot keeps of the put's guarantees: the RESERVE was answered under the master's epoch
 before any byte is copied (a restarted master keeps the space out of reuse until the slot's
-put would have timed out); the node checks the seal against the bytes and keeps the record
-until the master's word, so an acknowledged put survives a master kill as a sealed one does.
+put would have timed out); the node keeps the seal's record until the master's word, so an
+acknowledged put survives a master kill as a sealed one does. Over shm the seal is no message
+at all: the put fills the cell of the link's seal board that the slot's RESERVE named
+(net/seal_board.py), in the node's memory before PutEnd is sent.
 
 Slots serve single puts of at most ``SLOT_MAX_BYTES`` through a transport that can reserve
 (shm, tcp), with one replica. On tcp the slot's grants name its placeholder and its whole
 extent: the node that holds the slot's reservation takes them for a shorter WRITE into it,
-and for a SEAL of a key of the placeholder's tenant there. A put that finds no slot goes the usual way and has some made for the
-next ones. Slots never used are revoked before their put timeout (or at ``close``).
+and for a SEAL of a key of the placeholder's tenant there. A put that finds no slot goes the
+usual way and has some made for the next ones. Slots never used are revoked before their put
+timeout (or at ``close``).
 """
 
 from __future__ import annotations

@@ -28,7 +28,11 @@ current master's; SEAL (after) checks the extent's bytes against the CRC (CHECKS
 if they differ) and keeps the record as a commit pending the master's word. Each is answered
 OK with no payload, or refused with a message; the connection stays usable either way.
 On the shm socket the marker is followed by ``HANDOFF_RECORD`` (``!HQQ`` = segment id length,
-offset, length), the ``RECORD`` body, the segment id, the key and the parent.
+offset, length), the ``RECORD`` body, the segment id, the key and the parent. There a trusted
+writer may ask for its connection's seal board (``HANDOFF_BOARD`` in place of a length;
+answered as a segment's hand-off) and name a cell of it in a slot's RESERVE (flag
+``RECORD_HAS_CELL``, the cell's index in the CRC field): it then seals that slot's put by
+filling the cell, with no SEAL frame (net/seal_board.py).
 
 Grants (common/capabilities.py): a request whose magic is ``MAGIC_GRANTED`` (b"KVP2") carries
 the master's grant for its extent (``capabilities.GRANT``: version, expiry, MAC; 32 bytes)
@@ -85,11 +89,17 @@ MAX_ERROR_BYTES = 4096
 RECORD = struct.Struct("!QQdIBxHH")
 RECORD_HAS_CRC = 1
 RECORD_HAS_PARENT = 2
+# RESERVE on the shm hand-off socket only: the writer will seal this slot's put in its seal
+# board's cell whose index the CRC field holds (net/seal_board.py).
+RECORD_HAS_CELL = 4
 MAX_KEY_BYTES = 4096
 # On the shm hand-off socket, these values in place of a segment id length (at most
 # MAX_SEGMENT_ID_BYTES) start a RESERVE or SEAL; HANDOFF_RECORD follows.
 HANDOFF_RESERVE = 0xFFF1
 HANDOFF_SEAL = 0xFFF2
+# And this one asks for the connection's seal board (net/seal_board.py): answered OK with its
+# size as the length and its fd attached, as a segment's hand-off is.
+HANDOFF_BOARD = 0xFFF3
 HANDOFF_RECORD = struct.Struct("!HQQ")
 # Or'ed into a hand-off request's segment id length: the writable fd (trusted writers only);
 # without it the node hands a read-only fd, which the client maps PROT_READ.
@@ -166,6 +176,7 @@ class PutRecord:
     hold_s: float         # how long the node keeps the reservation (RESERVE)
     checksum: int | None = None   # CRC-32C of the bytes (SEAL)
     parent: str | None = None
+    cell: int | None = None       # the seal board cell of a slot (RESERVE on shm)
 
 
 def encode_record(record: PutRecord, sid: bytes = b"") -> bytes:
@@ -173,8 +184,10 @@ def encode_record(record: PutRecord, sid: bytes = b"") -> bytes:
     key = record.key.encode()
     parent = (record.parent or "").encode()
     flags = (RECORD_HAS_CRC if record.checksum is not None else 0) | \
-        (RECORD_HAS_PARENT if record.parent else 0)
-    return RECORD.pack(record.epoch, record.version, record.hold_s, record.checksum or 0,
+        (RECORD_HAS_PARENT if record.parent else 0) | \
+        (RECORD_HAS_CELL if record.cell is not None else 0)
+    crc = record.cell if record.cell is not None else record.checksum or 0
+    return RECORD.pack(record.epoch, record.version, record.hold_s, crc,
                        flags, len(key), len(parent)) + sid + key + parent
 
 
@@ -201,7 +214,9 @@ def recv_record(recv: Callable[[int], bytes], *, sid_len: int | None = None
     try:
         epoch, version, hold_s, crc, flags, key_len, parent_len = RECORD.unpack(recv(RECORD.size))
         if key_len == 0 or key_len > MAX_KEY_BYTES or parent_len > MAX_KEY_BYTES \
-                or not hold_s >= 0 or flags & ~(RECORD_HAS_CRC | RECORD_HAS_PARENT):
+                or not hold_s >= 0 \
+                or flags & ~(RECORD_HAS_CRC | RECORD_HAS_PARENT | RECORD_HAS_CELL) \
+                or flags & RECORD_HAS_CELL and (flags & RECORD_HAS_CRC or sid_len is None):
             return "malformed put record"
         sid_len = sid_len or 0
         tail = recv(sid_len + key_len + parent_len)   # one read: a put waits for this reply
@@ -212,7 +227,8 @@ def recv_record(recv: Callable[[int], bytes], *, sid_len: int | None = None
         return "put record is not utf-8"
     return sid, PutRecord(key, version, epoch, hold_s,
                           crc if flags & RECORD_HAS_CRC else None,
-                          parent if flags & RECORD_HAS_PARENT else None)
+                          parent if flags & RECORD_HAS_PARENT else None,
+                          crc if flags & RECORD_HAS_CELL else None)
 
 
 # ---------------------------------------------------------------- the client's end

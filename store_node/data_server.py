@@ -55,6 +55,7 @@ from kvpool.common.tenants import tenant_of
 from kvpool.common.types import ObjectRecord, Reservation
 from kvpool.net.data_port import (
     GRANT_BYTES,
+    HANDOFF_BOARD,
     HANDOFF_RECORD,
     HANDOFF_REQUEST,
     HANDOFF_RESERVE,
@@ -75,8 +76,9 @@ from kvpool.net.data_port import (
     send_refusal,
     send_reply,
 )
+from kvpool.net import seal_board
 from kvpool.net.sockets import PeerClosed, Spinner, recv_exact_into
-from kvpool.store_node.manifest import Manifest, SealConflict, StaleEpoch
+from kvpool.store_node.manifest import Board, Manifest, SealConflict, StaleEpoch
 from kvpool.store_node.memory import Segment
 from kvpool.store_node.rdma import RegionRefused
 
@@ -219,8 +221,8 @@ class _GrantChecker:
 class _Conn:
     """One client connection and what serving it keeps between frames."""
 
-    __slots__ = ("busy", "fd", "header", "keep_open", "last_active", "next_frame", "peer",
-                 "queue_pairs", "shm", "sid_buf", "sock", "trust")
+    __slots__ = ("board", "busy", "fd", "header", "keep_open", "last_active", "next_frame",
+                 "peer", "queue_pairs", "shm", "sid_buf", "sock", "trust")
 
     def __init__(self, sock: socket.socket, peer: str, shm: bool, trust: int) -> None:
         self.sock, self.fd, self.peer, self.shm, self.trust = sock, sock.fileno(), peer, shm, trust
@@ -235,6 +237,7 @@ class _Conn:
         # A worker polls a while for the client's next frame before it sleeps on it
         # ($KVPOOL_SPIN_US): a client making call after call is not met by a sleeping core.
         self.next_frame = Spinner(sock)
+        self.board: Board | None = None    # its seal board (shm writers: net/seal_board.py)
 
 
 class DataServer:
@@ -507,6 +510,10 @@ class DataServer:
             qp.close()
         if self._rdma is not None:
             self._rdma.release(c)
+        if c.board is not None:   # what its writer sealed there is the node's to keep
+            if self._manifest is not None:
+                self._manifest.release_board(c.board)
+            c.board.close()
         c.sock.close()
 
     def _work(self, c: _Conn) -> None:
@@ -712,12 +719,17 @@ class DataServer:
         return True
 
     def _take_record(self, op: Op, segment_id: str, offset: int, length: int,
-                     record: PutRecord) -> tuple[FrameStatus, str]:
+                     record: PutRecord, board: Board | None = None) -> tuple[FrameStatus, str]:
         """A writer's RESERVE (before it writes) or SEAL (after: the bytes are checked against
         the record's CRC-32C first) into the manifest (store_node/manifest.py); the status
-        and message to answer."""
+        and message to answer. ``board``: the shm writer's seal board, for a RESERVE that
+        names a cell of it."""
         if self._manifest is None:
             return FrameStatus.UNSUPPORTED, "this node keeps no manifest"
+        if record.cell is not None and (op is not Op.RESERVE or board is None
+                                        or not 0 <= record.cell < seal_board.CELLS):
+            return FrameStatus.BAD_REQUEST, (f"cell {record.cell} of no seal board this "
+                                             "connection was given, or not in a RESERVE")
         segment = self._segments.get(segment_id)
         if length <= 0:
             return FrameStatus.OUT_OF_BOUNDS, "a put's extent cannot be empty"
@@ -726,8 +738,9 @@ class DataServer:
         try:
             if op is Op.RESERVE:
                 until = time.monotonic() + record.hold_s
-                self._manifest.reserve(record.epoch, Reservation(record.key, segment_id, offset,
-                                                                 length, until))
+                self._manifest.reserve(
+                    record.epoch, Reservation(record.key, segment_id, offset, length, until),
+                    record.version, None if record.cell is None else (board, record.cell))
                 return FrameStatus.OK, ""
             if record.checksum is None:
                 return FrameStatus.BAD_REQUEST, "a seal needs the bytes' CRC-32C"
@@ -774,12 +787,14 @@ class DataServer:
                                  "(kvpool store-node --shm-writer/--shm-reader)", close=True)
             return False
         (sid_len,) = HANDOFF_REQUEST.unpack(length_buf)
-        if sid_len in (HANDOFF_RESERVE, HANDOFF_SEAL):
+        if sid_len in (HANDOFF_RESERVE, HANDOFF_SEAL, HANDOFF_BOARD):
             if c.trust != _ShmTrust.WRITE:
                 self._refuse_handoff(conn, peer, FrameStatus.DENIED, "only a trusted writer "
                                      "may reserve or seal over shm", close=True)
                 return False
-            return self._serve_shm_record(conn, peer, sid_len)
+            if sid_len == HANDOFF_BOARD:
+                return self._hand_board(c)
+            return self._serve_shm_record(c, sid_len)
         writable = bool(sid_len & HANDOFF_WRITABLE)
         sid_len &= ~HANDOFF_WRITABLE
         if reason := check_segment_id_length(sid_len):
@@ -821,9 +836,24 @@ class DataServer:
         log.debug("segment_fd_handed_off", peer=peer, segment=segment_id)
         return True
 
-    def _serve_shm_record(self, conn: socket.socket, peer: str, marker: int) -> bool:
+    def _hand_board(self, c: _Conn) -> bool:
+        """The connection's seal board (net/seal_board.py), made on its first asking."""
+        if self._manifest is None:
+            self._refuse_handoff(c.sock, c.peer, FrameStatus.UNSUPPORTED,
+                                 "this node keeps no manifest")
+            return True
+        if c.board is None:
+            c.board = Board(*seal_board.create())
+        header = encode_response(FrameStatus.OK, seal_board.BOARD_BYTES)
+        sent = socket.send_fds(c.sock, [header], [c.board.fd])
+        if sent < len(header):
+            c.sock.sendall(header[sent:])
+        return True
+
+    def _serve_shm_record(self, c: _Conn, marker: int) -> bool:
         """A RESERVE or SEAL on the hand-off socket; False if it was malformed (the
         connection ends)."""
+        conn, peer = c.sock, c.peer
         head = _recv_bytes(conn, HANDOFF_RECORD.size)
         sid_len, offset, length = HANDOFF_RECORD.unpack(head)
         if reason := check_segment_id_length(sid_len):
@@ -835,7 +865,7 @@ class DataServer:
             return False
         op = Op.RESERVE if marker == HANDOFF_RESERVE else Op.SEAL
         self._count(op.name)
-        status, message = self._take_record(op, got[0], offset, length, got[1])
+        status, message = self._take_record(op, got[0], offset, length, got[1], c.board)
         if status is FrameStatus.OK:
             conn.sendall(encode_response(FrameStatus.OK, 0))
         else:

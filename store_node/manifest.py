@@ -27,16 +27,26 @@ master's commit arrives or a restarted master indexes it. It never ends by time 
 master may be down longer than any hold): a seal the master never committed (its put timed
 out) goes when its space is given to another object (a reservation or record overlapping it),
 or when a restarted master refuses it.
+
+A trusted shm writer seals a slot put on its seal board instead (net/seal_board.py): the cell
+it names in the slot's RESERVE is bound here to the slot's place, and a filled cell is taken as
+a SEAL when it must be (before the epoch changes, when the cell is bound again, when its
+writer's connection closes); the master's commit at that place, or a reservation there, voids
+it.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
+import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from kvpool.common.types import ObjectRecord, Reservation
+from kvpool.net import seal_board
 
 PRUNE_EVERY_S = 1.0
 
@@ -48,6 +58,30 @@ class StaleEpoch(Exception):
 class SealConflict(Exception):
     """A seal refused: its space was released (the master quarantined it), or it fills a slot
     with a key this node holds another record of."""
+
+
+class Board:
+    """One writer connection's seal board as the node holds it: its memfd, the shared
+    mapping, and the cells bound to slots (index -> _Cell)."""
+
+    def __init__(self, fd: int, buf) -> None:
+        self.fd, self.buf = fd, buf
+        self.cells: dict[int, _Cell] = {}
+
+    def close(self) -> None:
+        self.buf.close()
+        os.close(self.fd)
+
+
+@dataclass(slots=True)
+class _Cell:
+    board: Board
+    index: int
+    epoch: int      # of the master that granted the slot
+    version: int    # the slot's, which its put seals
+    segment_id: str
+    offset: int
+    size: int       # the slot's: a seal longer than that is not taken
 
 
 class Manifest:
@@ -68,12 +102,18 @@ class Manifest:
         self._sealed_at: dict[str, list[tuple[int, str]]] = {}
         # The current master's epoch (MountSegmentResponse.epoch); 0 until a master is known.
         self._epoch = 0
+        # Seal-board cells bound to slots, by the slot's place.
+        self._cells: dict[tuple[str, int], _Cell] = {}
 
     def set_epoch(self, epoch: int) -> None:
         """The node mounted on a master of this epoch: writers of any other are refused from
         now on. Under the lock that :meth:`reservations` takes, so that what a recovering
-        node announces holds every reservation taken under the previous epoch."""
+        node announces holds every reservation taken under the previous epoch, and every
+        seal filled on a board under it."""
         with self._lock:
+            if epoch != self._epoch:
+                for board in {id(c.board): c.board for c in self._cells.values()}.values():
+                    self._take_board(board, unbind=True)
             self._epoch = epoch
 
     def _check_epoch(self, epoch: int) -> None:
@@ -81,10 +121,12 @@ class Manifest:
             raise StaleEpoch(f"granted by master epoch {epoch:#x}; this node's master is "
                              f"{self._epoch:#x}")
 
-    def reserve(self, epoch: int, res: Reservation) -> None:
+    def reserve(self, epoch: int, res: Reservation, version: int = 0,
+                cell: tuple[Board, int] | None = None) -> None:
         """A writer's reservation of its extent (``until`` on this manifest's clock), taken
         before it writes; StaleEpoch if its master is not the current one. A committed record
-        at the same place is stale (its removal was lost), as is a sealed one overlapping."""
+        at the same place is stale (its removal was lost), as is a sealed one overlapping.
+        ``cell``: (board, index) the writer will seal this slot's put in (of ``version``)."""
         with self._lock:
             self._check_epoch(epoch)
             place = (res.segment_id, res.offset)
@@ -93,34 +135,77 @@ class Manifest:
             if stale is not None and stale != res.key:
                 self._drop(stale)
             self._drop_sealed_overlapping(res.segment_id, res.offset, res.size, res.key)
+            self._void_cell(place)
+            if cell is not None:
+                board, index = cell
+                self._take_board(board)   # the cell's last seal among them, if it had one
+                if (bound := board.cells.get(index)) is not None:
+                    self._void_cell((bound.segment_id, bound.offset))
+                seal_board.clear(board.buf, index)
+                board.cells[index] = self._cells[place] = _Cell(
+                    board, index, epoch, version, res.segment_id, res.offset, res.size)
+
+    def release_board(self, board: Board) -> None:
+        """The board's writer is gone (its connection closed): its filled cells are seals."""
+        with self._lock:
+            self._take_board(board, unbind=True)
+
+    def _take_board(self, board: Board, unbind: bool = False) -> None:
+        """Take every filled cell of ``board`` as a seal (the same rules), in the order its
+        writer filled them (a duplicate put of a key is refused only after the first one);
+        ``unbind``: every other cell too."""
+        filled = []
+        for cell in list(board.cells.values()):
+            got = seal_board.read(board.buf, cell.index)
+            if got is not None:
+                filled.append((got, cell))
+            elif unbind:
+                self._void_cell((cell.segment_id, cell.offset))
+        for (_, key, length, crc, parent), cell in sorted(filled, key=lambda f: f[0][0]):
+            self._void_cell((cell.segment_id, cell.offset))
+            if 0 < length <= cell.size:
+                with contextlib.suppress(StaleEpoch, SealConflict):
+                    self._seal(cell.epoch, ObjectRecord(key, cell.segment_id, cell.offset,
+                                                        length, crc, cell.version, parent))
+
+    def _void_cell(self, place: tuple[str, int]) -> None:
+        """The master's word on this place (its commit, or the space given again): a cell
+        bound to it says nothing more."""
+        cell = self._cells.pop(place, None)
+        if cell is not None:
+            del cell.board.cells[cell.index]
+            seal_board.clear(cell.board.buf, cell.index)
 
     def seal(self, epoch: int, record: ObjectRecord) -> None:
         """A writer's record of the put it finished writing (its bytes checked by the caller),
         kept as a commit pending the master's word; StaleEpoch if its master is not the
         current one."""
         with self._lock:
-            self._check_epoch(epoch)
-            now = self._by_key.get(record.key)
-            if now is not None and record.key not in self._sealed and \
-                    (now.version, now.segment_id, now.offset) == \
-                    (record.version, record.segment_id, record.offset):
-                return   # the master's commit came first (a PutEnd sent beside the seal)
-            res = self._reserved.get((record.segment_id, record.offset))
-            if res is not None and res.key != record.key:
-                if not res.key:
-                    raise SealConflict(f"{record.key!r}: the master released this space")
-                # A slot, reserved under its placeholder: the master checks the key only as
-                # the writer fills it (beside this seal). Another record of the key here
-                # (another writer's) is not dropped for a put that may be refused.
-                if now is not None and now.version != record.version:
-                    raise SealConflict(f"{record.key!r}: this node holds another record of "
-                                       f"it (version {now.version})")
-            self._drop_sealed_overlapping(record.segment_id, record.offset, record.size,
-                                          record.key)
-            self._add(record)
-            self._sealed[record.key] = record
-            bisect.insort(self._sealed_at.setdefault(record.segment_id, []),
-                          (record.offset, record.key))
+            self._seal(epoch, record)
+
+    def _seal(self, epoch: int, record: ObjectRecord) -> None:
+        self._check_epoch(epoch)
+        now = self._by_key.get(record.key)
+        if now is not None and record.key not in self._sealed and \
+                (now.version, now.segment_id, now.offset) == \
+                (record.version, record.segment_id, record.offset):
+            return   # the master's commit came first (a PutEnd sent beside the seal)
+        res = self._reserved.get((record.segment_id, record.offset))
+        if res is not None and res.key != record.key:
+            if not res.key:
+                raise SealConflict(f"{record.key!r}: the master released this space")
+            # A slot, reserved under its placeholder: the master checks the key only as
+            # the writer fills it (beside this seal). Another record of the key here
+            # (another writer's) is not dropped for a put that may be refused.
+            if now is not None and now.version != record.version:
+                raise SealConflict(f"{record.key!r}: this node holds another record of "
+                                   f"it (version {now.version})")
+        self._drop_sealed_overlapping(record.segment_id, record.offset, record.size,
+                                      record.key)
+        self._add(record)
+        self._sealed[record.key] = record
+        bisect.insort(self._sealed_at.setdefault(record.segment_id, []),
+                      (record.offset, record.key))
 
     def confirm(self, records: Iterable[ObjectRecord]) -> None:
         """A master indexed these records (announced): sealed ones are committed now."""
@@ -172,8 +257,12 @@ class Manifest:
                 self._reserved[(res.segment_id, res.offset)] = res
                 if self._sealed:
                     self._drop_sealed_overlapping(res.segment_id, res.offset, res.size, res.key)
+                if self._cells:
+                    self._void_cell((res.segment_id, res.offset))
             self._prune_reserved()
             for r in committed:
+                if self._cells:
+                    self._void_cell((r.segment_id, r.offset))
                 res = self._reserved.get((r.segment_id, r.offset))
                 if res is not None and res.key == r.key:
                     del self._reserved[(r.segment_id, r.offset)]
@@ -218,6 +307,8 @@ class Manifest:
                 self._drop(key)
             for place in [p for p in self._reserved if p[0] in ids]:
                 del self._reserved[place]
+            for place in [p for p in self._cells if p[0] in ids]:
+                self._void_cell(place)
 
     def reservation_at(self, segment_id: str, offset: int) -> Reservation | None:
         """The reservation starting at ``offset`` of ``segment_id`` (a writer's slot: the

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import fcntl
 import mmap
 import os
@@ -39,7 +40,9 @@ from kvpool.common.host import advise, local_boot_id
 from kvpool.common.logging import get_logger
 from kvpool.common.loops import RESTART, Supervisor
 from kvpool.common.types import NodeEndpoints, Replica
+from kvpool.net import seal_board
 from kvpool.net.data_port import (
+    HANDOFF_BOARD,
     HANDOFF_REQUEST,
     MAX_SEGMENT_ID_BYTES,
     RESPONSE,
@@ -244,6 +247,15 @@ class _NodeLink:
         self.mappings: dict[tuple[str, bool], _Mapping] = {}   # by (segment id, writable)
         self.closed = False
         self._answer = Spinner(sock)   # polls a while for RESERVE and SEAL answers
+        # The seal board (net/seal_board.py): asked for with the first slot reserved here;
+        # None if the node has none to give. Cells by the slot's place, with when the slot's
+        # hold ends (a slot never filled frees its cell then).
+        self._board: mmap.mmap | None = None
+        self._board_asked = False
+        self._cells_lock = threading.Lock()
+        self._free_cells = list(range(seal_board.CELLS))
+        self._cells: dict[tuple[str, int], tuple[int, float]] = {}
+        self._seals = 0   # filled on the board so far: each cell's ``seq``
 
     def alive(self) -> bool:
         """False once the node hung up (closed its end, or its process died)."""
@@ -273,6 +285,15 @@ class _NodeLink:
         if len(request) - HANDOFF_REQUEST.size > MAX_SEGMENT_ID_BYTES:
             raise SegmentBoundsError(f"segment id of {len(request) - HANDOFF_REQUEST.size} "
                                      "bytes cannot exist")
+        mm, length = self._mapped_fd(request, timeout_s, writable)
+        log.debug("shm_segment_mapped", endpoint=self.endpoint, segment=segment_id, size=length,
+                  writable=writable)
+        return _Mapping(mm, length, writable)
+
+    def _mapped_fd(self, request: bytes, timeout_s: float, writable: bool
+                   ) -> tuple[mmap.mmap, int]:
+        """Send a hand-off ``request`` and map the fd the node answers with (under
+        ``self.lock``); the mapping and its length."""
         self.sock.settimeout(timeout_s)
         self.sock.sendall(request)
         data, fds, flags, _ = socket.recv_fds(self.sock, RESPONSE.size, 1)
@@ -296,13 +317,65 @@ class _NodeLink:
             if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _REQUIRED_SEALS != _REQUIRED_SEALS:
                 raise TransportError("shm hand-off: segment fd is not sealed against shrinking")
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-            mm = mmap.mmap(fd, length, mmap.MAP_SHARED, prot)
+            return mmap.mmap(fd, length, mmap.MAP_SHARED, prot), length
         finally:
             for fd in fds:
                 os.close(fd)
-        log.debug("shm_segment_mapped", endpoint=self.endpoint, segment=segment_id, size=length,
-                  writable=writable)
-        return _Mapping(mm, length, writable)
+
+    def take_cell(self, place: tuple[str, int], until: float, timeout_s: float) -> int | None:
+        """A cell of this link's seal board for the slot at ``place`` (segment id, offset),
+        held until the slot is filled or ``until`` (monotonic); None: no board, or no cell
+        free (the slot's put seals on the socket)."""
+        if not self._board_asked:
+            with self.lock:
+                if not self._board_asked and not self.closed:
+                    with contextlib.suppress(TransportError):   # an older node: no board
+                        mm, length = self._mapped_fd(HANDOFF_REQUEST.pack(HANDOFF_BOARD),
+                                                     timeout_s, True)
+                        if length >= seal_board.BOARD_BYTES:
+                            self._board = mm
+                        else:
+                            mm.close()
+                    self._board_asked = True
+        if self._board is None:
+            return None
+        with self._cells_lock:
+            if (old := self._cells.pop(place, None)) is not None:
+                self._free_cells.append(old[0])
+            if not self._free_cells:
+                now = time.monotonic()
+                for p in [p for p, (_, end) in self._cells.items() if end <= now]:
+                    self._free_cells.append(self._cells.pop(p)[0])
+            if not self._free_cells:
+                return None
+            cell = self._free_cells.pop()
+            self._cells[place] = (cell, until)
+            return cell
+
+    def cell_at(self, place: tuple[str, int]) -> int | None:
+        """The cell taken for the slot at ``place``, if any."""
+        got = self._cells.get(place)
+        return None if got is None else got[0]
+
+    def drop_cell(self, place: tuple[str, int]) -> int | None:
+        """The cell taken for the slot at ``place`` (None if none), free again for another."""
+        with self._cells_lock:
+            got = self._cells.pop(place, None)
+            if got is not None:
+                self._free_cells.append(got[0])
+            return None if got is None else got[0]
+
+    def seal_in(self, cell: int, record: PutRecord, length: int) -> bool:
+        """Seal ``record`` (its CRC-32C set) of ``length`` bytes in ``cell``: the node holds it
+        from now on. False if it does not fit a cell (seal it on the socket)."""
+        board = self._board
+        if board is None:
+            return False
+        with self._cells_lock:
+            self._seals += 1
+            seq = self._seals
+        return seal_board.fill(board, cell, seq, record.key, length, record.checksum,
+                               record.parent)
 
     def records(self, op: Op, items: list[tuple[IoOp, PutRecord]], timeout_s: float,
                 meanwhile: Callable[[], object] | None = None
@@ -353,6 +426,8 @@ class _NodeLink:
             mappings, self.mappings = self.mappings, {}
             for m in mappings.values():
                 m.close()
+            if self._board is not None:
+                self._board.close()
             self.sock.close()
 
 
@@ -640,32 +715,63 @@ class SHMTransport(Transport):
 
     def reserve(self, ops: Sequence[IoOp], records: Sequence[PutRecord]
                 ) -> list[TransportError | None]:
-        """:meth:`Transport.reserve`: one exchange per node on its hand-off link; then each
-        extent reserved is faulted into this process's page tables, so that the put filling
-        it copies into mapped pages (a 1 MiB copy into unmapped ones took ~0.7 ms here)."""
+        """:meth:`Transport.reserve`: one exchange per node on its hand-off link, each naming
+        a cell of the link's seal board that the slot's put will seal in (net/seal_board.py);
+        then each extent reserved is faulted into this process's page tables, so that the put
+        filling it copies into mapped pages (a 1 MiB copy into unmapped ones took ~0.7 ms
+        here)."""
+        records = [self._with_cell(op, r) for op, r in zip(ops, records)]
         results = self._records(Op.RESERVE, ops, records)
-        for op, error in zip(ops, results):
-            if error is None:
-                with contextlib.suppress(OSError):   # TransportError too: the put says so
-                    e = op.replica.extent
-                    link = self._link(op.replica.node.shm_endpoint)
-                    self._mapping(link, op, True).populate(e.offset, e.end, small=True)
+        for op, record, error in zip(ops, records, results):
+            e = op.replica.extent
+            if error is not None:
+                if record.cell is not None:
+                    with contextlib.suppress(OSError):
+                        self._link(op.replica.node.shm_endpoint).drop_cell(
+                            (e.segment_id, e.offset))
+                continue
+            with contextlib.suppress(OSError):   # TransportError too: the put says so
+                link = self._link(op.replica.node.shm_endpoint)
+                self._mapping(link, op, True).populate(e.offset, e.end, small=True)
         return results
+
+    def _with_cell(self, op: IoOp, record: PutRecord) -> PutRecord:
+        e = op.replica.extent
+        try:
+            cell = self._link(op.replica.node.shm_endpoint).take_cell(
+                (e.segment_id, e.offset), time.monotonic() + record.hold_s, self._timeout_s)
+        except OSError:   # the RESERVE fails the same way, and says so
+            return record
+        return record if cell is None else dataclasses.replace(record, cell=cell)
 
     def write_sealed_then(self, op: IoOp, record: PutRecord, then: Callable[[int], object],
                           *, reserved: bool = False
                           ) -> tuple[TransportError | None, int | None, bool]:
         """:meth:`Transport.write_sealed_then`: ``then`` runs while the SEAL is on its way and
-        being checked (one round trip on the node's hand-off link, beside the caller's)."""
+        being checked (one round trip on the node's hand-off link, beside the caller's). A
+        slot reserved with a seal board cell is sealed in the cell instead, before ``then``
+        runs: no round trip to the node at all."""
         if not reserved:
             [error] = self._records(Op.RESERVE, [op], [record])
             if error is not None:
                 return error, None, False
         [error], [crc] = self.write_summed([op])
+        place = (op.replica.extent.segment_id, op.replica.extent.offset)
+        link = self._links.get(op.replica.node.shm_endpoint) if reserved else None
         if error is not None or crc is None:
+            if link is not None:
+                link.drop_cell(place)
             return error, None, False
         sealed = PutRecord(record.key, record.version, record.epoch, record.hold_s, crc,
                            record.parent)
+        if link is not None and (cell := link.cell_at(place)) is not None:
+            # The cell is freed only once filled: a cell taken again meanwhile would be
+            # bound to another slot at the node, and this record read as that slot's.
+            sealed_in_cell = link.seal_in(cell, sealed, op.replica.extent.length)
+            link.drop_cell(place)
+            if sealed_in_cell:
+                then(crc)
+                return None, crc, True
         called = False
 
         def once() -> None:

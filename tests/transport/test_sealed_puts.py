@@ -174,3 +174,41 @@ def test_then_does_not_run_when_the_reservation_is_refused(node, transport):
         seen.append)
     assert "STALE_EPOCH" in str(error) and not ran and seen == []
     assert manifest.records() == []
+
+
+def test_a_slot_put_over_shm_seals_on_the_board_with_no_round_trip_to_the_node():
+    """A slot reserved over shm names a cell of the link's seal board (net/seal_board.py): the
+    put fills it and calls on at once, with no SEAL frame; the node holds the record from then
+    on, and takes it as a seal when it must (here: its master changes; its writer leaves)."""
+    seg = create_dram_segment("local", 0, 1 << 20)
+    manifest = Manifest()
+    manifest.set_epoch(EPOCH)
+    server = DataServer({seg.info.segment_id: seg}, manifest=manifest)
+    server.start()
+    endpoints = NodeEndpoints("local", local_boot_id(), server.tcp_endpoint,
+                              server.shm_endpoint)
+    shm = SHMTransport(timeout_s=5)
+    try:
+        slots = [IoOp(Replica(endpoints, Extent(seg.info.segment_id, offset, 8192)),
+                      memoryview(b"")) for offset in (0, 8192)]
+        assert shm.reserve(slots, [PutRecord(f"slot{i}", i + 1, EPOCH, 30.0)
+                                   for i in range(2)]) == [None, None]
+        puts = {}
+        for i, offset in enumerate((0, 8192)):
+            value = os.urandom(5000)
+            called = []
+            op = _op(endpoints, seg, offset, value)
+            error, crc, wrote = shm.write_sealed_then(
+                op, PutRecord(f"k{i}", i + 1, EPOCH, 30.0), called.append, reserved=True)
+            assert (error, crc, wrote, called) == (None, checksum(value), True, [crc])
+            puts[f"k{i}"] = (offset, crc, i + 1)
+        assert server.request_counts().get("SEAL", 0) == 0
+        assert server.request_counts()["RESERVE"] == 2
+        assert manifest.records() == []         # nothing read on the puts' path
+        manifest.set_epoch(EPOCH + 1)           # mounted on a new master: both are seals
+        assert {r.key: (r.offset, r.checksum, r.version) for r in manifest.sealed()} == puts
+        assert all(r.size == 5000 for r in manifest.sealed())
+    finally:
+        shm.close()
+        server.stop()
+        seg.close()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 from kvpool.common.types import ObjectRecord, Reservation
-from kvpool.store_node.manifest import Manifest, SealConflict, StaleEpoch
+from kvpool.net import seal_board
+from kvpool.store_node.manifest import Board, Manifest, SealConflict, StaleEpoch
 
 
 def rec(key: str, offset: int = 0, version: int = 1, segment: str = "s") -> ObjectRecord:
@@ -172,3 +173,77 @@ def test_a_slot_seal_never_drops_another_record_of_its_key(clock):
     assert m.records() == [rec("k", 0, version=1), rec("sealed", 256, version=3)]
     m.seal(5, rec("fresh", 128, version=2))                 # a new key fills its slot
     assert m.get("fresh") == rec("fresh", 128, version=2)
+
+
+# -- seals on a writer's seal board (net/seal_board.py) --
+
+def board_of(m: Manifest, clock, epoch: int, cells: dict[int, tuple[str, int, int]]):
+    """A board whose cell i is bound to a slot (placeholder, offset, version) reserved at
+    ``epoch``; and a writer's fill of a cell."""
+    board = Board(-1, bytearray(seal_board.BOARD_BYTES))
+    for i, (placeholder, offset, version) in cells.items():
+        m.reserve(epoch, Reservation(placeholder, "s", offset, 64, clock.now + 10), version,
+                  (board, i))
+    seq = iter(range(1, 1000))
+
+    def fill(i: int, key: str, length: int = 64) -> None:
+        assert seal_board.fill(board.buf, i, next(seq), key, length, 123, None)
+    return board, fill
+
+
+def test_a_filled_cell_is_a_seal_before_the_epoch_changes(clock):
+    """The writer's PutEnd may be acknowledged by a master that dies before its commit is
+    streamed: the seal in the cell is taken before the node mounts on the next master, and
+    announced like any seal."""
+    m = Manifest(clock)
+    m.set_epoch(5)
+    board, fill = board_of(m, clock, 5, {0: ("slot0", 0, 1), 1: ("slot1", 64, 2)})
+    fill(0, "k")
+    assert m.records() == []                       # not read on the put's path
+    m.set_epoch(6)
+    assert m.sealed() == [rec("k", 0, version=1)]   # the slot's place and version
+    assert board.cells == {}                       # slot1's cell, never filled, is void too
+    fill(1, "late")                                # filled after: its master is gone
+    m.set_epoch(7)
+    assert [r.key for r in m.records()] == ["k"]
+
+
+def test_the_masters_word_at_a_cells_place_voids_it(clock):
+    """A commit at the slot's place (the master's word on the put), or a reservation there
+    (its space given again: a slot released), ends the cell: what it says is never taken
+    later, after a removal of the object say."""
+    m = Manifest(clock)
+    m.set_epoch(5)
+    board, fill = board_of(m, clock, 5, {0: ("slot0", 0, 1), 1: ("slot1", 64, 2)})
+    fill(0, "k")
+    fill(1, "dup")
+    m.apply([rec("k", 0, version=1)], [], [Reservation("", "s", 64, 64, clock.now + 10)])
+    m.apply([], [("k", 1)])                        # evicted
+    m.set_epoch(6)
+    assert m.records() == [] and board.cells == {}
+
+
+def test_a_boards_cells_are_taken_in_the_order_they_were_filled(clock):
+    """A duplicate put of a key through another slot is refused at the node only if the first
+    one's seal is taken first: binding any cell again takes every filled one, by ``seq``."""
+    m = Manifest(clock)
+    m.set_epoch(5)
+    # The duplicate's slot was bound first (slots are taken in any order).
+    board, fill = board_of(m, clock, 5, {0: ("slot0", 0, 2), 1: ("slot1", 64, 1)})
+    fill(1, "k")
+    fill(0, "k")                                   # the duplicate, refused by the master
+    m.reserve(5, Reservation("slot2", "s", 128, 64, clock.now + 10), 3, (board, 1))
+    assert m.records() == [rec("k", 64, version=1)]
+    assert list(board.cells) == [1]
+
+
+def test_a_closed_writers_cells_are_seals_and_torn_or_oversized_ones_are_not(clock):
+    m = Manifest(clock)
+    m.set_epoch(5)
+    board, fill = board_of(m, clock, 5, {i: (f"slot{i}", 64 * i, i + 1) for i in range(4)})
+    fill(0, "whole")
+    fill(1, "torn")
+    board.buf[seal_board.CELL_BYTES + 33] ^= 1     # a fill caught half way (its key)
+    fill(2, "too-long", length=65)                 # longer than its slot
+    m.release_board(board)
+    assert m.records() == [rec("whole", 0, version=1)] and board.cells == {}
