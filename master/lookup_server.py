@@ -143,7 +143,8 @@ class LookupServer:
         head = await reader.readexactly(lookup_port.REQUEST.size)
         magic, got, length = lookup_port.REQUEST.unpack(head)
         if magic != lookup_port.MAGIC or length > lookup_port.MAX_BODY_BYTES + frames.tag \
-                or (method is None and got not in self._handlers and got not in self._streams) \
+                or (method is None and got not in self._handlers and got not in self._streams
+                    and got != lookup_port.SPIN) \
                 or (method is not None and got != method):
             # (after a malformed header the next frame's start is unknown)
             raise _Ends(_INVALID, f"malformed lookup request (magic {magic!r}, method {got}, "
@@ -164,6 +165,11 @@ class LookupServer:
             while True:
                 method, body = await self._read(reader, frames)
                 self._spinner.heard()
+                if method == lookup_port.SPIN:   # not answered: a call follows it
+                    if (seconds := lookup_port.spin_s(body)) is None:
+                        raise _Ends(_INVALID, "malformed SPIN frame")
+                    self._spinner.hold(loop, seconds)
+                    continue
                 if method in self._streams:
                     return await self._stream(method, body, reader, writer, frames, identity)
                 started = time.perf_counter()

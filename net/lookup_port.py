@@ -30,6 +30,13 @@ with ACK_MANIFEST frames (``AckManifestRequest``), which are not answered. Anyth
 node sends on it ends the stream. Its changes reach the node and its acknowledgements the
 master a wake-up each, where the gRPC stream and AckManifest call cross two threads per end.
 
+SPIN (a ``SPIN_BODY``, ``!I`` = microseconds, at most ``MAX_SPIN_US``) is not answered: the
+master keeps its loop polling that long (master/lookup_server.py; net/sockets.py
+``LoopSpinner``). A client about to spend a while on its own before its next call (the copy
+of a large put, before PutEnd) sends it first, so that the call does not meet a master whose
+core went to sleep meanwhile (waking it costs ~0.1 ms here). Any connection's frames are
+served during the spin.
+
 A master names its lookup port in each gRPC ``GetReplicasResponse`` and ``RouteResponse``
 (``lookup_port``); the client dials it on the host its gRPC calls reach.
 
@@ -70,6 +77,9 @@ WATCH_MANIFEST = 6
 ACK_MANIFEST = 7
 ROUTE = 8
 SESSION = 10
+SPIN = 11
+SPIN_BODY = struct.Struct("!I")
+MAX_SPIN_US = 5000
 METHOD_NAMES = {GET_REPLICAS: "GetReplicas", EXISTS: "Exists", PUT_START: "PutStart",
                 PUT_END: "PutEnd", PUT_REVOKE: "PutRevoke", WATCH_MANIFEST: "WatchManifest",
                 ACK_MANIFEST: "AckManifest", ROUTE: "Route"}   # as the gRPC methods
@@ -83,6 +93,13 @@ SESSION_FRAME_BYTES = SESSION_ID_BYTES + SALT_BYTES
 
 def encode_request(method: int, body: bytes) -> bytes:
     return REQUEST.pack(MAGIC, method, len(body)) + body
+
+
+def spin_s(body: bytes) -> float | None:
+    """The seconds a SPIN frame's body asks for (at most ``MAX_SPIN_US``); None if malformed."""
+    if len(body) != SPIN_BODY.size:
+        return None
+    return min(SPIN_BODY.unpack(body)[0], MAX_SPIN_US) / 1e6
 
 
 def encode_response(status: int, body: bytes) -> bytes:

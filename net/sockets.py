@@ -149,7 +149,17 @@ class LoopSpinner(_BackOff):
         """An answer went out: keep ``loop`` polling for up to ``spin_s`` from now."""
         if not self._spin_s or self._skips():
             return
-        self._until = time.perf_counter() + self._spin_s
+        self._until = max(self._until, time.perf_counter() + self._spin_s)
+        if not self._running:
+            self._running, self._heard = True, False
+            loop.call_soon(self._poll, loop)
+
+    def hold(self, loop, seconds: float) -> None:
+        """A client asked (a SPIN frame): keep ``loop`` polling for ``seconds`` from now, back-off
+        or not (its call is on the way)."""
+        if not self._spin_s:   # $KVPOOL_SPIN_US=0: no polling, asked for or not
+            return
+        self._until = max(self._until, time.perf_counter() + seconds)
         if not self._running:
             self._running, self._heard = True, False
             loop.call_soon(self._poll, loop)

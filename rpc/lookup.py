@@ -160,6 +160,22 @@ class LookupChannel:
         self._release(conn)
         return self._answer(status, answer, response_type, "lookup")
 
+    def spin(self, seconds: float) -> None:
+        """Ask the master to keep polling for ``seconds`` (SPIN, not answered): a call follows
+        after a while of the caller's own. On a kept connection only, and never an error: a
+        spin is a hint."""
+        with self._lock:
+            conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            return
+        try:
+            conn.send(lookup_port.SPIN, lookup_port.SPIN_BODY.pack(
+                min(round(seconds * 1e6), lookup_port.MAX_SPIN_US)))
+        except OSError:
+            conn.close()
+            return
+        self._release(conn)
+
     async def call_async(self, method: int, request: Message, response_type: type[M]) -> M:
         """:meth:`call` on the running event loop, for a caller that must not block it (the
         gateway's Route before each request it forwards): no thread hop, answers alike."""

@@ -33,6 +33,7 @@ from kvpool.common.types import (
     SegmentInfo,
 )
 from kvpool.net import lookup_port
+from kvpool.net.sockets import spin_default_s
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
 from kvpool.protos.kvpool.v1 import master_pb2_grpc
 from kvpool.rpc import wire
@@ -324,6 +325,13 @@ class MasterClient(GrpcClient):
         if self._lookups.wants_port(address := self.address):
             self._lookups.learn(address, self._call("GetReplicas", pb.KeysRequest()).lookup_port)
         return self._lookups.channel_for(address)
+
+    def spin(self, seconds: float) -> None:
+        """Ask the master to keep polling its lookup port for ``seconds``: this client's next
+        call comes after that long of its own work (net/lookup_port.py SPIN). A hint: nothing
+        is sent where no lookup connection is open."""
+        if spin_default_s() and (channel := self._lookups.channel_for(self.address)) is not None:
+            channel.spin(seconds)
 
     def _lookup(self, method: int, rpc: str, request, response_type):
         """``rpc`` on the master's lookup port where it has one we reach, else over gRPC. A

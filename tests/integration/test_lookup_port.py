@@ -146,6 +146,54 @@ def test_a_malformed_frame_is_answered_invalid_and_the_connection_closed(master)
     assert b"malformed" in data[lookup_port.RESPONSE.size:] and len(data) == 8 + length
 
 
+def test_a_spin_frame_is_not_answered_and_keeps_the_masters_loop_polling(master):
+    """SPIN (net/lookup_port.py): a client about to copy a large put asks the master to keep
+    polling; the frame has no answer, the call after it is answered in order, and a SPIN
+    that is not one ends the connection as any malformed frame does."""
+    spinner = master.server._lookup._spinner
+    port = master.server._servicer.lookup_port
+    spin = lookup_port.encode_request(lookup_port.SPIN, lookup_port.SPIN_BODY.pack(300_000))
+    exists = lookup_port.encode_request(lookup_port.EXISTS,
+                                        pb.KeysRequest(keys=["k"]).SerializeToString())
+    with socket.create_connection(("127.0.0.1", port), 5) as s:
+        s.sendall(spin)
+        # Polled for MAX_SPIN_US (what was asked, capped), then not.
+        held = master.run(_held(spinner))
+        assert 0.8 * lookup_port.MAX_SPIN_US / 1e6 <= held < 1.0, held
+        s.sendall(exists)
+        head = s.recv(lookup_port.RESPONSE.size, socket.MSG_WAITALL)
+        status, length = lookup_port.RESPONSE.unpack(head)
+        body = s.recv(length, socket.MSG_WAITALL)
+        assert status == 0 and list(pb.StatusesResponse.FromString(body).statuses) == \
+            [pb.STATUS_NOT_FOUND]
+        s.settimeout(0.2)
+        with pytest.raises(TimeoutError):   # nothing else came: the SPIN had no answer
+            s.recv(1)
+        s.settimeout(5)
+        s.sendall(lookup_port.encode_request(lookup_port.SPIN, b"\0\0\0"))
+        data = b""
+        while chunk := s.recv(4096):
+            data += chunk
+    assert lookup_port.RESPONSE.unpack(data[:lookup_port.RESPONSE.size])[0] == \
+        grpc.StatusCode.INVALID_ARGUMENT.value[0] and b"malformed SPIN" in data
+    with MasterClient(master.address) as mc:   # and a client's spin is a hint, never an error
+        mc.spin(0.001)
+        mc.locate(["k"])
+        mc.spin(0.001)
+        assert mc.locate(["k"]).statuses.tolist() == [pb.STATUS_NOT_FOUND]
+
+
+async def _held(spinner) -> float:
+    """For how long ``spinner`` polls, from when it starts (within a second)."""
+    end = time.perf_counter() + 1.0
+    while not spinner.spinning and time.perf_counter() < end:
+        await asyncio.sleep(0)
+    started = time.perf_counter()
+    while spinner.spinning:
+        await asyncio.sleep(0.0005)
+    return time.perf_counter() - started
+
+
 def test_a_refusing_lookup_port_sends_lookups_back_to_grpc():
     m = Master(lookup_refusal=lambda: "master x does not lead")
     try:

@@ -111,3 +111,21 @@ async def test_server_spins_with_no_request_in_them_back_off_and_a_request_ends_
         await asyncio.sleep(0.002)
     assert await _spun(spinner) and await _spun(spinner) is False   # a miss again backs off
     assert not await _spun(LoopSpinner(0.0))
+
+
+async def test_a_hold_a_client_asked_for_polls_that_long_backed_off_or_not():
+    """A SPIN frame (net/lookup_port.py): the client's call comes after a copy of its own."""
+    spinner = LoopSpinner(0.01)
+    for _ in range(3):   # misses: answers stop spinning for a while
+        await _spun(spinner)
+    assert not await _spun(spinner)
+    loop = asyncio.get_running_loop()
+    started = time.perf_counter()
+    spinner.hold(loop, 0.05)
+    assert spinner.spinning
+    while spinner.spinning:
+        await asyncio.sleep(0.002)
+    assert time.perf_counter() - started >= 0.05
+    off = LoopSpinner(0.0)   # $KVPOOL_SPIN_US=0: no polling, asked for or not
+    off.hold(loop, 0.05)
+    assert not off.spinning
