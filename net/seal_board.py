@@ -23,8 +23,8 @@ Cell layout (little-endian): ``state`` (u32, FILLED or 0), ``fields_crc`` (u32, 
 what follows up to the parent's end: a cell read while being filled is taken as empty),
 ``seq`` (u64: the writer numbers its seals, and the node takes a board's filled cells in that
 order, as SEAL frames would have come), ``length`` (u64), ``crc`` (u32, the value's
-CRC-32C), key length (u16), parent length (u16), then the key and the parent (utf-8). A record that does not fit a cell is sealed the usual
-way, on the hand-off socket.
+CRC-32C), key length (u16), parent length (u16), then the key and the parent (utf-8). A
+record that does not fit a cell is sealed the usual way, on the hand-off socket.
 """
 
 from __future__ import annotations

@@ -225,6 +225,13 @@ class _Recorder:
     def batch_remove(self, keys):
         return [None] * len(keys)
 
+    def put(self, key, row):
+        return self._record("put", 1)[0]
+
+    def get_into(self, key, row):
+        row[:] = 0
+        return self._record("get", 1)[0]
+
 
 def test_two_systems_take_turns_going_first_across_repeats_too():
     """Security's cost: a prompt is one call per repeat, so the order must swap from repeat
@@ -238,3 +245,20 @@ def test_two_systems_take_turns_going_first_across_repeats_too():
     for op in ("put", "get"):
         firsts = [c[1] for c in calls if c[0] == op][::2]
         assert firsts == ["a", "b", "a", "b"], (op, firsts)
+
+
+def test_single_calls_of_two_systems_go_in_turns_the_first_of_each_untimed():
+    """A single call made right after the other cluster's (its servers still polling) or the
+    first after its own slept through the other's calls is no back-to-back call: single
+    calls go TURN_CALLS at a time per system, the first of each turn untimed."""
+    import numpy as np
+    from kvpool.tools.bench_kvpool import TURN_CALLS, Shape, kvpool_figures
+    calls: list = []
+    kvs = {"a": _Recorder("a", calls), "b": _Recorder("b", calls)}
+    src = np.zeros((1, 64), np.uint8)
+    figures = kvpool_figures(kvs, "shm", Shape("single", 64, 1, 2 * TURN_CALLS), 1, src, "t")
+    puts = [system for op, system in calls if op == "put"]
+    assert puts == ["a"] * TURN_CALLS + ["b"] * TURN_CALLS + ["b"] * TURN_CALLS \
+        + ["a"] * TURN_CALLS
+    assert {(f.system, f.op): f.calls for f in figures} == \
+        dict.fromkeys([(s, op) for s in "ab" for op in ("put", "get")], 2 * (TURN_CALLS - 1))
