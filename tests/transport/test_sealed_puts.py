@@ -31,7 +31,9 @@ EPOCH = 0x5EA1
 
 
 @pytest.fixture
-def node():
+def served():
+    """A data server of one segment whose manifest's master is EPOCH: (endpoints, segment,
+    manifest, server)."""
     seg = create_dram_segment("local", 0, 1 << 20)
     manifest = Manifest()
     manifest.set_epoch(EPOCH)
@@ -39,9 +41,14 @@ def node():
     server.start()
     endpoints = NodeEndpoints("local", local_boot_id(), server.tcp_endpoint,
                               server.shm_endpoint)
-    yield endpoints, seg, manifest
+    yield endpoints, seg, manifest, server
     server.stop()
     seg.close()
+
+
+@pytest.fixture
+def node(served):
+    return served[:3]
 
 
 @pytest.fixture(params=["shm", "tcp"])
@@ -176,17 +183,11 @@ def test_then_does_not_run_when_the_reservation_is_refused(node, transport):
     assert manifest.records() == []
 
 
-def test_a_slot_put_over_shm_seals_on_the_board_with_no_round_trip_to_the_node():
+def test_a_slot_put_over_shm_seals_on_the_board_with_no_round_trip_to_the_node(served):
     """A slot reserved over shm names a cell of the link's seal board (net/seal_board.py): the
     put fills it and calls on at once, with no SEAL frame; the node holds the record from then
     on, and takes it as a seal when it must (here: its master changes; its writer leaves)."""
-    seg = create_dram_segment("local", 0, 1 << 20)
-    manifest = Manifest()
-    manifest.set_epoch(EPOCH)
-    server = DataServer({seg.info.segment_id: seg}, manifest=manifest)
-    server.start()
-    endpoints = NodeEndpoints("local", local_boot_id(), server.tcp_endpoint,
-                              server.shm_endpoint)
+    endpoints, seg, manifest, server = served
     shm = SHMTransport(timeout_s=5)
     try:
         slots = [IoOp(Replica(endpoints, Extent(seg.info.segment_id, offset, 8192)),
@@ -210,5 +211,3 @@ def test_a_slot_put_over_shm_seals_on_the_board_with_no_round_trip_to_the_node()
         assert all(r.size == 5000 for r in manifest.sealed())
     finally:
         shm.close()
-        server.stop()
-        seg.close()
