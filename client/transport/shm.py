@@ -374,8 +374,11 @@ class _NodeLink:
         with self._cells_lock:
             self._seals += 1
             seq = self._seals
-        return seal_board.fill(board, cell, seq, record.key, length, record.checksum,
-                               record.parent)
+        try:
+            return seal_board.fill(board, cell, seq, record.key, length, record.checksum,
+                                   record.parent)
+        except ValueError:   # the link was closed meanwhile: the SEAL frame says so
+            return False
 
     def records(self, op: Op, items: list[tuple[IoOp, PutRecord]], timeout_s: float,
                 meanwhile: Callable[[], object] | None = None
