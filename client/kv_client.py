@@ -68,9 +68,9 @@ SEAL_MAX_KEYS = 4
 # here: a 1 MiB put over shm 0.48 -> 0.35 ms when the master polled 1 ms after each answer).
 SPIN_MIN_BYTES = 512 << 10
 SPIN_BASE_S = 100e-6
-# A copy's speed here, by transport. Not tcp: the master polling through a 1 MiB WRITE took
-# the node's CPU (master 370 -> 670-830 us a put): PutEnd 0.33 -> 0.20 ms, the put no faster.
-SPIN_BYTES_PER_S = {"shm": 4e9}
+# A copy's speed over shm. Not over tcp: the master polling through a 1 MiB WRITE took the
+# node's CPU (master 370 -> 670-830 us a put): PutEnd 0.33 -> 0.20 ms, the put no faster.
+SPIN_BYTES_PER_S = 4e9
 @dataclass(frozen=True, slots=True)
 class _Unsure:
     """A slot filled and sealed whose commit the master never answered: the put goes the
@@ -372,9 +372,9 @@ class KVClient:
                     [slot.key], [crc], sealed=True, as_keys=[key], sizes=[view.nbytes],
                     parents=[parent] if parent else None))
 
-        if view.nbytes >= SPIN_MIN_BYTES and t.scheme in SPIN_BYTES_PER_S:
+        if view.nbytes >= SPIN_MIN_BYTES and t.scheme == "shm":
             # the copy outlasts the master's own polling
-            self._master.spin(SPIN_BASE_S + view.nbytes / SPIN_BYTES_PER_S[t.scheme])
+            self._master.spin(SPIN_BASE_S + view.nbytes / SPIN_BYTES_PER_S)
         try:
             error, _, _ = t.write_sealed_then(op, slot.record_of(key, parent), commit,
                                               reserved=True)

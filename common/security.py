@@ -255,24 +255,13 @@ def _entry(address: str) -> Path:
 
 
 def _process_start(pid: int) -> str | None:
-    """When process ``pid`` started (clock ticks since boot, from /proc), "" where there is no
-    /proc to ask, None when no such process lives: with the pid, it names one process even
-    after the pid is reused."""
+    """When process ``pid`` started (clock ticks since boot, from /proc; None when no such
+    process lives): with the pid, it names one process even after the pid is reused."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[19]
-    except FileNotFoundError:
-        if Path("/proc/self/stat").exists():
-            return None
     except (OSError, IndexError):
         return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:
-        pass
-    return ""
 
 
 def register(addresses: list[str], directory: str | os.PathLike) -> None:

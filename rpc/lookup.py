@@ -23,7 +23,7 @@ from google.protobuf.message import Message
 from kvpool.common.errors import KVPoolError, MasterUnavailable
 from kvpool.net import lookup_port
 from kvpool.net.lookup_port import Seal, Unsealed
-from kvpool.net.sockets import Spinner, recv_exact
+from kvpool.net.sockets import Spinner, recv_exact, spin_default_s
 
 # After a port failed: use gRPC alone this long before trying the same port again.
 RETRY_AFTER_S = 10.0
@@ -132,6 +132,7 @@ class LookupChannel:
         self._idle_async: list[tuple[asyncio.AbstractEventLoop, _AsyncConnection]] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._spins = spin_default_s() > 0   # $KVPOOL_SPIN_US=0: no polling asked for either
 
     def call(self, method: int, request: Message, response_type: type[M]) -> M:
         """The master's answer to ``request`` (a ``method`` of net/lookup_port.py); LookupLost if
@@ -164,6 +165,8 @@ class LookupChannel:
         """Ask the master to keep polling for ``seconds`` (SPIN, not answered): a call follows
         after a while of the caller's own. On a kept connection only, and never an error: a
         spin is a hint."""
+        if not self._spins:
+            return
         with self._lock:
             conn = self._idle.pop() if self._idle else None
         if conn is None:

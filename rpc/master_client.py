@@ -33,7 +33,6 @@ from kvpool.common.types import (
     SegmentInfo,
 )
 from kvpool.net import lookup_port
-from kvpool.net.sockets import spin_default_s
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
 from kvpool.protos.kvpool.v1 import master_pb2_grpc
 from kvpool.rpc import wire
@@ -330,7 +329,7 @@ class MasterClient(GrpcClient):
         """Ask the master to keep polling its lookup port for ``seconds``: this client's next
         call comes after that long of its own work (net/lookup_port.py SPIN). A hint: nothing
         is sent where no lookup connection is open."""
-        if spin_default_s() and (channel := self._lookups.channel_for(self.address)) is not None:
+        if (channel := self._lookups.channel_for(self.address)) is not None:
             channel.spin(seconds)
 
     def _lookup(self, method: int, rpc: str, request, response_type):

@@ -327,16 +327,7 @@ class _NodeLink:
         held until the slot is filled or ``until`` (monotonic); None: no board, or no cell
         free (the slot's put seals on the socket)."""
         if not self._board_asked:
-            with self.lock:
-                if not self._board_asked and not self.closed:
-                    with contextlib.suppress(TransportError):   # an older node: no board
-                        mm, length = self._mapped_fd(HANDOFF_REQUEST.pack(HANDOFF_BOARD),
-                                                     timeout_s, True)
-                        if length >= seal_board.BOARD_BYTES:
-                            self._board = mm
-                        else:
-                            mm.close()
-                    self._board_asked = True
+            self._ask_board(timeout_s)
         if self._board is None:
             return None
         with self._cells_lock:
@@ -351,6 +342,20 @@ class _NodeLink:
             cell = self._free_cells.pop()
             self._cells[place] = (cell, until)
             return cell
+
+    def _ask_board(self, timeout_s: float) -> None:
+        """Ask the node for this link's seal board, once (an older node has none to give)."""
+        with self.lock:
+            if self._board_asked or self.closed:
+                return
+            self._board_asked = True
+            with contextlib.suppress(TransportError):
+                mm, length = self._mapped_fd(HANDOFF_REQUEST.pack(HANDOFF_BOARD), timeout_s,
+                                             True)
+                if length < seal_board.BOARD_BYTES:
+                    mm.close()
+                    return
+                self._board = mm
 
     def cell_at(self, place: tuple[str, int]) -> int | None:
         """The cell taken for the slot at ``place``, if any."""
