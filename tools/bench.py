@@ -82,6 +82,12 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
                    help="kvpool's figures on a secure and a plain local cluster in the same "
                         "run, a workload on each in turn: every data-path ratio both ways, "
                         "and secure/plain against the 10%% bound (security's cost)")
+    b.add_argument("--cluster-pairs", type=count_type, default=2, metavar="N",
+                   help="with --compare-insecure: time each system on N clusters, a secure "
+                        "and a plain one started together N times, each kind first in turn, "
+                        "their repeats pooled (default: 2). Two identical clusters can differ "
+                        "by 30%% here for as long as they run (README, Benchmark): more pairs "
+                        "average that out")
     b.add_argument("--disk-tier", action="store_true",
                    help="instead: the disk tier's demotion and read GB/s beside a plain "
                         "sequential file read of the same bytes (tools/bench_disk.py)")
@@ -133,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
         master_clients=args.master_clients,
         redis=not args.no_redis,
         peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()),
-        metrics=args.metrics, insecure=args.insecure, compare_insecure=args.compare_insecure)
+        metrics=args.metrics, insecure=args.insecure, compare_insecure=args.compare_insecure,
+        cluster_pairs=args.cluster_pairs)
     bad = set(config.transports) - {"shm", "tcp", "rdma"}
     if bad:
         print(f"kvpool bench: error: unknown transport(s) {sorted(bad)}; known: shm, tcp, rdma",

@@ -9,6 +9,7 @@ counts as a result.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import queue
 import random
@@ -144,74 +145,227 @@ def mooncake_figures(peer, shape: Shape, repeats: int, src: np.ndarray, prefix: 
 # ---------------------------------------------------------------- kvpool data path
 
 
-def kvpool_figures(kvs: Mapping[str, object], transport: str, shape: Shape, repeats: int,
-                   src: np.ndarray, prefix: str, settle_s: float = 0.0) -> list[Figure]:
-    """Batched (or single-value) put then get_into of the same bytes, fresh keys per repeat;
+class SystemClient:
+    """One system's client in :func:`kvpool_figures`, and the rows of the workload it times:
+    its calls are made and timed where it lives (in this process, or in a
+    :class:`SpawnedClient`'s)."""
+
+    def __init__(self, kv, transport: str) -> None:
+        self.kv, self.transport = kv, transport
+        self.src = self.dst = np.zeros((0, 0), np.uint8)
+
+    def reachable(self, key: str) -> bool:
+        """A put and a get (which map the segment, for writing and for reading, on shm)."""
+        try:
+            self.kv.put(key, b"probe")
+            self.kv.get(key)
+        except KVPoolError:
+            return False
+        self.kv.remove(key)
+        return True
+
+    def prefaulted(self, timeout_s: float) -> bool:
+        """Whether the shm client's mappings have their page tables within ``timeout_s``
+        (client/transport/shm.py, the prefaulter), as a client that has run a while has them."""
+        from kvpool.client.transport.shm import wait_prefaulted
+        return wait_prefaulted(timeout_s)
+
+    def load(self, src: np.ndarray) -> None:
+        """The rows to put (one per key of a call) and a destination for reading them."""
+        self.src, self.dst = src, np.zeros_like(src)
+        self.dst.fill(0)   # fault the destination's pages in before timing, as memcpy's are
+        self.src_rows, self.dst_rows = list(src), list(self.dst)
+
+    def calls(self, op: str, keys: list[list[str]], timed: list[bool], check: bool
+              ) -> list[float]:
+        """Make ``op`` ("put" or "get") once per key list, in order; the latencies of those
+        ``timed``. ``check``: the bytes read must be those put (after a get)."""
+        single = len(self.src) == 1
+        latencies = []
+        for k, timing in zip(keys, timed):
+            if op == "put":
+                t, res = _timed(self.kv.put, k[0], self.src_rows[0]) if single else \
+                    _timed(self.kv.batch_put, k, self.src_rows)
+            else:   # batches: one array, a row per key
+                t, res = _timed(self.kv.get_into, k[0], self.dst_rows[0]) if single else \
+                    _timed(self.kv.batch_get_into, k, self.dst)
+            _check([res] if single else res, f"{self.transport} {op}")
+            if timing:
+                latencies.append(t)
+        if check and not np.array_equal(self.src, self.dst):
+            raise BenchError(f"{self.transport} get returned bytes that differ from those put")
+        return latencies
+
+    def remove(self, keys: list[str]) -> None:
+        _check(self.kv.batch_remove(keys), "remove")
+
+    def close(self) -> None:
+        self.kv.close()
+
+
+def connect(master: str, transport: str, spawned: bool = False
+            ) -> SystemClient | SpawnedClient:
+    """A client of ``master`` over ``transport`` only, here or (``spawned``) in a process of
+    its own."""
+    if spawned:
+        return SpawnedClient(master, transport)
+    from kvpool.client import KVClient
+    return SystemClient(KVClient(master, transports=[transport]), transport)
+
+
+class SpawnedClient:
+    """A :class:`SystemClient` in a process of its own (spawned: a forked gRPC channel is not
+    safe), each method call a message on a pipe. Two systems timed side by side then share no
+    interpreter: in one process, one client's helper threads (the shm put's checksum, the
+    prefaulter) wait for the GIL behind the other's calls, and the single-call figures swung
+    0.6-1.8 x between two identical clusters."""
+
+    def __init__(self, master: str, transport: str, timeout_s: float = 600.0) -> None:
+        import multiprocessing
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve_client, args=(child, master, transport),
+                                 daemon=True)
+        self._proc.start()
+        child.close()
+        self._timeout_s = timeout_s
+        try:
+            self._answer()
+        except BaseException:
+            self._proc.join(timeout=10)
+            raise
+
+    def __getattr__(self, name: str) -> Callable[..., object]:
+        def call(*args: object) -> object:
+            self._conn.send((name, args))
+            return self._answer()
+        return call
+
+    def _answer(self) -> object:
+        deadline = time.monotonic() + self._timeout_s
+        while not self._conn.poll(0.5):
+            if not self._proc.is_alive() or time.monotonic() > deadline:
+                raise BenchError(f"the bench's client process (pid {self._proc.pid}) "
+                                 f"{'died' if not self._proc.is_alive() else 'stopped answering'}")
+        error, value = self._conn.recv()
+        if error is not None:
+            raise (KVPoolError if error == "kvpool" else BenchError)(value)
+        return value
+
+    def close(self) -> None:
+        try:
+            if self._proc.is_alive():
+                self._conn.send(("close", ()))
+                self._answer()
+        finally:
+            self._proc.join(timeout=10)
+            if self._proc.is_alive():
+                self._proc.kill()
+            self._conn.close()
+
+
+def _serve_client(conn, master: str, transport: str) -> None:
+    """A :class:`SpawnedClient`'s process: a :class:`SystemClient` that answers each call
+    with (None, result) or (what failed, its message), until closed or its parent is gone."""
+    def failed(e: BaseException) -> tuple[str, str]:
+        return ("kvpool" if isinstance(e, KVPoolError) else "bench",
+                f"{e}" if isinstance(e, (KVPoolError, BenchError)) else f"{type(e).__name__}: {e}")
+    try:
+        client = connect(master, transport)
+    except Exception as e:   # noqa: BLE001  (reported to the parent, which raises it)
+        conn.send(failed(e))
+        return
+    conn.send((None, None))
+    while True:
+        try:
+            name, args = conn.recv()
+        except EOFError:
+            name, args = "close", ()
+        try:
+            conn.send((None, getattr(client, name)(*args)))
+        except (BrokenPipeError, EOFError):
+            client.close()
+            return
+        except Exception as e:   # noqa: BLE001
+            conn.send(failed(e))
+        if name == "close":
+            return
+
+
+def kvpool_figures(clients: Mapping[str, SystemClient], transport: str, shape: Shape,
+                   repeats: int, src: np.ndarray, prefix: str, settle_s: float = 0.0
+                   ) -> list[Figure]:
+    """:func:`kvpool_latencies` summarized: a put and a get figure per system."""
+    return kvpool_summary(transport, shape, kvpool_latencies(
+        clients, transport, shape, repeats, src, prefix, settle_s))
+
+
+def kvpool_summary(transport: str, shape: Shape, timed: dict[str, dict[str, list[list[float]]]]
+                   ) -> list[Figure]:
+    """The figures of :func:`kvpool_latencies`' (or several pooled: their repeats joined)."""
+    return [summarize(system, transport, shape.workload, op, shape.value_bytes,
+                      shape.objects_per_call, timed[op][system])
+            for system in timed["put"] for op in ("put", "get")]
+
+
+def kvpool_latencies(clients: Mapping[str, SystemClient], transport: str, shape: Shape,
+                     repeats: int, src: np.ndarray, prefix: str, settle_s: float = 0.0
+                     ) -> dict[str, dict[str, list[list[float]]]]:
+    """Batched (or single-value) put then get_into of the same bytes, fresh keys per repeat:
+    op -> system -> per-repeat call latencies (s);
     ``settle_s``: a pause (untimed) after each repeat's removal, for its space to be freed.
-    ``kvs``: the figures' system -> its client. With several (security's cost: a secure and
-    a plain cluster), each call is made on each in turn, the order swapped from call to call
-    (across repeats too: a prompt is one call per repeat), so that all are timed under the
-    same load. Single calls go in turns of ``TURN_CALLS`` per system instead, the first of
+    ``clients``: the figures' system -> its client. With several (security's cost: a secure
+    and a plain cluster), each call is made on each in turn, the order swapped from call to
+    call (across repeats too: a prompt is one call per repeat), so that all are timed under
+    the same load. Single calls go in turns of ``TURN_CALLS`` per system instead, the first of
     each turn untimed: a call made while the other cluster's servers still poll after their
     last answer ($KVPOOL_SPIN_US) shares two cores with them, and one made after its own
     servers slept through the other's turn wakes them; neither is a call of a client making
     call after call, which the single-call figures are (without the turns, 64 KiB puts over
     shm took 0.23-0.28 ms on both clusters, 0.14-0.15 ms on each alone)."""
-    dst = np.zeros_like(src)
-    dst.fill(0)   # fault the destination's pages in before timing, as memcpy's are
-    src_rows, dst_rows = list(src), list(dst)
+    for client in clients.values():
+        client.load(src)
     single = shape.objects_per_call == 1
-    timed: dict[str, dict[str, list[list[float]]]] = {op: {s: [] for s in kvs}
+    timed: dict[str, dict[str, list[list[float]]]] = {op: {s: [] for s in clients}
                                                       for op in ("put", "get")}
     calls = {"put": 0, "get": 0}
     for r in range(repeats):
         keys = _keys(prefix, r, shape)
         for op in ("put", "get"):
-            lat: dict[str, list[float]] = {s: [] for s in kvs}
-            for i, k, system, kv, timing in _turns(keys, kvs, single, calls, op):
-                if op == "put":
-                    t, res = _timed(kv.put, k[0], src_rows[0]) if single else \
-                        _timed(kv.batch_put, k, src_rows)
-                else:   # batches: one array, a row per key
-                    t, res = _timed(kv.get_into, k[0], dst_rows[0]) if single else \
-                        _timed(kv.batch_get_into, k, dst)
-                _check([res] if single else res, f"{transport} {op}")
-                if timing:
-                    lat[system].append(t)
-                if op == "get" and r == 0 and i == 0 and not np.array_equal(
-                        src[:shape.objects_per_call], dst[:shape.objects_per_call]):
-                    raise BenchError(f"{transport} get returned bytes that differ from "
-                                     f"those put ({system})")
-            for system in kvs:
+            lat: dict[str, list[float]] = {s: [] for s in clients}
+            turns = _turns(len(keys), list(clients), single, calls, op)
+            for system, run in itertools.groupby(turns, key=lambda turn: turn[0]):
+                run = list(run)
+                lat[system] += clients[system].calls(
+                    op, [keys[i] for _, i, _ in run], [timing for _, _, timing in run],
+                    op == "get" and r == 0 and run[0][1] == 0)
+            for system in clients:
                 timed[op][system].append(lat[system])
-        for kv in kvs.values():
-            _check(kv.batch_remove([x for ks in keys for x in ks]), "remove")
+        for client in clients.values():
+            client.remove([x for ks in keys for x in ks])
         time.sleep(settle_s)
-    return [summarize(system, transport, shape.workload, op, shape.value_bytes,
-                      shape.objects_per_call, timed[op][system])
-            for system in kvs for op in ("put", "get")]
+    return timed
 
 
 #: With several systems, single calls go in turns of this many per system (the first untimed).
 TURN_CALLS = 10
 
 
-def _turns(keys: list, kvs: Mapping[str, object], single: bool, calls: dict, op: str):
-    """(index, key, system, client, timed) of each call of :func:`kvpool_figures`, in the
-    order they are made."""
-    order = list(kvs.items())
-    if single and len(order) > 1:
-        for start in range(0, len(keys), TURN_CALLS):
+def _turns(calls_made: int, systems: list[str], single: bool, calls: dict, op: str):
+    """(system, index of the call's keys, timed) of each call of :func:`kvpool_figures`, in
+    the order they are made."""
+    if single and len(systems) > 1:
+        for start in range(0, calls_made, TURN_CALLS):
             calls[op] += 1
-            end = min(start + TURN_CALLS, len(keys))
-            for system, kv in order if calls[op] % 2 else order[::-1]:
+            end = min(start + TURN_CALLS, calls_made)
+            for system in systems if calls[op] % 2 else systems[::-1]:
                 for i in range(start, end):   # (a turn of one call is timed)
-                    yield i, keys[i], system, kv, i > start or end - start == 1
+                    yield system, i, i > start or end - start == 1
         return
-    for i, k in enumerate(keys):
+    for i in range(calls_made):
         calls[op] += 1
-        for system, kv in order if calls[op] % 2 else order[::-1]:
-            yield i, k, system, kv, True
+        for system in systems if calls[op] % 2 else systems[::-1]:
+            yield system, i, True
 
 
 def _check(results: Sequence, what: str) -> None:

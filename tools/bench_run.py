@@ -36,6 +36,9 @@ _SMALL_MASTER_VALUE_BYTES = 64   # on an existing cluster's real nodes
 # Calls per repeat of the small batch: one call takes a few ms, so a repeat of one call would
 # be a median of a handful of samples, at the mercy of a single scheduler hiccup.
 _SMALL_CALLS = 4
+# How long the shm clients may take to fault their mappings of the segment in (untimed): the
+# memcpy baseline's destination and Mooncake's registered segment are faulted in before timing.
+_PREFAULT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ class BenchConfig:
     # kvpool's figures on a secure and a plain local cluster, alternated (security's cost in
     # one run): the plain cluster's figures are system PLAIN.
     compare_insecure: bool = False
+    cluster_pairs: int = 2       # with compare_insecure: pairs of clusters, orders alternated
 
     def shapes(self) -> list[w.Shape]:
         return ([w.Shape("single", s, 1, self.single_calls) for s in self.sizes]
@@ -162,35 +166,51 @@ def _raw_tcp(config: BenchConfig, data: dict) -> dict:
                 for shape, src in data.items() if shape.workload != "small"}
 
 
+# Why --compare-insecure times each system on several clusters (--cluster-pairs), each kind
+# started first in turn, and pools their repeats: on this kind of VM two identical clusters
+# differ for as long as they run. Two plain ones started together put a 512 MiB prompt over
+# shm 1.4-2x apart (the copies into one segment's memory slower: which pages a segment gets
+# matters; the slower one followed the start order, and flipped after a restart), and two
+# secure ones in one bench run gave single-call p50s 0.70-1.33 x each other.
 def _kvpool(config: BenchConfig, data: dict, figures: list, skipped: dict, master: str | None,
             run_id: str) -> None:
     from kvpool.tools.cluster import LocalCluster
+    pooled: dict = {}
     if master is not None:
-        return _kvpool_on(config, data, figures, skipped, {"kvpool": master}, run_id)
-    kinds = {"kvpool": not config.insecure}
-    if config.compare_insecure:
-        kinds = {"kvpool": True, PLAIN: False}
-    largest = max(s.value_bytes * s.objects_per_call * s.calls for s in data)
-    segment = largest * (config.repeats + 2)
-    if segment * len(kinds) > _SEGMENT_MEMORY_SHARE * _available_memory_bytes():
-        segment = largest * _SEGMENT_MIN_BATCHES
-    segment = max(64 << 20, segment)
-    clusters = {}
-    with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as logs:
-        try:
-            for system, secure in kinds.items():
-                _say(f"starting a local cluster{' without credentials' if not secure else ''}:"
-                     f" master + 1 store node ({format_size(segment)})")
-                clusters[system] = LocalCluster(
-                    nodes=1, segment_size=str(segment), master_args=["--lease-ttl",
-                                                                     f"{_LEASE_S}s"],
-                    log_dir=f"{logs}/{system}", metrics=config.metrics, secure=secure)
-                clusters[system].start()
-            _kvpool_on(config, data, figures, skipped,
-                       {system: c.master for system, c in clusters.items()}, run_id, segment)
-        finally:
-            for c in clusters.values():
-                c.stop()
+        _kvpool_on(config, data, pooled, skipped, {"kvpool": master}, run_id)
+    else:
+        kinds = {"kvpool": not config.insecure}
+        orders = [kinds]
+        if config.compare_insecure:   # each kind started first in turn (see above)
+            kinds = {"kvpool": True, PLAIN: False}
+            orders = [kinds if i % 2 == 0 else dict(reversed(kinds.items()))
+                      for i in range(config.cluster_pairs)]
+        largest = max(s.value_bytes * s.objects_per_call * s.calls for s in data)
+        segment = largest * (config.repeats + 2)
+        if segment * len(kinds) > _SEGMENT_MEMORY_SHARE * _available_memory_bytes():
+            segment = largest * _SEGMENT_MIN_BATCHES
+        segment = max(64 << 20, segment)
+        for half, order in enumerate(orders):
+            with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as logs:
+                clusters = {}
+                try:
+                    for system, secure in order.items():
+                        _say(f"starting a local cluster"
+                             f"{' without credentials' if not secure else ''}: master + 1 "
+                             f"store node ({format_size(segment)})")
+                        clusters[system] = LocalCluster(
+                            nodes=1, segment_size=str(segment),
+                            master_args=["--lease-ttl", f"{_LEASE_S}s"],
+                            log_dir=f"{logs}/{system}", metrics=config.metrics, secure=secure)
+                        clusters[system].start()
+                    _kvpool_on(config, data, pooled, skipped,
+                               {system: clusters[system].master for system in kinds},
+                               f"{run_id}-{half}", segment)
+                finally:
+                    for c in clusters.values():
+                        c.stop()
+    for (transport, shape), timed in pooled.items():
+        figures.extend(w.kvpool_summary(transport, shape, timed))
 
 
 def _available_memory_bytes() -> int:
@@ -216,60 +236,46 @@ def _settle_s(config: BenchConfig, shape: w.Shape, segment: int | None) -> float
     return _LEASE_S + 0.2
 
 
-def _kvpool_on(config: BenchConfig, data: dict, figures: list, skipped: dict,
+def _kvpool_on(config: BenchConfig, data: dict, pooled: dict, skipped: dict,
                masters: dict[str, str], run_id: str, segment: int | None = None) -> None:
-    """kvpool's figures on each of ``masters`` (system -> address), their calls alternated
-    (tools/bench_kvpool.py kvpool_figures), so that a drifting load weighs on them alike."""
-    from kvpool.client import KVClient
+    """kvpool's latencies on each of ``masters`` (system -> address), their calls alternated
+    (tools/bench_kvpool.py kvpool_latencies), so that a drifting load weighs on them alike,
+    added to ``pooled`` ((transport, shape) -> op -> system -> repeats); with several, each
+    system's client is in a process of its own (SpawnedClient)."""
     for transport in config.transports:
         clients = {}
         try:
             for system, master in masters.items():
-                clients[system] = KVClient(master, transports=[transport])
-        except KVPoolError as e:   # e.g. rdma without pyverbs or a device here
-            for kv in clients.values():
-                kv.close()
-            skipped[f"kvpool-{transport}"] = str(e)
-            _say(f"kvpool {transport}: skipped: {e}")
-            continue
-        try:
-            if not all(_reachable(kv, transport, run_id) for kv in clients.values()):
+                clients[system] = w.connect(master, transport, spawned=len(masters) > 1)
+            if not all(c.reachable(f"bench-{run_id}-{transport}-probe")
+                       for c in clients.values()):
                 skipped[f"kvpool-{transport}"] = f"no store node is reachable over {transport}"
                 continue
             if transport == "shm":
-                _prefaulted()
+                _say("kvpool shm: faulting the client's mappings of the segment in (untimed)")
+                if not all([c.prefaulted(_PREFAULT_S) for c in clients.values()]):
+                    _say(f"kvpool shm: still faulting in after {_PREFAULT_S:.0f} s; "
+                         "timing anyway")
             for shape, src in data.items():
                 _say(f"{' and '.join(clients)} {transport}: {shape.workload} "
                      f"{shape.objects_per_call} x {format_size(shape.value_bytes)}")
-                figures.extend(w.kvpool_figures(
+                timed = w.kvpool_latencies(
                     clients, transport, shape, config.repeats, src,
                     f"bench-{run_id}-{transport}-{shape.workload}-{shape.value_bytes}",
-                    _settle_s(config, shape, segment)))
+                    _settle_s(config, shape, segment))
+                into = pooled.setdefault((transport, shape), timed)
+                if into is not timed:
+                    for op, by_system in timed.items():
+                        for system, repeats in by_system.items():
+                            into[op][system] += repeats
+        except KVPoolError as e:
+            if clients.keys() == masters.keys():
+                raise
+            skipped[f"kvpool-{transport}"] = str(e)   # e.g. rdma without pyverbs or a device
+            _say(f"kvpool {transport}: skipped: {e}")
         finally:
-            for kv in clients.values():
-                kv.close()
-
-
-def _reachable(kv, transport: str, run_id: str) -> bool:
-    """A put and a get (which map the segment, for writing and for reading, on shm)."""
-    key = f"bench-{run_id}-{transport}-probe"
-    try:
-        kv.put(key, b"probe")
-        kv.get(key)
-    except KVPoolError:
-        return False
-    kv.remove(key)
-    return True
-
-
-def _prefaulted(timeout_s: float = 120.0) -> None:
-    """Wait (untimed) for the shm client's mappings to have their page tables, as a client
-    that has run a while has them (client/transport/shm.py, the prefaulter): the memcpy
-    baseline's destination and Mooncake's registered segment are faulted in before timing."""
-    from kvpool.client.transport.shm import wait_prefaulted
-    _say("kvpool shm: faulting the client's mappings of the segment in (untimed)")
-    if not wait_prefaulted(timeout_s):
-        _say(f"kvpool shm: still faulting in after {timeout_s:.0f} s; timing anyway")
+            for c in clients.values():
+                c.close()
 
 
 def _master(config: BenchConfig, master: str | None) -> dict:

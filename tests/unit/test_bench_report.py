@@ -237,9 +237,9 @@ def test_two_systems_take_turns_going_first_across_repeats_too():
     """Security's cost: a prompt is one call per repeat, so the order must swap from repeat
     to repeat (it once started every prompt on the secure cluster)."""
     import numpy as np
-    from kvpool.tools.bench_kvpool import Shape, kvpool_figures
+    from kvpool.tools.bench_kvpool import Shape, SystemClient, kvpool_figures
     calls: list = []
-    kvs = {"a": _Recorder("a", calls), "b": _Recorder("b", calls)}
+    kvs = {s: SystemClient(_Recorder(s, calls), "shm") for s in "ab"}
     src = np.zeros((4, 64), np.uint8)
     kvpool_figures(kvs, "shm", Shape("prompt", 64, 4, 1), 4, src, "t")
     for op in ("put", "get"):
@@ -252,9 +252,9 @@ def test_single_calls_of_two_systems_go_in_turns_the_first_of_each_untimed():
     first after its own slept through the other's calls is no back-to-back call: single
     calls go TURN_CALLS at a time per system, the first of each turn untimed."""
     import numpy as np
-    from kvpool.tools.bench_kvpool import TURN_CALLS, Shape, kvpool_figures
+    from kvpool.tools.bench_kvpool import TURN_CALLS, Shape, SystemClient, kvpool_figures
     calls: list = []
-    kvs = {"a": _Recorder("a", calls), "b": _Recorder("b", calls)}
+    kvs = {s: SystemClient(_Recorder(s, calls), "shm") for s in "ab"}
     src = np.zeros((1, 64), np.uint8)
     figures = kvpool_figures(kvs, "shm", Shape("single", 64, 1, 2 * TURN_CALLS), 1, src, "t")
     puts = [system for op, system in calls if op == "put"]
