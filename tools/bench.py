@@ -84,10 +84,10 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
                         "and secure/plain against the 10%% bound (security's cost)")
     b.add_argument("--cluster-pairs", type=count_type, default=2, metavar="N",
                    help="with --compare-insecure: time each system on N clusters, a secure "
-                        "and a plain one started together N times, each kind first in turn, "
-                        "their repeats pooled (default: 2). Two identical clusters can differ "
-                        "by 30%% here for as long as they run (README, Benchmark): more pairs "
-                        "average that out")
+                        "and a plain one started together N times, each kind first in turn; "
+                        "each figure the median of the N clusters' (default: 2). Two identical "
+                        "clusters can differ by 30%% here for as long as they run (README, "
+                        "Benchmark): more pairs take that out")
     b.add_argument("--disk-tier", action="store_true",
                    help="instead: the disk tier's demotion and read GB/s beside a plain "
                         "sequential file read of the same bytes (tools/bench_disk.py)")

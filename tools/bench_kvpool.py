@@ -295,24 +295,7 @@ def _serve_client(conn, master: str, transport: str) -> None:
 def kvpool_figures(clients: Mapping[str, SystemClient], transport: str, shape: Shape,
                    repeats: int, src: np.ndarray, prefix: str, settle_s: float = 0.0
                    ) -> list[Figure]:
-    """:func:`kvpool_latencies` summarized: a put and a get figure per system."""
-    return kvpool_summary(transport, shape, kvpool_latencies(
-        clients, transport, shape, repeats, src, prefix, settle_s))
-
-
-def kvpool_summary(transport: str, shape: Shape, timed: dict[str, dict[str, list[list[float]]]]
-                   ) -> list[Figure]:
-    """The figures of :func:`kvpool_latencies`' (or several pooled: their repeats joined)."""
-    return [summarize(system, transport, shape.workload, op, shape.value_bytes,
-                      shape.objects_per_call, timed[op][system])
-            for system in timed["put"] for op in ("put", "get")]
-
-
-def kvpool_latencies(clients: Mapping[str, SystemClient], transport: str, shape: Shape,
-                     repeats: int, src: np.ndarray, prefix: str, settle_s: float = 0.0
-                     ) -> dict[str, dict[str, list[list[float]]]]:
-    """Batched (or single-value) put then get_into of the same bytes, fresh keys per repeat:
-    op -> system -> per-repeat call latencies (s);
+    """Batched (or single-value) put then get_into of the same bytes, fresh keys per repeat;
     ``settle_s``: a pause (untimed) after each repeat's removal, for its space to be freed.
     ``clients``: the figures' system -> its client. With several (security's cost: a secure
     and a plain cluster), each call is made on each in turn, the order swapped from call to
@@ -344,7 +327,9 @@ def kvpool_latencies(clients: Mapping[str, SystemClient], transport: str, shape:
         for client in clients.values():
             client.remove([x for ks in keys for x in ks])
         time.sleep(settle_s)
-    return timed
+    return [summarize(system, transport, shape.workload, op, shape.value_bytes,
+                      shape.objects_per_call, timed[op][system])
+            for system in clients for op in ("put", "get")]
 
 
 #: With several systems, single calls go in turns of this many per system (the first untimed).

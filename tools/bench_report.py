@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 SCHEMA = "kvpool-bench/1"
@@ -115,6 +115,19 @@ def summarize(system: str, transport: str, workload: str, op: str, value_bytes: 
                   objects_per_s=calls_per_s * objects_per_call,
                   p50_ms=_percentile(flat, 50) * 1e3, p99_ms=_percentile(flat, 99) * 1e3,
                   repeats=len(repeat_latencies_s), calls=len(flat))
+
+
+def across(figures: Sequence[Figure]) -> Figure:
+    """One workload's figures from several clusters (``kvpool bench --cluster-pairs``) as
+    one: each rate and latency the median of the clusters' (a cluster that was slower all
+    its life, as one of two identical ones can be, moves it less than pooling its calls
+    would), the repeats and calls timed summed."""
+    if len(figures) == 1:
+        return figures[0]
+    med = {name: statistics.median(getattr(f, name) for f in figures)
+           for name in ("gbps", "objects_per_s", "p50_ms", "p99_ms")}
+    return replace(figures[0], **med, repeats=sum(f.repeats for f in figures),
+                   calls=sum(f.calls for f in figures))
 
 
 def _percentile(sorted_values: Sequence[float], pct: float) -> float:

@@ -21,7 +21,8 @@ import numpy as np
 from kvpool.common.config import format_size
 from kvpool.common.errors import KVPoolError
 from kvpool.tools import bench_kvpool as w
-from kvpool.tools.bench_report import PLAIN, Figure, build_report, format_table, write_plots
+from kvpool.tools.bench_report import (PLAIN, Figure, across, build_report, format_table,
+                                       write_plots)
 
 # The data-path cluster's segment: a removed batch that was read stays allocated until its read
 # lease runs out, so every repeat's batch (and the next workload's first) is allocated at once.
@@ -167,17 +168,18 @@ def _raw_tcp(config: BenchConfig, data: dict) -> dict:
 
 
 # Why --compare-insecure times each system on several clusters (--cluster-pairs), each kind
-# started first in turn, and pools their repeats: on this kind of VM two identical clusters
-# differ for as long as they run. Two plain ones started together put a 512 MiB prompt over
-# shm 1.4-2x apart (the copies into one segment's memory slower: which pages a segment gets
-# matters; the slower one followed the start order, and flipped after a restart), and two
-# secure ones in one bench run gave single-call p50s 0.70-1.33 x each other.
+# started first in turn, each figure the median of the clusters' (bench_report.across): on
+# this kind of VM two identical clusters differ for as long as they run. Two plain ones
+# started together put a 512 MiB prompt over shm 1.4-2x apart (the copies into one segment's
+# memory slower: which pages a segment gets matters; the slower one followed the start order,
+# and flipped after a restart), and two secure ones in one bench run gave single-call p50s
+# 0.70-1.33 x each other.
 def _kvpool(config: BenchConfig, data: dict, figures: list, skipped: dict, master: str | None,
             run_id: str) -> None:
     from kvpool.tools.cluster import LocalCluster
-    pooled: dict = {}
+    pairs: dict = {}
     if master is not None:
-        _kvpool_on(config, data, pooled, skipped, {"kvpool": master}, run_id)
+        _kvpool_on(config, data, pairs, skipped, {"kvpool": master}, run_id)
     else:
         kinds = {"kvpool": not config.insecure}
         orders = [kinds]
@@ -190,7 +192,7 @@ def _kvpool(config: BenchConfig, data: dict, figures: list, skipped: dict, maste
         if segment * len(kinds) > _SEGMENT_MEMORY_SHARE * _available_memory_bytes():
             segment = largest * _SEGMENT_MIN_BATCHES
         segment = max(64 << 20, segment)
-        for half, order in enumerate(orders):
+        for pair, order in enumerate(orders):
             with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as logs:
                 clusters = {}
                 try:
@@ -203,14 +205,15 @@ def _kvpool(config: BenchConfig, data: dict, figures: list, skipped: dict, maste
                             master_args=["--lease-ttl", f"{_LEASE_S}s"],
                             log_dir=f"{logs}/{system}", metrics=config.metrics, secure=secure)
                         clusters[system].start()
-                    _kvpool_on(config, data, pooled, skipped,
+                    _kvpool_on(config, data, pairs, skipped,
                                {system: clusters[system].master for system in kinds},
-                               f"{run_id}-{half}", segment)
+                               f"{run_id}-{pair}", segment)
                 finally:
                     for c in clusters.values():
                         c.stop()
-    for (transport, shape), timed in pooled.items():
-        figures.extend(w.kvpool_summary(transport, shape, timed))
+    for each in pairs.values():   # a figure per system and op, across the clusters
+        figures.extend(across([f for fs in each for f in fs if f.key == first.key])
+                       for first in each[0])
 
 
 def _available_memory_bytes() -> int:
@@ -236,12 +239,12 @@ def _settle_s(config: BenchConfig, shape: w.Shape, segment: int | None) -> float
     return _LEASE_S + 0.2
 
 
-def _kvpool_on(config: BenchConfig, data: dict, pooled: dict, skipped: dict,
+def _kvpool_on(config: BenchConfig, data: dict, pairs: dict, skipped: dict,
                masters: dict[str, str], run_id: str, segment: int | None = None) -> None:
-    """kvpool's latencies on each of ``masters`` (system -> address), their calls alternated
-    (tools/bench_kvpool.py kvpool_latencies), so that a drifting load weighs on them alike,
-    added to ``pooled`` ((transport, shape) -> op -> system -> repeats); with several, each
-    system's client is in a process of its own (SpawnedClient)."""
+    """kvpool's figures on each of ``masters`` (system -> address), their calls alternated
+    (tools/bench_kvpool.py kvpool_figures), so that a drifting load weighs on them alike,
+    added to ``pairs`` ((transport, shape) -> a list of figures per pair of clusters); with
+    several masters, each system's client is in a process of its own (SpawnedClient)."""
     for transport in config.transports:
         clients = {}
         try:
@@ -259,15 +262,10 @@ def _kvpool_on(config: BenchConfig, data: dict, pooled: dict, skipped: dict,
             for shape, src in data.items():
                 _say(f"{' and '.join(clients)} {transport}: {shape.workload} "
                      f"{shape.objects_per_call} x {format_size(shape.value_bytes)}")
-                timed = w.kvpool_latencies(
+                pairs.setdefault((transport, shape), []).append(w.kvpool_figures(
                     clients, transport, shape, config.repeats, src,
                     f"bench-{run_id}-{transport}-{shape.workload}-{shape.value_bytes}",
-                    _settle_s(config, shape, segment))
-                into = pooled.setdefault((transport, shape), timed)
-                if into is not timed:
-                    for op, by_system in timed.items():
-                        for system, repeats in by_system.items():
-                            into[op][system] += repeats
+                    _settle_s(config, shape, segment)))
         except KVPoolError as e:
             if clients.keys() == masters.keys():
                 raise

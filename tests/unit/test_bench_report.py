@@ -262,3 +262,17 @@ def test_single_calls_of_two_systems_go_in_turns_the_first_of_each_untimed():
         + ["a"] * TURN_CALLS
     assert {(f.system, f.op): f.calls for f in figures} == \
         dict.fromkeys([(s, op) for s in "ab" for op in ("put", "get")], 2 * (TURN_CALLS - 1))
+
+
+def test_figures_across_clusters_take_the_median_of_each_and_sum_the_calls():
+    """--cluster-pairs: a cluster slower all its life (one of two identical ones can be)
+    moves the figure less than pooling its calls would."""
+    from kvpool.tools.bench_report import across, summarize
+    figures = [summarize("kvpool", "shm", "single", "get", 64, 1, [[s] * 5, [s] * 5])
+               for s in (0.001, 0.0011, 0.003)]
+    one = across(figures)
+    assert one.p50_ms == pytest.approx(1.1) and one.p99_ms == pytest.approx(1.1)
+    assert one.objects_per_s == pytest.approx(1 / 0.0011)
+    assert (one.repeats, one.calls) == (6, 30)
+    assert one.key == figures[0].key
+    assert across(figures[:1]) is figures[0]
