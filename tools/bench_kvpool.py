@@ -9,6 +9,7 @@ counts as a result.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import queue
@@ -236,18 +237,32 @@ class SpawnedClient:
             raise
 
     def __getattr__(self, name: str) -> Callable[..., object]:
-        def call(*args: object) -> object:
+        if name.startswith("_"):   # not one of SystemClient's calls (nor set yet)
+            raise AttributeError(name)
+        return functools.partial(self._call, name)
+
+    def _call(self, name: str, *args: object) -> object:
+        """The child's :class:`SystemClient` ``name(*args)``."""
+        try:
             self._conn.send((name, args))
-            return self._answer()
-        return call
+        except OSError:   # its end of the pipe is gone
+            raise self._gone() from None
+        return self._answer()
+
+    def _gone(self) -> BenchError:
+        self._proc.join(timeout=1.0)
+        return BenchError(f"the bench's client process (pid {self._proc.pid}) "
+                          f"{'died' if not self._proc.is_alive() else 'stopped answering'}")
 
     def _answer(self) -> object:
         deadline = time.monotonic() + self._timeout_s
-        while not self._conn.poll(0.5):
-            if not self._proc.is_alive() or time.monotonic() > deadline:
-                raise BenchError(f"the bench's client process (pid {self._proc.pid}) "
-                                 f"{'died' if not self._proc.is_alive() else 'stopped answering'}")
-        error, value = self._conn.recv()
+        try:
+            while not self._conn.poll(0.5):
+                if not self._proc.is_alive() or time.monotonic() > deadline:
+                    raise self._gone()
+            error, value = self._conn.recv()
+        except (OSError, EOFError):
+            raise self._gone() from None
         if error is not None:
             raise (KVPoolError if error == "kvpool" else BenchError)(value)
         return value
@@ -255,8 +270,8 @@ class SpawnedClient:
     def close(self) -> None:
         try:
             if self._proc.is_alive():
-                self._conn.send(("close", ()))
-                self._answer()
+                with contextlib.suppress(BenchError):   # it died meanwhile
+                    self._call("close")
         finally:
             self._proc.join(timeout=10)
             if self._proc.is_alive():

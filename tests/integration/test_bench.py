@@ -135,6 +135,30 @@ def test_security_on_beside_off_in_one_run(tmp_path):
     assert wait_until_none(mark) == []
 
 
+def test_a_spawned_client_makes_its_calls_in_its_own_process_and_reports_what_failed():
+    """--compare-insecure's clients (SpawnedClient): each call runs in the child, kvpool's
+    error there is raised here as a KVPoolError (the bench skips a transport on one), and a
+    child that dies is said to have died, not waited for."""
+    from kvpool.common.errors import KVPoolError
+    from kvpool.tools.bench_kvpool import BenchError, connect
+    with socket.socket() as s:   # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{s.getsockname()[1]}"
+    client = connect(nobody, "tcp", spawned=True)
+    try:
+        assert client._proc.pid != os.getpid()
+        assert client.reachable("probe") is False
+        client.load(np.zeros((1, 64), np.uint8))
+        with pytest.raises(KVPoolError, match="PutStart failed"):   # kvpool's own error
+            client.calls("put", [["k"]], [True], False)
+        os.kill(client._proc.pid, signal.SIGKILL)
+        with pytest.raises(BenchError, match="died"):
+            client.calls("put", [["k"]], [True], False)
+    finally:
+        client.close()
+    assert not client._proc.is_alive()
+
+
 def test_compare_insecure_refuses_another_cluster_and_insecure():
     for extra in (["--master", "127.0.0.1:1"], ["--insecure"]):
         proc = bench(*TINY, "--compare-insecure", *extra, mark=uuid.uuid4().hex)
