@@ -268,6 +268,7 @@ class SpawnedClient:
         return value
 
     def close(self) -> None:
+        self._timeout_s = min(self._timeout_s, 10.0)   # one that stopped answering: killed
         try:
             if self._proc.is_alive():
                 with contextlib.suppress(BenchError):   # it died meanwhile
