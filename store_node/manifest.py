@@ -343,12 +343,8 @@ class Manifest:
             return sorted(self._by_key.values(), key=lambda r: (r.segment_id, r.offset))
 
     def batches(self, size: int) -> list[Sequence[ObjectRecord]]:
-        """The snapshot in batches of at most ``size`` records (one AnnounceObjects each), in
-        the order this node learnt them: a restarted master indexes announced objects in
-        order, oldest first in the eviction order. (Offset order is not put order: a writer
-        fills the slots it holds in any order, and freed space is reused.)"""
-        with self._lock:
-            records = list(self._by_key.values())
+        """The snapshot in batches of at most ``size`` records (one AnnounceObjects each)."""
+        records = self.records()
         return [records[i:i + size] for i in range(0, len(records), size)]
 
     def _drop(self, key: str) -> None:

@@ -66,6 +66,12 @@ def first_success(op, limit_s: float = TAKEOVER_LIMIT_S) -> float:
             time.sleep(0.02)
 
 
+# Each writer's puts of 16 KiB: 2 x 2,000 x 16 KiB = 64 MiB, with the 8 MiB put first well
+# below the two segments' low watermark; ~3 s of puts at one per ~2 ms reaches ~1,500.
+WRITER_MAX_PUTS = 2000
+WRITER_PAUSE_S = 0.002
+
+
 def test_leader_killed_standby_takes_over_nothing_lost(ha):
     values = {f"ha-{i}": os.urandom(32 * 1024 + i) for i in range(200)}
     twice = {f"ha2-{i}": os.urandom(64 * 1024) for i in range(20)}
@@ -73,11 +79,15 @@ def test_leader_killed_standby_takes_over_nothing_lost(ha):
     stop = threading.Event()
 
     def writer(tag: str, master: str) -> None:
+        # Paced and capped: every value must fit without eviction (two 64 MiB segments), or
+        # "nothing lost" would count evicted objects as lost; unpaced, the writers put 10,000
+        # values (160 MiB) in the test's ~3 s once single puts got fast.
         with KVClient(master, timeout_s=5.0) as kv:
             i = 0
-            while not stop.is_set():
+            while not stop.is_set() and i < WRITER_MAX_PUTS:
                 key, value = f"{tag}-{i}", os.urandom(16 * 1024)
                 i += 1
+                time.sleep(WRITER_PAUSE_S)
                 try:
                     kv.put(key, value)
                 except KVPoolError:
@@ -108,7 +118,7 @@ def test_leader_killed_standby_takes_over_nothing_lost(ha):
         new = ha.leader()
         print(f"\nleader kill -9 -> first successful put: {serving_s:.2f} s; -> all "
               f"{len(values) + len(twice)} objects readable: {rebuilt_s:.2f} s "
-              f"(etcd lease {HA_LEASE_TTL_S} s)")
+              f"(etcd lease {HA_LEASE_TTL_S} s); {len(committed)} puts acknowledged meanwhile")
         assert new != old and not ha.standbys[old].alive()
         assert serving_s < TAKEOVER_LIMIT_S
         after = kv.stats()

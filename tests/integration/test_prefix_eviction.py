@@ -90,7 +90,10 @@ def test_a_hard_pin_survives_a_master_restart(small_cluster):
     """Hard pins are in the nodes' manifests too: after a restart the pinned block is still
     never evicted, though it is the least recently used."""
     keys = [f"plain-{i}" for i in range(SLOTS)]
-    with KVClient(small_cluster.master) as kv:
+    # Without slots: a node announces its records in offset order, which a restarted master
+    # takes as their recency; slots (held ahead, filled in any order) would scramble that
+    # here (1 run in 6 failed), and this test is about the pin, not about that order.
+    with KVClient(small_cluster.master, put_slots=False) as kv:
         for i, k in enumerate(keys):   # one by one: announced (LRU) in this order
             assert kv.put(k, kv_of(9, i)) is None
         assert kv.pin(keys[0]) is None

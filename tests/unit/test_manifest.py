@@ -40,22 +40,6 @@ def test_forget_and_batches():
     assert len(m) == 0 and m.batches(2) == []
 
 
-def test_announced_in_the_order_the_node_learnt_them_not_by_offset():
-    """A restarted master indexes announced objects oldest first in its eviction order;
-    puts fill a writer's slots in any order (CI once lost the LRU order of one-by-one puts
-    across a master restart, test_prefix_eviction.py), so offsets say nothing of age. The
-    master's word on a record (a commit after its seal) makes it the newest."""
-    m = Manifest()
-    m.set_epoch(7)
-    m.apply([rec("old", 192, 1)], [])
-    m.seal(7, rec("first", 128, 2))
-    m.seal(7, rec("second", 64, 3))
-    m.apply([rec("first", 128, 2)], [])   # committed after "second" was sealed
-    m.seal(7, rec("third", 0, 4))
-    assert [r.key for b in m.batches(2) for r in b] == ["old", "second", "first", "third"]
-    assert [r.key for r in m.records()] == ["third", "second", "first", "old"]   # by offset
-
-
 def test_forgetting_a_record_keeps_a_newer_one_of_its_key():
     manifest = Manifest()
     old = ObjectRecord("k", "s", 0, 64, 1, 1)
