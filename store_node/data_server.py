@@ -92,6 +92,13 @@ _JOIN_TIMEOUT_S = 5.0
 # poller: longer than a client's gap between two calls of a busy loop (a master round trip),
 # so a busy connection keeps its worker, and short enough that an idle one costs no thread.
 _LINGER_WORK_MS = 20
+# Frames whose client sends its next frame at once (a WRITE's bytes behind its RESERVE, the
+# SEAL behind a WRITE, once its checksum is done): only after these does a worker poll for the
+# next frame ($KVPOOL_SPIN_US). After any other answer the client's next frame comes after a
+# master round trip at least, and a node polling through it takes a core from that client and
+# the master (README "Security's cost": on two cores a 64 KiB tcp get was ~15% slower so).
+_POLL_AFTER = frozenset({Op.RESERVE, Op.WRITE})
+_POLL_AFTER_HANDOFF = frozenset({HANDOFF_RESERVE})
 _FD_HEADROOM = 128       # fds kept for segments, the master's channel, logs (see _fit_fd_limit)
 _IN = select.EPOLLIN | select.EPOLLONESHOT
 _UCRED = struct.Struct("3i")   # struct ucred: pid, uid, gid
@@ -222,7 +229,7 @@ class _Conn:
     """One client connection and what serving it keeps between frames."""
 
     __slots__ = ("board", "busy", "fd", "header", "keep_open", "last_active", "next_frame",
-                 "peer", "queue_pairs", "shm", "sid_buf", "sock", "trust")
+                 "peer", "poll_next", "queue_pairs", "shm", "sid_buf", "sock", "trust")
 
     def __init__(self, sock: socket.socket, peer: str, shm: bool, trust: int) -> None:
         self.sock, self.fd, self.peer, self.shm, self.trust = sock, sock.fileno(), peer, shm, trust
@@ -235,8 +242,9 @@ class _Conn:
         self.sid_buf = bytearray(MAX_SEGMENT_ID_BYTES)
         self.queue_pairs: list = []        # RDMA queue pairs set up on it: die with it
         # A worker polls a while for the client's next frame before it sleeps on it
-        # ($KVPOOL_SPIN_US): a client making call after call is not met by a sleeping core.
+        # ($KVPOOL_SPIN_US) where that frame follows at once (``poll_next``: _POLL_AFTER).
         self.next_frame = Spinner(sock)
+        self.poll_next = False
         self.board: Board | None = None    # its seal board (shm writers: net/seal_board.py)
 
 
@@ -523,7 +531,8 @@ class DataServer:
         keep = False
         try:
             while serve(c) and not self._stopping.is_set():
-                if not (c.next_frame.wait() or c.next_frame.readable_within(_LINGER_WORK_MS)):
+                if not ((c.poll_next and c.next_frame.wait())
+                        or c.next_frame.readable_within(_LINGER_WORK_MS)):
                     keep = True
                     break
         except _Disconnected as exc:
@@ -554,6 +563,7 @@ class DataServer:
         conn, peer, header = c.sock, c.peer, c.header
         _recv_exact(conn, memoryview(header), frame_started=False)
         magic, op, sid_len, offset, length = REQUEST.unpack(header)
+        c.poll_next = op in _POLL_AFTER
         if reason := malformed_request(magic, op, sid_len, offset, length):
             self._refuse_malformed(conn, peer, reason)
             return False
@@ -787,6 +797,7 @@ class DataServer:
                                  "(kvpool store-node --shm-writer/--shm-reader)", close=True)
             return False
         (sid_len,) = HANDOFF_REQUEST.unpack(length_buf)
+        c.poll_next = sid_len in _POLL_AFTER_HANDOFF
         if sid_len in (HANDOFF_RESERVE, HANDOFF_SEAL, HANDOFF_BOARD):
             if c.trust != _ShmTrust.WRITE:
                 self._refuse_handoff(conn, peer, FrameStatus.DENIED, "only a trusted writer "

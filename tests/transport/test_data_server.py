@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 
 import pytest
 from kvpool.client.transport.base import IoOp
@@ -136,3 +137,34 @@ def test_dram_segment_lifecycle():
         _ = seg.buffer
     with pytest.raises(InvalidArgument):
         DramSegment("n/0-x", 0)
+
+
+def test_a_node_polls_for_the_frame_behind_a_write_not_after_a_read(monkeypatch):
+    """A worker polls ($KVPOOL_SPIN_US, here its longest) only where the client's next frame
+    follows at once: behind a WRITE (its SEAL), not after a READ, whose next frame comes after
+    a master round trip and would meet a node busy polling on the client's cores."""
+    monkeypatch.setenv("KVPOOL_SPIN_US", "100000")
+    seg = create_dram_segment("local", 0, 1 << 20)
+    server = DataServer({seg.info.segment_id: seg})
+    server.start()
+    transport = TCPTransport(timeout_s=5)
+    try:
+        node = NodeEndpoints("local", local_boot_id(), server.tcp_endpoint, "")
+        op = IoOp(Replica(node, Extent(seg.info.segment_id, 0, 4)), memoryview(bytearray(4)))
+
+        def cpu_after(call) -> float:
+            """The CPU this process spends in the 0.3 s after ``call`` answered (this
+            thread sleeps: it is the node's worker's)."""
+            assert call([op]) == [None]
+            before = time.process_time()
+            time.sleep(0.3)
+            return time.process_time() - before
+
+        after_read = cpu_after(transport.read)
+        after_write = cpu_after(transport.write)
+        assert after_read < 0.02, after_read      # slept on the connection
+        assert after_write > 0.03, after_write    # polled for up to 0.1 s
+    finally:
+        transport.close()
+        server.stop()
+        seg.close()
