@@ -285,3 +285,21 @@ def test_put_phases_names_where_a_puts_time_goes(slots):
         assert {"PutStart (master round trip)", "RESERVE (node round trip)", seal} \
             <= set(in_puts), out
     assert all(0 < v <= put for v in in_puts.values()), out
+
+
+def test_lookup_phases_names_where_a_lookups_time_goes():
+    """scripts/lookup_phases.py (the split DESIGN.md "Where a lookup's time goes" quotes) runs
+    the master's handler at steady state: leases end while others begin, and each phase it
+    reports took time and less than the whole call."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "lookup_phases.py"
+    out = subprocess.run([sys.executable, str(script), "--objects", "20000", "--calls", "100",
+                          "--interval-us", "1000000"],   # a lease spans 5 calls
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    phases = {k: float(v) for k, v in re.findall(r"^  (\S.*?)\s+(\d+\.\d+)$", out, re.M)}
+    whole = phases.pop("the whole handler (MasterServicer.get_replicas)")
+    assert {"leases ending (Leases.expire)", "eviction order touches",
+            "read grants (GrantMinter.mint)", "index walk (dict.get per key, timed apart)"} \
+        <= set(phases), out
+    assert all(0 < v < whole for v in phases.values()), out
+    running = int(re.search(r"([\d,]+) leases running", out).group(1).replace(",", ""))
+    assert 0 < running <= 8 * 256, out   # the last few calls' leases: the others ended
