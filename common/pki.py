@@ -103,11 +103,12 @@ def issue(directory: str | os.PathLike, role: str, name: str, hosts: tuple[str, 
                .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
                    ca.public_key()), critical=False))
     usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
-    if role in ("master", "etcd"):
+    if role in ("master", "etcd", "node"):   # a node serves its data port over TLS (--data-tls)
         usages.append(ExtendedKeyUsageOID.SERVER_AUTH)
         names = [x509.DNSName(MASTER_NAME)] if role == "master" else []
-        builder = builder.add_extension(x509.SubjectAlternativeName(
-            [*names, *(_san(h) for h in hosts)]), critical=False)
+        if names or hosts:
+            builder = builder.add_extension(x509.SubjectAlternativeName(
+                [*names, *(_san(h) for h in hosts)]), critical=False)
     cert = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False).sign(
         ca_key, hashes.SHA256())
     stem = f"{role}-{name.replace(':', '_')}"

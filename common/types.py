@@ -31,6 +31,7 @@ class NodeEndpoints:
     rdma_device: str = ""        # e.g. "rxe0"; "" = the node has no RDMA
     rdma_gid: str = ""           # the port's GID ("fe80:0000:...")
     rdma_port: int = 0           # the device port (1-based)
+    tcp_tls: bool = False        # the tcp data port speaks TLS (store-node --data-tls)
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ import math
 import os
 import select
 import socket
+import ssl
 import time
 from collections.abc import Sequence
 
@@ -89,10 +90,13 @@ class Spinner(_BackOff):
     for nothing: after such misses in a row the next 1, 3, 7, ... 63 waits sleep at once,
     and the first answer that comes in time ends the back-off."""
 
-    __slots__ = ("_poller", "_spin_s")
+    __slots__ = ("_pending", "_poller", "_spin_s")
 
     def __init__(self, sock: socket.socket, spin_s: float | None = None) -> None:
         super().__init__()
+        # Over TLS a frame may be read into the TLS layer already, where a poll of the socket
+        # does not see it: such bytes count as readable.
+        self._pending = sock.pending if isinstance(sock, ssl.SSLSocket) else None
         self._poller = select.poll()
         self._poller.register(sock, select.POLLIN)
         self._spin_s = spin_default_s() if spin_s is None else spin_s
@@ -100,6 +104,8 @@ class Spinner(_BackOff):
     def wait(self) -> bool:
         """Poll until the socket is readable or the spin ends; whether it is readable (False
         too when this wait sleeps: the caller reads, blocking, as it would without)."""
+        if self._pending is not None and self._pending():
+            return True
         if not self._spin_s or self._skips():
             return False
         poll, end = self._poller.poll, time.perf_counter() + self._spin_s
@@ -114,6 +120,8 @@ class Spinner(_BackOff):
     def readable_within(self, timeout_ms: int) -> bool:
         """Whether the socket becomes readable within ``timeout_ms``, sleeping on it (after
         :meth:`wait`, for a caller that gives up on the socket after a while)."""
+        if self._pending is not None and self._pending():
+            return True
         return bool(self._poller.poll(timeout_ms))
 
 
@@ -183,7 +191,12 @@ def recv_exact(sock: socket.socket, size: int, what: str = "node") -> bytes:
 
 
 def send_all(sock: socket.socket, buffers: Sequence[memoryview | bytes]) -> None:
-    """sendmsg (scatter-gather, no joining copy) until every buffer is sent."""
+    """sendmsg (scatter-gather, no joining copy) until every buffer is sent; over TLS (no
+    sendmsg there) one sendall per buffer."""
+    if isinstance(sock, ssl.SSLSocket):
+        for b in buffers:
+            sock.sendall(b)
+        return
     views = [memoryview(b) for b in buffers if len(b)]
     while views:
         sent = sock.sendmsg(views)

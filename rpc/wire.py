@@ -33,14 +33,14 @@ def node_to_pb(node: NodeEndpoints) -> pb.NodeEndpoints:
     return pb.NodeEndpoints(node_id=node.node_id, boot_id=node.boot_id,
                             tcp_endpoint=node.tcp_endpoint, shm_endpoint=node.shm_endpoint,
                             rdma_device=node.rdma_device, rdma_gid=node.rdma_gid,
-                            rdma_port=node.rdma_port)
+                            rdma_port=node.rdma_port, tcp_tls=node.tcp_tls)
 
 
 def node_from_pb(msg: pb.NodeEndpoints) -> NodeEndpoints:
     return NodeEndpoints(node_id=msg.node_id, boot_id=msg.boot_id,
                          tcp_endpoint=msg.tcp_endpoint, shm_endpoint=msg.shm_endpoint,
                          rdma_device=msg.rdma_device, rdma_gid=msg.rdma_gid,
-                         rdma_port=msg.rdma_port)
+                         rdma_port=msg.rdma_port, tcp_tls=msg.tcp_tls)
 
 
 def segment_to_pb(seg: SegmentInfo) -> pb.SegmentInfo:

@@ -38,6 +38,7 @@ import resource
 import secrets
 import select
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -229,11 +230,13 @@ class _Conn:
     """One client connection and what serving it keeps between frames."""
 
     __slots__ = ("board", "busy", "fd", "header", "keep_open", "last_active", "next_frame",
-                 "peer", "poll_next", "queue_pairs", "shm", "sid_buf", "sock", "trust")
+                 "peer", "poll_next", "queue_pairs", "shm", "shake", "sid_buf", "sock",
+                 "trust")
 
     def __init__(self, sock: socket.socket, peer: str, shm: bool, trust: int) -> None:
         self.sock, self.fd, self.peer, self.shm, self.trust = sock, sock.fileno(), peer, shm, trust
         self.busy = False                  # a worker holds it (not in the idle poller)
+        self.shake = isinstance(sock, ssl.SSLSocket)   # its TLS handshake is still to come
         self.last_active = time.monotonic()
         # A trusted shm link is exempt from the idle timeout and from eviction (its EOF tells
         # the client that the node died); an untrusted one waits to be refused, or times out.
@@ -265,13 +268,17 @@ class DataServer:
     ``connections()`` how many clients are connected by tcp and by the shm socket (the node's
     metrics). ``supervisor`` runs the accepting thread (common/loops.py). ``manifest``: the
     node's, which records writers' reservations and seals (RESERVE, SEAL; refused UNSUPPORTED
-    without one). ``limits``: connections and idle timeout (:class:`DataLimits`).
+    without one). ``limits``: connections and idle timeout (:class:`DataLimits`). ``tls``:
+    the tcp port speaks TLS under it (net/data_tls.py ``server_context``; the shm hand-off
+    does not).
     """
 
     def __init__(self, segments: Mapping[str, Segment], host: str = "127.0.0.1", port: int = 0,
                  shm: bool = True, rdma=None, supervisor: Supervisor | None = None,
-                 manifest: Manifest | None = None, limits: DataLimits | None = None) -> None:
+                 manifest: Manifest | None = None, limits: DataLimits | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self._segments = segments
+        self._tls = tls
         self._manifest = manifest   # takes writers' RESERVE and SEAL; None: refused
         self._rdma = rdma
         self._counts: Counter[str] = Counter()
@@ -462,6 +469,9 @@ class DataServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, stall)
         if not shm:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:   # the handshake is a worker's, not this thread's
+                sock = self._tls.wrap_socket(sock, server_side=True,
+                                             do_handshake_on_connect=False)
         c = _Conn(sock, peer, shm, self._trust.of(*_peer_ids(sock)) if shm else _ShmTrust.NONE)
         with self._lock:
             if self._stopping.is_set():
@@ -530,6 +540,9 @@ class DataServer:
         serve = self._shm_frame if c.shm else self._tcp_frame
         keep = False
         try:
+            if c.shake:
+                c.sock.do_handshake()
+                c.shake = False
             while serve(c) and not self._stopping.is_set():
                 if not ((c.poll_next and c.next_frame.wait())
                         or c.next_frame.readable_within(_LINGER_WORK_MS)):

@@ -34,6 +34,7 @@ import errno
 import fcntl
 import json
 import os
+import ssl
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -101,7 +102,9 @@ class DiskSegment(MappedSegment):
     def send_to(self, sock, offset: int, length: int, header: bytes = b"") -> None:
         """With sendfile(2): the kernel reads ahead and copies page cache -> socket, with no
         page faults on the mapping (several times faster cold). OSError if the file came up
-        short."""
+        short. Over TLS (--data-tls) the bytes must pass through it: the mapping is sent."""
+        if isinstance(sock, ssl.SSLSocket):
+            return super().send_to(sock, offset, length, header)
         self.check_range(offset, length)
         sock.sendall(header)
         done = 0

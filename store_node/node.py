@@ -27,6 +27,7 @@ from kvpool.common.host import local_boot_id
 from kvpool.common.logging import get_logger
 from kvpool.common.loops import RESTART, OnCrash, Supervisor
 from kvpool.common.types import Move, NodeEndpoints, SegmentInfo
+from kvpool.net.data_tls import server_context as data_tls_context
 from kvpool.rpc.master_client import MasterClient
 from kvpool.store_node.data_server import DataLimits, DataServer
 from kvpool.store_node.disk import DiskTier
@@ -78,7 +79,8 @@ class StoreNode:
                  scrub_interval_s: float = 60.0, disk_path: str | None = None,
                  disk_size: int = 0, hbm_size: int = 0, gpu: int = 0,
                  hugepages: bool = False, supervisor: Supervisor | None = None,
-                 data_limits: DataLimits | None = None, credentials: str | None = None):
+                 data_limits: DataLimits | None = None, credentials: str | None = None,
+                 data_tls: bool = False):
         """``host``/``port``: where the tcp data server listens (port 0 = any free port);
         ``advertise_host``: the address clients should dial, if not ``host`` (e.g. 0.0.0.0).
         ``rdma_device``: register the segments with this RDMA device (an error if missing);
@@ -97,7 +99,8 @@ class StoreNode:
         (store_node/data_server.py DataLimits).
         ``credentials``: this node's credentials file (common/security.py; by default found
         as ``resolve`` says); a node certificate names the node id, which ``node_id`` (if
-        given) must equal."""
+        given) must equal. ``data_tls``: the tcp data port speaks TLS with this node's
+        certificate (net/data_tls.py); InvalidArgument without credentials."""
         if not segment_sizes:
             raise ValueError("a store node needs at least one segment")
         # Opened first: a bad directory is an error before any memory is allocated.
@@ -127,6 +130,14 @@ class StoreNode:
         self._rdma_device = rdma_device
         self._rdma = None                       # store_node.rdma.NodeRDMA where enabled
         self._data_limits = data_limits
+        self._data_tls = None
+        if data_tls:
+            found = creds if creds is not None or isinstance(master, MasterClient) else \
+                security.resolve(master, role="node", name=self.node_id)
+            if found is None:
+                raise InvalidArgument("--data-tls needs this node's credentials (--credentials, "
+                                      "$KVPOOL_CREDENTIALS, or a local cluster's)")
+            self._data_tls = data_tls_context(found)
         self._published: dict[str, SegmentInfo] = {}   # as mounted: with the RDMA region
         self._interval_s = heartbeat_interval_s
         self._master = master if isinstance(master, MasterClient) else \
@@ -190,13 +201,14 @@ class StoreNode:
                         self._published[sid] = self._rdma.register(seg)
             self._server = DataServer(self.segments, self._host, self._port, shm=self._shm,
                                       rdma=self._rdma, supervisor=self._supervisor,
-                                      manifest=self.manifest, limits=self._data_limits)
+                                      manifest=self.manifest, limits=self._data_limits,
+                                      tls=self._data_tls)
             self._server.start()
             host, _, port = self._server.tcp_endpoint.rpartition(":")
             self.endpoints = NodeEndpoints(
                 node_id=self.node_id, boot_id=local_boot_id(),
                 tcp_endpoint=f"{self._advertise or host}:{port}",
-                shm_endpoint=self._server.shm_endpoint)
+                shm_endpoint=self._server.shm_endpoint, tcp_tls=self._data_tls is not None)
             if self._rdma is not None:
                 self.endpoints = self._rdma.advertise(self.endpoints)
             deadline = time.monotonic() + mount_timeout_s

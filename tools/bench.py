@@ -75,6 +75,10 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--metrics", action="store_true",
                    help="run the local cluster's master and node with --metrics-port (to "
                         "measure what metrics cost: compare with a run without)")
+    b.add_argument("--data-tls", action="store_true",
+                   help="the local cluster's node serves its tcp data port over TLS "
+                        "(store-node --data-tls: to measure what it costs, compare with a run "
+                        "without)")
     b.add_argument("--insecure", action="store_true",
                    help="run the local cluster without credentials (plain text; to measure "
                         "what security costs: compare with a run without)")
@@ -121,6 +125,10 @@ def run(args: argparse.Namespace) -> int:
         print("kvpool bench: error: --compare-insecure starts its own secure and plain "
               "clusters: not with --master or --insecure", file=sys.stderr)
         return 2
+    if args.data_tls and (args.master or args.insecure):
+        print("kvpool bench: error: --data-tls starts a secure local cluster whose node serves "
+              "TLS: not with --master or --insecure", file=sys.stderr)
+        return 2
     from kvpool.tools.bench_run import BenchConfig, run_bench
     preset = QUICK if args.quick else FULL
     block = (args.block_size or [2 << 20])[0]
@@ -140,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
         redis=not args.no_redis,
         peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()),
         metrics=args.metrics, insecure=args.insecure, compare_insecure=args.compare_insecure,
+        data_tls=args.data_tls,
         cluster_pairs=args.cluster_pairs)
     bad = set(config.transports) - {"shm", "tcp", "rdma"}
     if bad:

@@ -60,6 +60,7 @@ class BenchConfig:
     redis: bool = True
     peers: tuple[str, ...] = ()
     metrics: bool = False        # kvpool's processes serve /metrics (their cost measured)
+    data_tls: bool = False       # the secure cluster's node serves tcp over TLS (its cost)
     insecure: bool = False       # the local cluster without credentials (security's cost)
     # kvpool's figures on a secure and a plain local cluster, alternated (security's cost in
     # one run): the plain cluster's figures are system PLAIN.
@@ -197,12 +198,15 @@ def _kvpool(config: BenchConfig, data: dict, figures: list, skipped: dict, maste
                 clusters = {}
                 try:
                     for system, secure in order.items():
+                        tls = config.data_tls and secure
                         _say(f"starting a local cluster"
                              f"{' without credentials' if not secure else ''}: master + 1 "
-                             f"store node ({format_size(segment)})")
+                             f"store node ({format_size(segment)}"
+                             f"{', its tcp data port over TLS' if tls else ''})")
                         clusters[system] = LocalCluster(
                             nodes=1, segment_size=str(segment),
                             master_args=["--lease-ttl", f"{_LEASE_S}s"],
+                            node_args=["--data-tls"] if tls else [],
                             log_dir=f"{logs}/{system}", metrics=config.metrics, secure=secure)
                         clusters[system].start()
                     _kvpool_on(config, data, pairs, skipped,

@@ -48,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-interval", type=duration_type, default=1.0, metavar="DURATION",
                    help="how often to heartbeat the master; keep well under its --node-ttl "
                         "(default: 1s)")
+    p.add_argument("--data-tls", action="store_true",
+                   help="serve the tcp data port over TLS with this node's certificate, so "
+                        "values cross the network encrypted (clients with the cluster's "
+                        "credentials follow; RDMA is then not offered to them; SECURITY.md)")
     p.add_argument("--no-shm", action="store_true",
                    help="do not offer the same-host shared-memory hand-off (tcp only)")
     p.add_argument("--max-connections", type=int, default=4096, metavar="N",
@@ -109,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
                      scrub_bytes_per_s=args.scrub_rate, scrub_interval_s=args.scrub_interval,
                      disk_path=args.disk_path, disk_size=args.disk_size or 0,
                      hbm_size=args.hbm_size or 0, gpu=args.gpu, hugepages=args.hugepages,
-                     data_limits=_data_limits(args), credentials=args.credentials)
+                     data_limits=_data_limits(args), credentials=args.credentials,
+                     data_tls=args.data_tls)
     with contextlib.ExitStack() as running:
         if args.metrics_port is not None:   # up first: /healthz answers while the node mounts
             from kvpool.common.metrics import MetricsServer, new_registry

@@ -233,7 +233,8 @@ class RDMATransport(Transport):
         return self._dev.name
 
     def can_reach(self, node: NodeEndpoints) -> bool:
-        return bool(node.rdma_gid) and bool(node.tcp_endpoint)
+        # Not a node whose data port speaks TLS: the queue-pair handshake on it is not wrapped.
+        return bool(node.rdma_gid) and bool(node.tcp_endpoint) and not node.tcp_tls
 
     def read(self, ops: Sequence[IoOp]) -> list[TransportError | None]:
         return self._run(ops, byte_views(ops, writable=True), write=False)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import select
 import socket
+import ssl
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -47,6 +48,7 @@ from kvpool.net.data_port import (
     encode_request,
     recv_refusal,
 )
+from kvpool.net import data_tls
 from kvpool.net.sockets import Spinner, recv_exact_into, send_all
 
 log = get_logger(__name__)
@@ -74,13 +76,14 @@ class TCPTransport(Transport):
     hanging the client); ``connect_timeout_s`` defaults to it. At most ``max_idle_per_endpoint``
     idle connections are pooled per node; ``window`` requests are in flight per connection.
     Ops on different nodes run in parallel, ``max_parallel_endpoints`` nodes at a time.
+    ``tls`` (net/data_tls.py ``client_context``): for nodes whose data port speaks TLS.
     """
 
     scheme = "tcp"
 
     def __init__(self, timeout_s: float = 10.0, *, connect_timeout_s: float | None = None,
                  max_idle_per_endpoint: int = 4, window: int = 32,
-                 max_parallel_endpoints: int = 8) -> None:
+                 max_parallel_endpoints: int = 8, tls: ssl.SSLContext | None = None) -> None:
         if window < 1:
             raise InvalidArgument("window must be at least 1")
         self._timeout_s = timeout_s
@@ -88,6 +91,7 @@ class TCPTransport(Transport):
         self._max_idle = max_idle_per_endpoint
         self._window = window
         self._max_parallel = max_parallel_endpoints
+        self._tls = tls   # for nodes whose data port speaks TLS (net/data_tls.py)
         self._lock = threading.Lock()
         self._idle: dict[str, list[socket.socket]] = {}
         # Each connection's answer spinner (net/sockets.py), for as long as it lives.
@@ -130,7 +134,7 @@ class TCPTransport(Transport):
         for endpoint, indexes in group_by(ops, lambda o: o.replica.node.tcp_endpoint).items():
             sock, answered = None, 0
             try:
-                sock = self._acquire(endpoint)
+                sock = self._acquire(endpoint, ops[indexes[0]].replica.node.tcp_tls)
                 sock.sendall(b"".join(_record_request(Op.RESERVE, ops[k], records[k])
                                       for k in indexes))
                 header = bytearray(RESPONSE.size)
@@ -218,7 +222,7 @@ class TCPTransport(Transport):
             return
         sock = None
         try:
-            sock = self._acquire(endpoint)
+            sock = self._acquire(endpoint, ops[pending[0]].replica.node.tcp_tls)
             for k in pending:
                 send_all(sock, [*(() if reserved else
                                   (_record_request(Op.RESERVE, ops[k], records[k]),)),
@@ -302,7 +306,7 @@ class TCPTransport(Transport):
         while pending:
             sock = None
             try:
-                sock = self._acquire(endpoint)
+                sock = self._acquire(endpoint, ops[pending[0]].replica.node.tcp_tls)
                 self._pipeline(sock, pending, ops, views, op, results)
             except _WriteRefused:
                 sock.close()
@@ -376,29 +380,39 @@ class TCPTransport(Transport):
             spinner = self._spinners[sock] = Spinner(sock)
         return spinner
 
-    def _acquire(self, endpoint: str) -> socket.socket:
+    def _acquire(self, endpoint: str, tls: bool = False) -> socket.socket:
+        """An idle connection to ``endpoint``, else a new one (over TLS where the node's data
+        port speaks it: ``NodeEndpoints.tcp_tls``)."""
         with self._lock:
             if self._closed:
                 raise ClientClosed("transport is closed")
-            idle = self._idle.get(endpoint)
+            idle = self._idle.get(_pool_key(endpoint, tls))
             while idle:
                 sock = idle.pop()
                 if _usable(sock):
                     return sock
                 sock.close()
         host, port = _parse_endpoint(endpoint)
+        if tls and self._tls is None:
+            raise TransportError(f"tcp {endpoint}: the node serves its data port over TLS "
+                                 "(--data-tls); this client has no credentials for it")
         sock = socket.create_connection((host, port), timeout=self._connect_timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(self._timeout_s)
-        return sock
+        return data_tls.wrap(sock, self._tls, endpoint) if tls else sock
 
     def _release(self, endpoint: str, sock: socket.socket) -> None:
         with self._lock:
-            idle = self._idle.setdefault(endpoint, [])
+            idle = self._idle.setdefault(_pool_key(endpoint, isinstance(sock, ssl.SSLSocket)),
+                                         [])
             if not self._closed and len(idle) < self._max_idle:
                 idle.append(sock)
                 return
         sock.close()
+
+
+def _pool_key(endpoint: str, tls: bool) -> str:
+    return f"tls:{endpoint}" if tls else endpoint
 
 
 def _usable(sock: socket.socket) -> bool:

@@ -166,6 +166,25 @@ def test_compare_insecure_refuses_another_cluster_and_insecure():
         assert proc.returncode == 2 and "--compare-insecure" in stderr, stderr
 
 
+def test_data_tls_benches_a_node_whose_tcp_port_speaks_tls(tmp_path):
+    """--data-tls: the local cluster's node serves tcp over TLS (store-node --data-tls) and
+    the figures are its; refused with --insecure or --master (nothing to start secure)."""
+    out = tmp_path / "bench.json"
+    proc = bench(*TINY, "--json", str(out), "--data-tls", "--no-master-bench", "--no-redis",
+                 "--transports", "tcp", mark=uuid.uuid4().hex)
+    _, stderr = proc.communicate(timeout=170)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "its tcp data port over TLS" in stderr
+    report = json.loads(out.read_text())
+    assert report["config"]["data_tls"] is True
+    assert {("kvpool", "tcp", "prompt", "get"), ("kvpool", "tcp", "single", "put")} <= {
+        (r["system"], r["transport"], r["workload"], r["op"]) for r in report["results"]}
+    for extra in (["--master", "127.0.0.1:1"], ["--insecure"]):
+        proc = bench(*TINY, "--data-tls", *extra, mark=uuid.uuid4().hex)
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 2 and "--data-tls" in stderr, stderr
+
+
 @pytest.mark.slow
 def test_interrupted_run_stops_everything_it_started(tmp_path):
     mark = uuid.uuid4().hex

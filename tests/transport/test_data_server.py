@@ -168,3 +168,31 @@ def test_a_node_polls_for_the_frame_behind_a_write_not_after_a_read(monkeypatch)
         transport.close()
         server.stop()
         seg.close()
+
+
+def test_a_disk_segment_is_read_through_tls_not_around_it(tmp_path):
+    """Over TLS (--data-tls) a disk segment's READ goes through the TLS layer (its
+    sendfile(2) would put clear bytes on an encrypted stream), and a client's WRITE too (no
+    sendmsg on a TLS socket)."""
+    from kvpool.common import pki, security
+    from kvpool.net import data_tls
+    pki.make_local(tmp_path / "creds", "127.0.0.1")
+    node_creds = security.load(pki.ensure(tmp_path / "creds", "node", "local"))
+    client_creds = security.load(tmp_path / "creds" / "client.yaml")
+    seg = DiskSegment("local/5-tls", 1 << 20, tmp_path / "segment")
+    server = DataServer({seg.info.segment_id: seg}, shm=False,
+                        tls=data_tls.server_context(node_creds))
+    server.start()
+    transport = TCPTransport(timeout_s=5, tls=data_tls.client_context(client_creds))
+    try:
+        node = NodeEndpoints("local", local_boot_id(), server.tcp_endpoint, tcp_tls=True)
+        replica = Replica(node, Extent(seg.info.segment_id, 4096, 200_000))
+        value = os.urandom(200_000)
+        assert transport.write([IoOp(replica, memoryview(value))]) == [None]
+        out = bytearray(200_000)
+        assert transport.read([IoOp(replica, memoryview(out))]) == [None]
+        assert out == value
+    finally:
+        transport.close()
+        server.stop()
+        seg.close()

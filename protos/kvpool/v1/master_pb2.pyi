@@ -40,7 +40,7 @@ TIER_HBM: Tier
 TIER_DISK: Tier
 
 class NodeEndpoints(_message.Message):
-    __slots__ = ("node_id", "boot_id", "tcp_endpoint", "shm_endpoint", "rdma_device", "rdma_gid", "rdma_port")
+    __slots__ = ("node_id", "boot_id", "tcp_endpoint", "shm_endpoint", "rdma_device", "rdma_gid", "rdma_port", "tcp_tls")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     TCP_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class NodeEndpoints(_message.Message):
     RDMA_DEVICE_FIELD_NUMBER: _ClassVar[int]
     RDMA_GID_FIELD_NUMBER: _ClassVar[int]
     RDMA_PORT_FIELD_NUMBER: _ClassVar[int]
+    TCP_TLS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     boot_id: str
     tcp_endpoint: str
@@ -55,7 +56,8 @@ class NodeEndpoints(_message.Message):
     rdma_device: str
     rdma_gid: str
     rdma_port: int
-    def __init__(self, node_id: _Optional[str] = ..., boot_id: _Optional[str] = ..., tcp_endpoint: _Optional[str] = ..., shm_endpoint: _Optional[str] = ..., rdma_device: _Optional[str] = ..., rdma_gid: _Optional[str] = ..., rdma_port: _Optional[int] = ...) -> None: ...
+    tcp_tls: bool
+    def __init__(self, node_id: _Optional[str] = ..., boot_id: _Optional[str] = ..., tcp_endpoint: _Optional[str] = ..., shm_endpoint: _Optional[str] = ..., rdma_device: _Optional[str] = ..., rdma_gid: _Optional[str] = ..., rdma_port: _Optional[int] = ..., tcp_tls: _Optional[bool] = ...) -> None: ...
 
 class SegmentInfo(_message.Message):
     __slots__ = ("segment_id", "size_bytes", "tier", "rdma_addr", "rdma_rkey")
