@@ -257,6 +257,17 @@ def test_arguments_are_what_kvpools_command_line_accepts(case, tmp_path):
                 one(docs, "Service", MASTER)
 
 
+def test_data_tls_makes_store_nodes_serve_tls(helm):
+    """security.dataTls: every store node runs with --data-tls, an argument kvpool's parser
+    takes; off by default."""
+    from kvpool.tools.cli import build_parser
+    assert "--data-tls" not in container(node_workload(render("default")))["args"]
+    args = container(node_workload(render_values(helm, {"security": {"dataTls": True}})))["args"]
+    assert "--data-tls" in args
+    parser, _ = build_parser("store-node")
+    assert parser.parse_args([a.replace("$(", "").replace(")", "") for a in args]).data_tls
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_store_nodes_keep_their_id_across_restarts(case):
     """The disk tier belongs to a node id: a restarted node must come back with the same one."""
@@ -749,6 +760,9 @@ BROKEN = {
         {"security": {"nodeCertificates": "spiffe"}}, "ValuesError", "nodeCertificates"),
     "a Secret name Kubernetes refuses": (
         {"security": {"clients": ["Tenant_A"]}}, "ValuesError", "clients"),
+    "TLS on the data port without certificates": (
+        {"security": {"enabled": False, "dataTls": True}}, "RenderError",
+        "set security.enabled: true"),
     "a misspelt key": (
         {"master": {"replcas": 3}}, "ValuesError", "replcas"),
     "a Kubernetes quantity where kvpool wants its size": (
