@@ -191,10 +191,13 @@ def read_stream(server: Server, body: dict) -> tuple[list[tuple[float, bytes]], 
 
 
 def test_a_stream_arrives_in_pieces_as_the_engine_makes_them(setup):
-    body = completion(words(20, 4), max_tokens=120, stream=True)
+    # 400 tokens take seconds to make here. With 120 (about 0.5 s), CI once saw all three
+    # tries arrive whole: the engines' own threads held both cores for a whole generation,
+    # and the gateway and this reader ran only at its end. Under two extra busy loops, 400
+    # tokens came through the gateway in 9 pieces or more over 0.9 s or more (6 of 6 tries).
+    body = completion(words(20, 4), max_tokens=400, stream=True)
     # Not all at the end: the first token came well before the last. A gateway that holds
-    # the stream back does so every time; this process, starved of the CPU by the engines for
-    # the whole of a generation, reads it all at once only now and then (CI saw it once).
+    # the stream back does so every time; a starved reader only now and then.
     for _ in range(3):
         chunks, _ = read_stream(setup.gateway, body)
         if chunks[-1][0] - chunks[0][0] > 0.1:
@@ -203,10 +206,10 @@ def test_a_stream_arrives_in_pieces_as_the_engine_makes_them(setup):
     body_bytes = b"".join(c for _, c in chunks)
     events = [e for e in body_bytes.split(b"\n\n") if e.startswith(b"data: ")]
     # A token an event, and the end (vLLM merges tokens its server had no time to send yet).
-    assert events[-1] == b"data: [DONE]" and 10 <= len(events) <= 121
+    assert events[-1] == b"data: [DONE]" and 10 <= len(events) <= 401
     assert len(chunks) >= 5
     text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
-    _, _, whole = setup.gateway.post("/v1/completions", completion(words(20, 4), 120))
+    _, _, whole = setup.gateway.post("/v1/completions", completion(words(20, 4), 400))
     assert text == whole["choices"][0]["text"]
 
 
@@ -344,3 +347,4 @@ def test_an_engine_killed_mid_run_fails_over(setup):
         status, headers, _ = gw.post("/v1/completions", completion(words(10, 30 + i)))
         assert status == 200 and headers["x-kvpool-engine"] == alive
     assert gw.metric("kvpool_gateway_retries_total") == retries
+
