@@ -38,7 +38,6 @@ from kvpool.common.errors import (
     TransportError,
 )
 from kvpool.common.types import MAX_KEY_BYTES, ObjectView, Replica, validate_key
-from kvpool.net import data_tls
 from kvpool.net.data_port import PutRecord
 from kvpool.rpc.located import Located, only_replica
 from kvpool.rpc.master_client import MasterClient
@@ -110,7 +109,7 @@ class KVClient:
             schemes = None if transports is None else [t for t in transports if isinstance(t, str)]
             # Nodes may serve their tcp data port over TLS (store-node --data-tls).
             creds = self._master.credentials
-            tls = {"tcp": {"tls": data_tls.client_context(creds)}} \
+            tls = {"tcp": {"tls": creds}} \
                 if creds is not None and (schemes is None or "tcp" in schemes) else None
             made = create_transports(schemes, options=tls) if schemes or not given else []
         except BaseException:

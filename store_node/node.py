@@ -132,12 +132,13 @@ class StoreNode:
         self._data_limits = data_limits
         self._data_tls = None
         if data_tls:
-            found = creds if creds is not None or isinstance(master, MasterClient) else \
-                security.resolve(master, role="node", name=self.node_id)
+            found = master.credentials if isinstance(master, MasterClient) else \
+                creds or security.resolve(master, role="node", name=self.node_id)
             if found is None:
                 raise InvalidArgument("--data-tls needs this node's credentials (--credentials, "
                                       "$KVPOOL_CREDENTIALS, or a local cluster's)")
             self._data_tls = data_tls_context(found)
+            creds = found      # resolved once: the master client below uses the same
         self._published: dict[str, SegmentInfo] = {}   # as mounted: with the RDMA region
         self._interval_s = heartbeat_interval_s
         self._master = master if isinstance(master, MasterClient) else \

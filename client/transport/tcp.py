@@ -37,7 +37,9 @@ from kvpool.common.errors import (
     TransportError,
 )
 from kvpool.common.logging import get_logger
+from kvpool.common.security import Credentials
 from kvpool.common.types import NodeEndpoints
+from kvpool.net import data_tls
 from kvpool.net.data_port import (
     MAX_SEGMENT_ID_BYTES,
     RESPONSE,
@@ -48,7 +50,6 @@ from kvpool.net.data_port import (
     encode_request,
     recv_refusal,
 )
-from kvpool.net import data_tls
 from kvpool.net.sockets import Spinner, recv_exact_into, send_all
 
 log = get_logger(__name__)
@@ -76,14 +77,15 @@ class TCPTransport(Transport):
     hanging the client); ``connect_timeout_s`` defaults to it. At most ``max_idle_per_endpoint``
     idle connections are pooled per node; ``window`` requests are in flight per connection.
     Ops on different nodes run in parallel, ``max_parallel_endpoints`` nodes at a time.
-    ``tls`` (net/data_tls.py ``client_context``): for nodes whose data port speaks TLS.
+    ``tls``: the cluster's credentials, for nodes whose data port speaks TLS; the TLS context
+    (net/data_tls.py ``client_context``) is made at the first such node, not before.
     """
 
     scheme = "tcp"
 
     def __init__(self, timeout_s: float = 10.0, *, connect_timeout_s: float | None = None,
                  max_idle_per_endpoint: int = 4, window: int = 32,
-                 max_parallel_endpoints: int = 8, tls: ssl.SSLContext | None = None) -> None:
+                 max_parallel_endpoints: int = 8, tls: Credentials | None = None) -> None:
         if window < 1:
             raise InvalidArgument("window must be at least 1")
         self._timeout_s = timeout_s
@@ -91,7 +93,8 @@ class TCPTransport(Transport):
         self._max_idle = max_idle_per_endpoint
         self._window = window
         self._max_parallel = max_parallel_endpoints
-        self._tls = tls   # for nodes whose data port speaks TLS (net/data_tls.py)
+        self._credentials = tls   # for nodes whose data port speaks TLS (net/data_tls.py)
+        self._tls: ssl.SSLContext | None = None
         self._lock = threading.Lock()
         self._idle: dict[str, list[socket.socket]] = {}
         # Each connection's answer spinner (net/sockets.py), for as long as it lives.
@@ -393,9 +396,11 @@ class TCPTransport(Transport):
                     return sock
                 sock.close()
         host, port = _parse_endpoint(endpoint)
-        if tls and self._tls is None:
+        if tls and self._credentials is None:
             raise TransportError(f"tcp {endpoint}: the node serves its data port over TLS "
                                  "(--data-tls); this client has no credentials for it")
+        if tls and self._tls is None:
+            self._tls = data_tls.client_context(self._credentials)
         sock = socket.create_connection((host, port), timeout=self._connect_timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(self._timeout_s)

@@ -66,3 +66,17 @@ def test_a_client_without_credentials_is_told_the_node_speaks_tls(tls_cluster):
     with KVClient(tls_cluster.master, transports=[TCPTransport(timeout_s=5)]) as kv, \
             pytest.raises(KVPoolError, match="over TLS"):
         kv.put("untold", b"x" * 100)
+
+
+def test_a_data_port_that_never_shakes_hands_is_a_transport_error(tls_cluster):
+    # A handshake that times out (an OSError, not an SSLError) is the same TransportError,
+    # and the socket is closed then, not left to the garbage collector.
+    from kvpool.common import security
+    from kvpool.common.errors import TransportError
+    from kvpool.net import data_tls
+    context = data_tls.client_context(security.resolve(tls_cluster.master))
+    with socket.create_server(("127.0.0.1", 0)) as silent:   # accepts, never answers
+        sock = socket.create_connection(silent.getsockname(), timeout=0.3)
+        with pytest.raises(TransportError, match="TLS handshake failed"):
+            data_tls.wrap(sock, context, "silent")
+        assert sock.fileno() == -1

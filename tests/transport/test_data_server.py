@@ -183,7 +183,7 @@ def test_a_disk_segment_is_read_through_tls_not_around_it(tmp_path):
     server = DataServer({seg.info.segment_id: seg}, shm=False,
                         tls=data_tls.server_context(node_creds))
     server.start()
-    transport = TCPTransport(timeout_s=5, tls=data_tls.client_context(client_creds))
+    transport = TCPTransport(timeout_s=5, tls=client_creds)
     try:
         node = NodeEndpoints("local", local_boot_id(), server.tcp_endpoint, tcp_tls=True)
         replica = Replica(node, Extent(seg.info.segment_id, 4096, 200_000))
