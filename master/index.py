@@ -14,29 +14,61 @@ from kvpool.common.types import Extent, ObjectRecord, ObjectState
 from kvpool.master.quotas import TenantUsage
 
 PENDING, COMPLETE = ObjectState.PENDING, ObjectState.COMPLETE
-_MAX_SHARED_SIZES = 1024
 
 
-@dataclass(eq=False, slots=True)
+# (segment id, size): what an entry's first replica shares with every other entry of that
+# size in that segment (KV blocks mostly have one size): one tuple, not two slots each.
+Place = tuple[str, int]
+_places: dict[Place, Place] = {}
+_MAX_PLACES = 1 << 16
+
+
+def _place(segment_id: str, size: int) -> Place:
+    place = (segment_id, size)
+    shared = _places.get(place)
+    if shared is None:
+        if len(_places) >= _MAX_PLACES:
+            return place   # not shared: correct, 64 bytes more for this entry
+        shared = _places[place] = place
+    return shared
+
+
 class ObjectEntry:
     """One index entry, kept small: a master indexes millions of them. The first replica lives
-    inline (segment id and offset; every replica is ``size`` bytes long); the index keeps
-    further ones aside (``ObjectIndex.more``) and builds the Extents on demand
-    (``ObjectIndex.replicas``)."""
+    inline (``place``: its segment id and the size, shared; ``offset``; every replica is
+    ``size`` bytes long); the index keeps further ones aside (``ObjectIndex.more``) and builds
+    the Extents on demand (``ObjectIndex.replicas``)."""
 
-    key: str
-    size: int
-    version: int
-    segment_id: str          # the first replica's segment ("" once every replica is gone)
-    offset: int
-    # PENDING until PutEnd seals the object with its checksum: the CRC-32C of the bytes as
-    # the writer computed it, None if it did not. One slot says both (``state``,
-    # ``checksum``): a PENDING object has no checksum yet.
-    seal: int | None | ObjectState = PENDING
+    # ``seal``: PENDING until PutEnd seals the object with its checksum: the CRC-32C of the
+    # bytes as the writer computed it, None if it did not. One slot says both (``state``,
+    # ``checksum``): a PENDING object has no checksum yet. ``lease``: its read lease, (cap,
+    # end), one tuple shared by the objects a lookup leased (master/leases.py); None: none.
+    # A slot of its own: a lookup reads it with the entry (in a dict beside the index, a
+    # lookup's probes of it and the closing of leases missed the cache twice more a key).
     # No slot for what few objects have, each kept aside by its owner: further replicas
     # (ObjectIndex.more), the block this one extends (from PutStart to PutEnd only:
-    # ObjectIndex.parents), a hard pin or a read lease (master/pins.py, leases.py). A slot
-    # costs every object 8 bytes, and pymalloc rounds an entry up to 16: six slots are 80.
+    # ObjectIndex.parents), a hard pin (master/pins.py). A slot costs every object 8 bytes,
+    # and pymalloc rounds an entry up to 16: six slots are 80.
+    __slots__ = ("key", "place", "version", "offset", "seal", "lease")
+
+    def __init__(self, key: str, size: int, version: int, segment_id: str, offset: int,
+                 seal: int | None | ObjectState = PENDING) -> None:
+        self.key, self.version, self.offset, self.seal = key, version, offset, seal
+        self.place = _place(segment_id, size)
+        self.lease: tuple[float, float] | None = None
+
+    @property
+    def size(self) -> int:
+        return self.place[1]
+
+    @property
+    def segment_id(self) -> str:
+        """The first replica's segment ("" once every replica is gone)."""
+        return self.place[0]
+
+    def __repr__(self) -> str:
+        return (f"ObjectEntry({self.key!r}, size={self.size}, version={self.version}, "
+                f"segment_id={self.segment_id!r}, offset={self.offset}, seal={self.seal!r})")
 
     @property
     def state(self) -> ObjectState:
@@ -84,9 +116,6 @@ class ObjectIndex:
         self.hit_bytes = 0                 # sizes of the objects found by lookups
         self.committed = self.committed_bytes = 0   # puts completed (PutEnd), their sizes
         self._versions = itertools.count(1)
-        # One int object per distinct object size, shared by every entry of that size (KV
-        # blocks mostly have one size): 28 bytes less per indexed object.
-        self._sizes: dict[int, int] = {}
         # PENDING entry -> the key of the block it extends, from PutStart until PutEnd hands
         # it to the eviction policy (take_parent) or the entry leaves the index.
         self.parents: dict[ObjectEntry, str] = {}
@@ -103,7 +132,7 @@ class ObjectIndex:
 
     def set_replicas(self, obj: ObjectEntry, extents: Sequence[Extent]) -> None:
         first = extents[0] if extents else Extent("", 0, obj.size)
-        obj.segment_id, obj.offset = first.segment_id, first.offset
+        obj.place, obj.offset = _place(first.segment_id, obj.size), first.offset
         if len(extents) > 1:
             self.more[obj] = tuple(extents[1:])
         elif self.more:
@@ -115,8 +144,6 @@ class ObjectIndex:
         """Index ``key`` at ``extents`` with a new version, or with ``version`` (announced
         after a restart: new ones come after it), or with ``fresh_version`` (one that
         :meth:`new_version` handed out, shared by the objects of one PutStart)."""
-        if len(self._sizes) < _MAX_SHARED_SIZES:
-            size = self._sizes.setdefault(size, size)
         if fresh_version is not None:
             version = fresh_version
         elif version is None:
@@ -147,9 +174,7 @@ class ObjectIndex:
         it: MasterState.put_end ``as_keys``)."""
         del self.objects[obj.key]
         self.tenants.removed(obj.key, obj.size)
-        if len(self._sizes) < _MAX_SHARED_SIZES:
-            size = self._sizes.setdefault(size, size)
-        obj.key, obj.size = key, size
+        obj.key, obj.place = key, _place(obj.segment_id, size)
         self.objects[key] = obj
         self.tenants.added(key, size)
 
@@ -199,12 +224,13 @@ class ObjectIndex:
         present = checksum.PRESENT   # checksum.encode, inlined
         # Every object found is COMPLETE: its seal is its checksum (read as the slot, not the
         # property, on this path).
+        places = [o.place for o in found]   # the slots, not the properties, on this path
         if errors:   # a miss holds zeros (and no replica) in its slot
-            sizes = [0 if o is None else o.size for o in objs]
+            sizes = [0 if o is None else o.place[1] for o in objs]
             versions = [0 if o is None else o.version for o in objs]
             sums = [0 if o is None or o.seal is None else present | o.seal for o in objs]
         else:
-            sizes = [o.size for o in found]
+            sizes = [p[1] for p in places]
             versions = [o.version for o in found]
             sums = [0 if o.seal is None else present | o.seal for o in found]
         more = self.more
@@ -218,7 +244,7 @@ class ObjectIndex:
                 offsets += [e.offset for e in more.get(o, ())]
         else:
             counts = [0 if o is None else 1 for o in objs] if errors else [1] * len(found)
-            segment_ids = [o.segment_id for o in found]
+            segment_ids = [p[0] for p in places]
             offsets = [o.offset for o in found]
         return LocatedColumns(errors, sizes, versions, sums, counts, segment_ids, offsets,
                               lease_s)

@@ -43,25 +43,24 @@ class Leases:
         self._ttl_s, self._max_s = ttl_s, max_s
         self._segments = segments
         self._hard_pinned, self._more = hard_pinned, more
-        # obj -> (cap, end): when its lease must end (began + max_s), and when it ends (the
-        # read path extends it up to the cap); kept through the pause after a lease that
-        # reached its cap. An object not here holds no lease: an entry keeps no slot for it
-        # (8 bytes for every object, leased or not).
-        self.running: dict[ObjectEntry, tuple[float, float]] = {}
+        # An entry's lease (ObjectEntry.lease) is (cap, end): when it must end (began +
+        # max_s), and when it ends (the read path extends it up to the cap); kept through the
+        # pause after a lease that reached its cap; None: no lease. How many entries hold one:
+        self.count = 0
         # Credits by the bucket of BUCKET_S they are due in, and a heap of those buckets.
         self._buckets: dict[int, list[_Credit]] = {}
         self._due: list[int] = []
 
     def until(self, obj: ObjectEntry) -> float:
         """When ``obj``'s lease ends (in the past, or 0.0: none runs)."""
-        lease = self.running.get(obj)
+        lease = obj.lease
         return 0.0 if lease is None else lease[1]
 
     def begin(self, objs: Sequence[ObjectEntry], now: float, until: float) -> float:
         """Lease ``objs`` (read at ``now``, none of them leased now) until ``until`` or their
         cap; returns when the shortest of those leases ends (``now``: one is paused)."""
         self.expire(now)   # leases ended by now are closed before new ones open
-        running, segments, pause_s = self.running, self._segments, self._ttl_s
+        segments, pause_s = self._segments, self._ttl_s
         pinned, more = self._hard_pinned, self._more
         cap_at = now + self._max_s
         end = min(until, cap_at)
@@ -71,18 +70,21 @@ class Leases:
         add = credits.append
         seg: Segment | None = None
         for obj in objs:
-            last = running.get(obj)
-            if last is not None and last[0] <= now < last[0] + pause_s:
+            last = obj.lease
+            if last is None:
+                self.count += 1
+            elif last[0] <= now < last[0] + pause_s:
                 shortest = now   # its last lease reached the cap: paused
                 continue
-            running[obj] = lease
+            obj.lease = lease
             if pinned and obj in pinned:
                 continue   # its pin holds it
             # Most keys of a lookup live in one segment: look it up once per run of them.
-            if seg is None or seg.info.segment_id != obj.segment_id:
-                seg = segments.get(obj.segment_id)
+            sid, size = obj.place
+            if seg is None or seg.info.segment_id != sid:
+                seg = segments.get(sid)
             if seg is not None:
-                n = seg.allocator.aligned_size(obj.size)
+                n = seg.allocator.aligned_size(size)
                 seg.held[LEASED] += n
                 add((obj, seg, n))
             for e in more.get(obj, ()) if more else ():   # further replicas (rare)
@@ -109,12 +111,12 @@ class Leases:
         """Close the leases (and pauses) due by ``now``; credits of leases extended since
         are looked at again when those end."""
         due, buckets = self._due, self._buckets
-        running, pause_s = self.running, self._ttl_s
+        pause_s = self._ttl_s
         while due and due[0] * BUCKET_S <= now:
             credits = buckets.pop(heapq.heappop(due))
             for credit in credits:
                 obj, seg, n = credit
-                lease = running.get(obj)
+                lease = obj.lease
                 if lease is not None and lease[1] > now:   # extended (or leased again)
                     self._bucket(lease[1] if seg is not None else lease[0] + pause_s
                                  ).append(credit)
@@ -127,7 +129,8 @@ class Leases:
                 if end >= cap and now < cap + pause_s:   # reached its cap: pause
                     self._bucket(cap + pause_s).append((obj, None, 0))
                 elif seg is not None or now >= cap + pause_s:
-                    del running[obj]
+                    obj.lease = None
+                    self.count -= 1
 
     def __len__(self) -> int:
-        return len(self.running)
+        return self.count

@@ -37,7 +37,7 @@ class Pressure:
         self._members, self._closed = members, closed
         self._index, self._chains, self._pins, self._tiers = index, chains, pins, tiers
         # Read per eviction candidate: the tables, not a method call each.
-        self._leases, self._hard_pinned = leases.running, pins.held.objects
+        self._hard_pinned = pins.held.objects
         self._evict = evict
 
     def place(self, size: int, n: int, fits: list[Segment], now: float) -> list[Extent] | None:
@@ -137,7 +137,7 @@ class Pressure:
             hot |= full
 
     def _evictable(self, obj: ObjectEntry, now: float) -> bool:
-        lease = self._leases.get(obj)   # (cap, end)
+        lease = obj.lease   # (cap, end)
         return obj.seal is not PENDING and (lease is None or lease[1] <= now) \
             and obj not in self._hard_pinned
 

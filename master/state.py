@@ -370,23 +370,22 @@ class MasterState:
         misses_before = self._index.misses
         # Leases (master/leases.py): a running one is extended up to its cap here; new ones
         # are opened together after the loop.
-        running, fresh, shortest = self._leasing.running, [], lease_until
-        lease_of = running.get
+        fresh, shortest = [], lease_until
         for i, obj in enumerate(objs):
             if obj is None or obj.seal is PENDING:   # only the misses learn why
                 errors[i] = self._why_missing(keys[i])
                 objs[i] = None
                 continue
-            lease = lease_of(obj)   # (cap, end)
+            lease = obj.lease   # (cap, end)
             if lease is None or lease[1] <= now:
                 fresh.append(obj)
             elif lease[1] < lease_until:   # not leased by this instant's reads already
                 if (cap := lease[0]) < lease_until:
-                    running[obj] = (cap, cap)
+                    obj.lease = (cap, cap)
                     if cap < shortest:   # noqa: PLR1730 (the answer says so: readers re-check past it)
                         shortest = cap
                 else:
-                    running[obj] = (cap, lease_until)
+                    obj.lease = (cap, lease_until)
             if disk:   # a read may promote: touch in order, as locate does
                 touch(obj.key)
                 if obj.segment_id in disk or obj in self._index.more:

@@ -102,7 +102,7 @@ def main() -> int:
     spent["index walk (dict.get per key, timed apart)"] = time.perf_counter() - t0
     per = 1e6 / args.calls
     print(f"GetReplicas of {args.batch} keys over {args.objects:,} objects, "
-          f"{len(leasing.running):,} leases running (us per call):")
+          f"{len(leasing):,} leases running (us per call):")
     print(f"  {'the whole handler (MasterServicer.get_replicas)':56s} {total * per:8.1f}")
     for label, seconds in spent.items():
         print(f"  {label:56s} {seconds * per:8.1f}")

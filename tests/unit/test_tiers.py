@@ -63,7 +63,7 @@ class Units:
 def test_a_finished_move_switches_the_index_and_frees_the_source_after_its_lease():
     u = Units()
     obj = u.put("k", "m")
-    u.leases.running[obj] = (5.0, 5.0)   # read under a lease until 5.0 (its cap)
+    obj.lease = (5.0, 5.0)   # read under a lease until 5.0 (its cap)
     m, d = u.members.segments["m"], u.members.segments["d"]
     assert u.tiers.start(obj, u.index.replicas(obj)[0], m, d, 0.0)
     [move] = u.tiers.take("n")
