@@ -5,16 +5,19 @@ read answer says how long its shortest lease runs, so a reader never trusts byte
 lease it really got (it re-checks them with the master, as for any slow read).
 
 The bytes leased objects hold are counted per segment (``Segment.leased_bytes``) for
-admission (master/pressure.py). Kept cheap on the read path: a lookup's new leases are one
-(cap, end) pair their objects share and one credit each in the bucket of ``BUCKET_S`` in which
-they end (a heap of buckets, not of credits); extending a running lease touches nothing but that
-object's pair, and its credit, looked at when its bucket is due, moves to the bucket of its new
-end (one dict step). Bytes stay counted as leased up to ``BUCKET_S`` past a lease's end.
-(Credits were kept in lists, one per lookup, each put back at the earliest end among the
-extended ones it held: under steady re-reads every list was walked again at each of its
-credits' ends, 40% of a lookup's time on the master.) A pinned object's lease is not counted (its pin holds it), except one pinned
-while leased, counted twice until that lease ends; so is an object removed under its lease
-(its space is quarantined until the lease ends too): both bounded, and both on the side of
+admission (master/pressure.py). Kept cheap on the read path: an object's lease is a slot of
+its entry (``ObjectEntry.lease``, read with the entry a lookup already holds: a dict beside
+the index cost two more cache misses a key, and the closing of leases as many again); a
+lookup's new leases are one (cap, end) pair their objects share and one credit each in the
+bucket of ``BUCKET_S`` in which they end (a heap of buckets, not of credits); extending a
+running lease touches nothing but that object's pair, and its credit, looked at when its
+bucket is due, moves to the bucket of its new end (one dict step). Bytes stay counted as
+leased up to ``BUCKET_S`` past a lease's end. (Credits were kept in lists, one per lookup,
+each put back at the earliest end among the extended ones it held: under steady re-reads
+every list was walked again at each of its credits' ends, 40% of a lookup's time on the
+master.) A pinned object's lease is not counted (its pin holds it), except one pinned while
+leased, counted twice until that lease ends; so is an object removed under its lease (its
+space is quarantined until the lease ends too): both bounded, and both on the side of
 refusing a put, never of evicting for one that then fails.
 """
 
