@@ -5,9 +5,10 @@ Starts ``--pairs`` pairs of one-node clusters (A and B: both plain, both secure,
 and B plain with ``--secure-vs-plain``), times single puts and gets of each size on both as
 `kvpool bench --compare-insecure` does (a client process per cluster, calls in turns), and
 prints A/B per pair (pairs start A and B first in turn); with ``--pin-servers`` each
-cluster's master and node run on the last CPU (`sched_setaffinity`), clients anywhere. Then, per process kind, the nonvoluntary context
-switches per call (``/proc/<pid>/status``): on a small machine the client, the master and
-the node all poll for their next message, and preempt each other.
+cluster's master and node run on the last CPU (`sched_setaffinity`), clients anywhere.
+Then, per process kind, the nonvoluntary context switches per call
+(``/proc/<pid>/status``): on a small machine the client, the master and the node all poll
+for their next message, and preempt each other.
 
     python3 scripts/cluster_spread.py [--transport shm|tcp] [--pairs 3] [--secure-vs-plain]
                                       [--pin-servers] [--sizes 64KiB,1MiB] [--calls 100]
