@@ -206,9 +206,11 @@ class ObjectIndex:
 
     def _in_state(self, key: str, state: ObjectState, error: type[KVPoolError], what: str
                   ) -> ObjectEntry:
-        validate_key(key)
-        obj = self.objects.get(key)
-        if obj is None or obj.state is not state:
+        obj = self.objects.get(key) if isinstance(key, str) else None
+        if obj is None:
+            validate_key(key)   # only a miss can be malformed: indexed keys were validated
+            raise error(f"{key!r} {what}")
+        if obj.state is not state:
             raise error(f"{key!r} {what}")
         return obj
 
