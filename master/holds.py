@@ -42,10 +42,11 @@ class Holds:
         if obj in credits:
             self.debit(obj)
         kind, segments = self._kind, self._segments
-        seg = segments.get(obj.segment_id) if obj.segment_id else None
+        sid, size = obj.place
+        seg = segments.get(sid) if sid else None
         more = self._more.get(obj) if self._more else None
         if seg is not None and not more:   # the common case: one replica
-            n = seg.allocator.aligned_size(obj.size)
+            n = seg.allocator.aligned_size(size)
             seg.held[kind] += n
             self.total_bytes += n
             credits[obj] = ((seg, n),)

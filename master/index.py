@@ -182,7 +182,7 @@ class ObjectIndex:
         obj.seal = checksum
         self.pending -= 1
         self.committed += 1
-        self.committed_bytes += obj.size
+        self.committed_bytes += obj.place[1]
 
     def discard(self, obj: ObjectEntry) -> None:
         """Forget ``obj`` (its replicas too: read them first)."""

@@ -659,7 +659,7 @@ class MasterState:
         else:
             link = named if named and self._chains.may_wait() else None
         # Put straight to disk (DRAM was full), the block waits there for its parent.
-        self._chains.track(obj.key, link, obj.segment_id in self._members.disk_segments)
+        self._chains.track(obj.key, link, obj.place[0] in self._members.disk_segments)
         # The manifest records keep the parent named (linked again after a master restart);
         # the index does not.
         self._log_records(obj, named)
