@@ -72,6 +72,7 @@ class Leases:
         credits: list[_Credit] = []
         add = credits.append
         seg: Segment | None = None
+        place, n = None, 0
         for obj in objs:
             last = obj.lease
             if last is None:
@@ -82,19 +83,19 @@ class Leases:
             obj.lease = lease
             if pinned and obj in pinned:
                 continue   # its pin holds it
-            # Most keys of a lookup live in one segment: look it up once per run of them.
-            sid, size = obj.place
-            if seg is None or seg.info.segment_id != sid:
-                seg = segments.get(sid)
+            # Most keys of a lookup share one place (segment, size): once per run of them.
+            if obj.place is not place:
+                place = obj.place
+                seg = segments.get(place[0])
+                n = seg.allocator.aligned_size(place[1]) if seg is not None else 0
             if seg is not None:
-                n = seg.allocator.aligned_size(size)
                 seg.held[LEASED] += n
                 add((obj, seg, n))
             for e in more.get(obj, ()) if more else ():   # further replicas (rare)
                 if (other := segments.get(e.segment_id)) is not None:
-                    n = other.allocator.aligned_size(obj.size)
-                    other.held[LEASED] += n
-                    add((obj, other, n))
+                    m = other.allocator.aligned_size(obj.place[1])
+                    other.held[LEASED] += m
+                    add((obj, other, m))
         if credits:
             self._bucket(until).extend(credits)
         return shortest
