@@ -216,7 +216,7 @@ def test_leases_extended_at_random_are_looked_at_once_per_end(clock):
         state.locate_columns([rng.choice(keys)])
         clock.advance(0.02)
     # Each credit goes back at most once an end (a lookup's new ones: once a lookup).
-    assert 0 < len(put_back) <= 4 * (reads + len(keys)), len(put_back)
+    assert 0 < len(put_back) <= 3 * (reads + len(keys)), len(put_back)
     segs = [state._segments[s] for s in ("s1", "s2")]
     assert sum(s.leased_bytes for s in segs) > 0
     clock.advance(LEASE_S + 1.0)
