@@ -124,9 +124,10 @@ class ObjectIndex:
 
     def replicas(self, obj: ObjectEntry) -> list[Extent]:
         """``obj``'s extents, in mounted segments only: dropped segments are stripped."""
-        if not obj.segment_id:
+        sid, size = obj.place
+        if not sid:
             return []
-        first = Extent(obj.segment_id, obj.offset, obj.size)
+        first = Extent(sid, obj.offset, size)
         more = self.more.get(obj) if self.more else None
         return [first, *more] if more else [first]
 
@@ -207,10 +208,9 @@ class ObjectIndex:
     def _in_state(self, key: str, state: ObjectState, error: type[KVPoolError], what: str
                   ) -> ObjectEntry:
         obj = self.objects.get(key) if isinstance(key, str) else None
-        if obj is None:
-            validate_key(key)   # only a miss can be malformed: indexed keys were validated
-            raise error(f"{key!r} {what}")
-        if obj.state is not state:
+        if obj is None or obj.state is not state:
+            if obj is None:
+                validate_key(key)   # only a miss can be malformed: indexed keys were validated
             raise error(f"{key!r} {what}")
         return obj
 
