@@ -130,6 +130,44 @@ class RangeAllocator:
         self._remember(offset, length)
         return offset
 
+    def allocate_many(self, size: int, count: int) -> list[int]:
+        """``allocate(size)`` ``count`` times over, up to the first that fails: the same
+        offsets in the same order, the free lists updated once per range carved from instead
+        of once per extent (a PutStart of a prompt's blocks: master/placement.py).
+
+        Why the same: the best fit R is the smallest range that fits (the lowest offset among
+        equals), so what is left of R after an extent, if it still fits one, is smaller than
+        every other range that does: the next best fit. A large extent that does not fit at
+        its phase in what is left takes :meth:`allocate`'s own path."""
+        length = self.aligned_size(size)
+        phased = length >= PHASED_MIN_BYTES and self._phased
+        by_size = self._by_size
+        out: list[int] = []
+        while len(out) < count:
+            i = by_size.bisect_left((length, -1))
+            if i == len(by_size):
+                break
+            free_len, at = by_size[i]
+            end = at + free_len
+            if phased and free_len < (PHASE_BYTES - at) % PAGE_BYTES + length:
+                out.append(self.allocate(size))   # found a range above, so it succeeds
+                continue
+            self._remove_free(at, free_len)
+            while len(out) < count:
+                gap = (PHASE_BYTES - at) % PAGE_BYTES if phased else 0
+                if end - at < gap + length:
+                    break
+                if gap:
+                    self._add_free(at, gap)
+                    at += gap
+                at |= 0   # its exact size: the index keeps it (see _add_free)
+                out.append(at)
+                self._remember(at, length)
+                at += length
+            if end > at:
+                self._add_free(at, end - at)
+        return out
+
     def allocate_at(self, offset: int, size: int) -> bool:
         """Allocate exactly ``[offset, offset + aligned size)`` if it is free and aligned; return
         whether it was. A restarted master rebuilds its allocators this way from the extents

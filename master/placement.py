@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -50,3 +51,64 @@ def choose_segments(segments: Iterable[Placeable], size: int, replicas: int) -> 
 def _preference(seg: Placeable) -> tuple[int, int]:
     """Sort key, best first: the fastest tier, then the most free bytes."""
     return TIER_RANK.get(seg.info.tier, 1), -seg.allocator.free_bytes
+
+
+class BatchPlacer:
+    """``choose_segments(segments, size, 1)`` for each of up to ``count`` objects of one size
+    in turn (a PutStart's blocks), each answer the same as that call's would be, at a fraction
+    of its cost: the segments ordered once in a heap instead of looked over per object, and
+    each segment's extents carved ahead in runs (RangeAllocator.allocate_many: the offsets
+    ``allocate`` would give, in order), the order reckoning a segment's free bytes as if those
+    carved ahead were still free. :meth:`release` frees what was carved and not taken: the free
+    ranges are then as if only the taken extents were allocated (free ranges coalesce, so they
+    depend only on which bytes are free). Nothing else may allocate in these segments until
+    then. :meth:`take` answers None once no segment has room: the caller then places (and
+    evicts) as without it."""
+
+    def __init__(self, segments: Iterable[Placeable], size: int, count: int) -> None:
+        self._size, self._left = size, count
+        self._segments = [s for s in segments if s.allocator.capacity_bytes
+                          and s.allocator.largest_free_bytes >= s.allocator.aligned_size(size)]
+        self._length = [s.allocator.aligned_size(size) for s in self._segments]
+        self._free = [s.allocator.free_bytes for s in self._segments]   # carved ones free
+        self._carved: list[list[int]] = [[] for _ in self._segments]   # next one last
+        self._live = [True] * len(self._segments)
+        self._heap: list[tuple[int, int, int, int]] = []
+        self._order()
+
+    def _order(self) -> None:
+        """The heap of live segments, best first as choose_segments ranks them: tier, most
+        free bytes, then its node's first segment with room, then its own place."""
+        nodes: dict[str, int] = {}
+        for i, seg in enumerate(self._segments):
+            if self._live[i]:
+                nodes.setdefault(seg.node_id, len(nodes))
+        self._heap = [(TIER_RANK.get(seg.info.tier, 1), -self._free[i], nodes[seg.node_id], i)
+                      for i, seg in enumerate(self._segments) if self._live[i]]
+        heapq.heapify(self._heap)
+
+    def take(self) -> list[Extent] | None:
+        """The next object's extent (as a list, like choose_segments), or None: no room."""
+        if not self._heap:
+            return None
+        rank, neg_free, node, i = self._heap[0]
+        seg, carved = self._segments[i], self._carved[i]
+        if not carved:   # it has room: a segment without is dropped once it has none
+            carved.extend(reversed(seg.allocator.allocate_many(
+                self._size, max(1, -(-self._left // len(self._heap))))))
+        offset = carved.pop()
+        self._left -= 1
+        self._free[i] -= self._length[i]
+        if carved or seg.allocator.largest_free_bytes >= self._length[i]:
+            heapq.heapreplace(self._heap, (rank, neg_free + self._length[i], node, i))
+        else:   # full: choose_segments passes it by from now on (its node's turn may move)
+            self._live[i] = False
+            self._order()
+        return [Extent(seg.info.segment_id, offset, self._size)]
+
+    def release(self) -> None:
+        """Free what was carved ahead and not taken."""
+        for seg, carved in zip(self._segments, self._carved):
+            for offset in carved:
+                seg.allocator.free(offset, self._size)
+            carved.clear()

@@ -44,6 +44,7 @@ from kvpool.master.leases import Leases
 from kvpool.master.manifest_log import ManifestDelta, ManifestLog, Removal
 from kvpool.master.membership import Membership, Segment
 from kvpool.master.pins import Pins
+from kvpool.master.placement import BatchPlacer
 from kvpool.master.pressure import Pressure
 from kvpool.master.quotas import TenantUsage
 from kvpool.master.reads import LeaseCount, NamespaceLookups
@@ -312,11 +313,18 @@ class MasterState:
         # and one shared int object saves 32 bytes per indexed object over one each.
         version = self._index.new_version()
         where: dict[int, tuple] = {}   # size -> open segments and those it fits (below)
+        # One size and one replica (a prompt's blocks): placed by a BatchPlacer (see _put_one).
+        placing = len(keys) if n == 1 and sizes and sizes.count(sizes[0]) == len(sizes) else 0
         new_version = self._index.new_version if slots else None
-        out = [_attempt(self._put_one, key, size, n, now, seen, started,
-                        new_version() if new_version else version, where,
-                        parents[i] if parents is not None else None, slots)
-               for i, (key, size) in enumerate(zip(keys, sizes))]
+        try:
+            out = [_attempt(self._put_one, key, size, n, now, seen, started,
+                            new_version() if new_version else version, where,
+                            parents[i] if parents is not None else None, slots, placing)
+                   for i, (key, size) in enumerate(zip(keys, sizes))]
+        finally:
+            for *_, placer in where.values():
+                if placer is not None:
+                    placer.release()
         if started:
             self._space.put_deadline(now + self._config.put_timeout_s, started)
         return out
@@ -489,7 +497,8 @@ class MasterState:
 
     def _put_one(self, key: str, size: int, n: int, now: float, seen: set[str],
                  started: list[ObjectEntry], version: int, where: dict[int, tuple],
-                 parent: str | None = None, slot: bool = False) -> list[Extent]:
+                 parent: str | None = None, slot: bool = False, placing: int = 0
+                 ) -> list[Extent]:
         validate_key(key)
         # Before any other check, so a repeated key is refused whatever happened to the first.
         if key in seen:
@@ -511,9 +520,12 @@ class MasterState:
             segments = list(self._open_segments(n))
             fits = [s for s in segments
                     if s.allocator.capacity_bytes >= s.allocator.aligned_size(size)]
+            # ``placing`` objects of this size and one replica each: placed as one
+            # choose_segments call each would, at a fraction of the cost (master/placement.py)
             seen_size = where[size] = (segments, len({s.node_id for s in segments}), fits,
-                                       len({s.node_id for s in fits}))
-        segments, nodes, fits, fit_nodes = seen_size
+                                       len({s.node_id for s in fits}),
+                                       BatchPlacer(segments, size, placing) if placing else None)
+        segments, nodes, fits, fit_nodes, placer = seen_size
         if nodes < n:
             raise NoSpace(f"{key!r}: {n} replicas asked but only {nodes} live nodes "
                           "have segments")
@@ -525,7 +537,9 @@ class MasterState:
             raise NoSpace(f"{key!r}: fewer than {n} nodes have a segment of {size} bytes")
         self._index.tenants.check(key, size)
         self._check_pending_limit(key, size, n, SLOT_SHARE if slot else 1.0)
-        extents = self._pressure.place(size, n, fits, now)
+        extents = placer.take() if placer is not None else None
+        if extents is None:   # no room without evicting (or not placed in a batch)
+            extents = self._pressure.place(size, n, fits, now)
         if extents is None and not self._pressure.admits(size, n, fits):
             self._refused_why = (f"refused before evicting anything: evicting every evictable "
                                  f"object would not make room for {size} bytes x{n}")

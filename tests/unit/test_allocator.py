@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import random
 from itertools import pairwise
 
 import pytest
@@ -12,6 +14,7 @@ from hypothesis.stateful import (
     RuleBasedStateMachine,
     consumes,
     invariant,
+    multiple,
     precondition,
     rule,
 )
@@ -166,6 +169,29 @@ def test_large_extents_start_half_a_page_in_and_a_batch_of_blocks_stays_adjacent
     assert b.allocate(PHASED_MIN_BYTES) == 0
 
 
+@pytest.mark.parametrize("size", [100, 4096, PHASED_MIN_BYTES, PHASED_MIN_BYTES + 64, 70_000,
+                                  (2 << 20) + 64, 2 << 20])
+def test_allocate_many_is_allocate_that_many_times(size):
+    """On free lists left by random allocations and frees of mixed sizes (a long-lived
+    segment), allocate_many gives what as many allocate calls would, down to the free ranges
+    left: a range carved until what is left of it no longer fits at the phase, then the next."""
+    rng = random.Random(size)
+    for _ in range(40):
+        a = RangeAllocator(rng.choice([1 << 20, 8 << 20, 24 << 20 | 4032]), 64, track=False)
+        live = []
+        for _ in range(rng.randrange(60)):
+            if live and rng.random() < 0.4:
+                a.free(*live.pop(rng.randrange(len(live))))
+            elif (offset := a.allocate(n := rng.choice([64, 3000, 70_000, size]))) is not None:
+                live.append((offset, n))
+        sequential = copy.deepcopy(a)
+        count = rng.randrange(1, 40)
+        expected = [o for o in (sequential.allocate(size) for _ in range(count)) if o is not None]
+        assert a.allocate_many(size, count) == expected
+        assert a.free_ranges() == sequential.free_ranges()
+        assert a.used_bytes == sequential.used_bytes
+
+
 def test_constructor_rejects_bad_arguments():
     with pytest.raises(ValueError):
         RangeAllocator(1024, 0)
@@ -213,6 +239,23 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert offset % 4096 == PHASE_BYTES
         self.live[offset] = size
         return (offset, size)
+
+    @precondition(lambda self: self.alloc is not None)
+    @rule(target=extents, size=st.one_of(st.integers(1, 2048), st.integers(60 << 10, 200 << 10),
+                                         st.sampled_from([PHASED_MIN_BYTES, 8192])),
+          count=st.integers(0, 12))
+    def allocate_many(self, size, count):
+        # The same offsets, and the same free ranges after, as allocate() count times over.
+        sequential = copy.deepcopy(self.alloc)
+        expected = []
+        for _ in range(count):
+            if (offset := sequential.allocate(size)) is None:
+                break
+            expected.append(offset)
+        assert self.alloc.allocate_many(size, count) == expected
+        assert self.alloc.free_ranges() == sequential.free_ranges()
+        self.live.update(dict.fromkeys(expected, size))
+        return multiple(*[(offset, size) for offset in expected])
 
     @precondition(lambda self: self.alloc is not None)
     @rule(extent=consumes(extents))
