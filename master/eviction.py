@@ -27,8 +27,9 @@ soft-pinned within its TTL (the state)  after every other candidate, in the same
 from __future__ import annotations
 
 import heapq
+import math
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from itertools import islice
 
 _ABSENT = object()
@@ -45,6 +46,10 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def on_access(self, key: str) -> None:
         """``key`` was read; unknown keys are ignored."""
+
+    #: Whether the reads of the keys a walk reaches are told then (PrefixAwarePolicy
+    #: ``read_at``), so that a reader need not call ``on_access``.
+    reads_later = False
 
     def on_access_many(self, keys: Iterable[str]) -> None:
         """``on_access`` of each key in turn (subclasses do it without a call per key)."""
@@ -137,12 +142,15 @@ class LRUPolicy(EvictionPolicy):
         return key in self._order
 
 
-def make_eviction_policy(name: str) -> EvictionPolicy:
-    """A fresh policy by its MasterConfig.eviction name ("prefix" or "lru")."""
+def make_eviction_policy(name: str, clock: Callable[[], float] | None = None,
+                         read_at: Callable[[Hashable], float | None] | None = None
+                         ) -> EvictionPolicy:
+    """A fresh policy by its MasterConfig.eviction name ("prefix" or "lru"); ``clock`` and
+    ``read_at``: see :class:`PrefixAwarePolicy` (LRUPolicy takes every read as it comes)."""
     if name == "lru":
         return LRUPolicy()
     if name == "prefix":
-        return PrefixAwarePolicy()
+        return PrefixAwarePolicy(clock, read_at)
     raise ValueError(f"unknown eviction policy {name!r}")   # MasterConfig validated it
 
 
@@ -169,14 +177,33 @@ class PrefixAwarePolicy(EvictionPolicy):
     Time is counted in epochs of ``_EPOCH_TOUCHES`` touches, one int object per epoch shared by
     every key touched in it (an int per key would add 32 bytes to each): the merge is exact
     across epochs, and within one a revived block goes before the leaves.
+
+    Reads told later (``read_at``, with ``clock``: the master's). A master's reads are not
+    touches: a touch is a pop and an insert in a dict of millions, two cache misses a key, a
+    fifth of a batched lookup's time. Instead ``read_at(key)`` says when a key was last read
+    (its read lease's time: master/leases.py), and the walk moves a key read since it took
+    its place to the end of the order, in its read's epoch, instead of offering it: what a
+    touch did, done only to the keys a walk reaches. Epochs are then ``1 / _EPOCHS_PER_S``
+    of the clock: even for a key's place, odd for a read in it, so a read in the epoch a key
+    was placed in still counts as later. The order is approximate as CLOCK's second chance
+    is: keys moved by a walk go in the order it reaches them, not that of their reads.
     """
 
     _FIRST_CHUNK = 64
     _EPOCH_TOUCHES = 256
+    _EPOCHS_PER_S = 10
+    # Keys one walk moves at most: the first walk after a long spell of reads without one
+    # would otherwise move every key read meanwhile (millions: seconds of a master's time).
+    # Past it, the walk offers keys where they stand; the next walk goes on moving.
+    _MAX_MOVES = 1 << 16
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] | None = None,
+                 read_at: Callable[[Hashable], float | None] | None = None) -> None:
+        self._clock = clock if read_at is not None else None
+        self._read_at = read_at if clock is not None else None
         self._touches = 0
         self._epoch = 0
+        self._moves = 0   # keys the current walk may still move (read_at)
         self._leaves: dict[Hashable, int] = {}    # leaf -> last use; dict order = use order
         self._inner: dict[Hashable, int] = {}     # key with children -> last use
         self._revived: dict[Hashable, int] = {}   # leaf again since its last child went
@@ -226,6 +253,9 @@ class PrefixAwarePolicy(EvictionPolicy):
     def on_access_many(self, keys: Iterable[Hashable]) -> None:
         # ``on_access`` inlined (a read of a prompt touches hundreds of blocks), ``_now`` too:
         # the same epochs as one call per key.
+        if self._clock is not None:   # epochs of time (reads_later): the clock's, per key
+            super().on_access_many(keys)
+            return
         leaves, inner, revived = self._leaves, self._inner, self._revived
         take_leaf = leaves.pop   # one lookup for a leaf, not two: reads touch mostly leaves
         touches, epoch, every = self._touches, self._epoch, self._EPOCH_TOUCHES
@@ -271,6 +301,7 @@ class PrefixAwarePolicy(EvictionPolicy):
         yielded: list[Hashable] = []
         offered: list[tuple[int, Hashable]] = []   # revived entries popped from the heap
         chunk_size = self._FIRST_CHUNK
+        self._moves = self._MAX_MOVES
         try:
             while True:
                 yielded = [k for k in yielded if k in self._leaves]
@@ -278,8 +309,13 @@ class PrefixAwarePolicy(EvictionPolicy):
                                     len(yielded) + chunk_size))
                 for key, used in chunk:
                     yield from self._revived_before(used, offered)
-                    yielded.append(key)
-                    if self._leaves.get(key) == used:   # not removed (or made a parent) since
+                    if self._leaves.get(key) != used:   # removed (or made a parent) since
+                        yielded.append(key)
+                    elif (read := self._read_since(key, used)) is not None:
+                        del self._leaves[key]   # to the end, in its read's turn
+                        self._leaves[key] = read
+                    else:
+                        yielded.append(key)
                         yield key
                 if not chunk:
                     yield from self._revived_before(None, offered)
@@ -297,15 +333,41 @@ class PrefixAwarePolicy(EvictionPolicy):
         while heap and (used is None or heap[0][0] <= used):
             entry = heapq.heappop(heap)
             if self._revived.get(entry[1]) == entry[0]:
+                if (read := self._read_since(entry[1], entry[0])) is not None:
+                    self._revived[entry[1]] = read   # read since: later in the turn of it
+                    heapq.heappush(heap, (read, entry[1]))
+                    continue
                 offered.append(entry)
                 yield entry[1]
 
     def _now(self) -> int:
         """The current epoch, counting this touch."""
+        if self._clock is not None:
+            epoch = 2 * math.floor(self._clock() * self._EPOCHS_PER_S)
+            if epoch != self._epoch:
+                self._epoch = epoch   # one int object per epoch, shared
+            return self._epoch
         self._touches += 1
         if self._touches % self._EPOCH_TOUCHES == 0:
             self._epoch = self._touches
         return self._epoch
+
+    @property
+    def reads_later(self) -> bool:
+        """Whether reads are told by ``read_at`` when a walk comes to them, not touched."""
+        return self._read_at is not None
+
+    def _read_since(self, key: Hashable, used: int) -> int | None:
+        """In a walk: the epoch of ``key``'s last read if that came after ``used`` (the key
+        is then moved), else None; None too once the walk has moved ``_MAX_MOVES`` keys."""
+        at = self._read_at(key) if self._read_at is not None and self._moves else None
+        if at is None:
+            return None
+        epoch = 2 * math.floor(at * self._EPOCHS_PER_S) + 1
+        if epoch <= used:
+            return None
+        self._moves -= 1
+        return epoch
 
     def __len__(self) -> int:
         return len(self._leaves) + len(self._inner) + len(self._revived)

@@ -19,6 +19,11 @@ master.) A pinned object's lease is not counted (its pin holds it), except one p
 leased, counted twice until that lease ends; so is an object removed under its lease (its
 space is quarantined until the lease ends too): both bounded, and both on the side of
 refusing a put, never of evicting for one that then fails.
+
+A closed lease leaves a mark in its slot, ``(CLOSED, t)``: the second its lease ended in (one
+mark object shared by the leases that ended in it, as they close). The eviction order learns a key's last
+read from its slot (:func:`read_at`) when a walk comes to it, instead of at every read
+(master/eviction.py ``PrefixAwarePolicy``).
 """
 
 from __future__ import annotations
@@ -36,6 +41,14 @@ from kvpool.master.membership import Segment
 # (after a lease reached its cap) is an entry with no segment.
 _Credit = tuple[ObjectEntry, Segment | None, int]
 BUCKET_S = 0.1
+#: A closed lease's cap: (CLOSED, t) in a slot is no lease, only when the last one ended.
+CLOSED = -math.inf
+
+
+def read_at(lease: tuple[float, float] | None, ttl_s: float) -> float | None:
+    """When the object whose lease slot holds ``lease`` was last read (a lease runs ``ttl_s``
+    from its latest read; a closed one's mark says up to a second early); None: never."""
+    return None if lease is None else lease[1] - ttl_s
 
 
 class Leases:
@@ -48,8 +61,10 @@ class Leases:
         self._hard_pinned, self._more = hard_pinned, more
         # An entry's lease (ObjectEntry.lease) is (cap, end): when it must end (began +
         # max_s), and when it ends (the read path extends it up to the cap); kept through the
-        # pause after a lease that reached its cap; None: no lease. How many entries hold one:
+        # pause after a lease that reached its cap; None: never read, (CLOSED, t): a mark.
+        # How many entries hold one:
         self.count = 0
+        self._mark: tuple[float, float] = (CLOSED, 0.0)   # the latest, shared
         # Credits by the bucket of BUCKET_S they are due in, and a heap of those buckets.
         self._buckets: dict[int, list[_Credit]] = {}
         self._due: list[int] = []
@@ -75,7 +90,7 @@ class Leases:
         place, n = None, 0
         for obj in objs:
             last = obj.lease
-            if last is None:
+            if last is None or last[0] == CLOSED:
                 self.count += 1
             elif last[0] <= now < last[0] + pause_s:
                 shortest = now   # its last lease reached the cap: paused
@@ -127,14 +142,21 @@ class Leases:
                     continue
                 if seg is not None:
                     seg.held[LEASED] -= n
-                if lease is None:
+                if lease is None or lease[0] == CLOSED:
                     continue
                 cap, end = lease
                 if end >= cap and now < cap + pause_s:   # reached its cap: pause
                     self._bucket(cap + pause_s).append((obj, None, 0))
                 elif seg is not None or now >= cap + pause_s:
-                    obj.lease = None
+                    obj.lease = self._closed(end)
                     self.count -= 1
+
+    def _closed(self, end: float) -> tuple[float, float]:
+        """The mark of a lease that ended at ``end``: its second (never later), shared."""
+        second = float(math.floor(end))
+        if self._mark[1] != second:
+            self._mark = (CLOSED, second)
+        return self._mark
 
     def __len__(self) -> int:
         return self.count

@@ -40,6 +40,7 @@ from kvpool.common.types import (
 from kvpool.master.chains import Chains
 from kvpool.master.eviction import EvictionPolicy, make_eviction_policy
 from kvpool.master.index import COMPLETE, PENDING, LocatedColumns, ObjectEntry, ObjectIndex
+from kvpool.master import leases
 from kvpool.master.leases import Leases
 from kvpool.master.manifest_log import ManifestDelta, ManifestLog, Removal
 from kvpool.master.membership import Membership, Segment
@@ -134,8 +135,16 @@ class MasterState:
         # Why the current PutStart's NoSpace came before any eviction, if it did (told in
         # space_summary: the put's answer carries one summary, not a message per key).
         self._refused_why: str | None = None
+        # Reads are not touched in the order: the walk learns them from the read leases (see
+        # PrefixAwarePolicy: a touch per key was a fifth of a batched lookup).
+        ttl_s, objects = config.lease_ttl_s, self._objects
+
+        def read_at(key: str) -> float | None:
+            obj = objects.get(key)
+            return None if obj is None else leases.read_at(obj.lease, ttl_s)
+
         self._chains = Chains(policy if policy is not None else
-                              make_eviction_policy(config.eviction),
+                              make_eviction_policy(config.eviction, clock, read_at),
                               make_eviction_policy(config.eviction))
         self._rechecks = Rechecks()
         self._recovery = Recovery(config.node_ttl_s)
@@ -401,7 +410,7 @@ class MasterState:
         if fresh:
             shortest = min(shortest, self._leasing.begin(fresh, now, lease_until))
         found = [o for o in objs if o is not None] if errors else objs
-        if not disk:   # the indexed strs, not the request's equal copies
+        if not disk and not self._chains.policy.reads_later:   # the indexed strs
             self._chains.policy.on_access_many([o.key for o in found])
         self._index.hits += len(found)
         self._leases.granted(lease_until, len(found), now)

@@ -152,3 +152,91 @@ def test_on_access_many_is_on_access_key_by_key():
         many.on_access_many(touches)
         assert vars(one) == vars(many)
         assert list(one.candidates()) == list(many.candidates())
+
+
+class _Reads:
+    """A clock and the reads a master's leases would record (``read_at``)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.last: dict[str, float] = {}
+
+    def __call__(self) -> float:
+        return self.now
+
+    def read(self, *keys: str) -> None:
+        self.last.update(dict.fromkeys(keys, self.now))
+
+    def policy(self) -> PrefixAwarePolicy:
+        return PrefixAwarePolicy(self, self.last.get)
+
+
+def test_reads_told_later_give_a_second_chance_in_the_walk():
+    """A key read since it took its place goes after every key that was not, as a touch
+    would put it; keys moved so go in the order the walk reaches them (second chance: not
+    the order of their reads, as touches would)."""
+    r = _Reads()
+    p = r.policy()
+    for key in "abcde":
+        p.on_insert(key)
+        r.now += 1
+    r.read("d")
+    r.now += 1
+    r.read("b")
+    assert p.reads_later
+    assert list(p.candidates()) == ["a", "c", "e", "b", "d"]
+    assert list(p._leaves) == ["a", "c", "e", "b", "d"]   # moved once, by that walk
+    assert list(p.candidates()) == ["a", "c", "e", "b", "d"]
+    r.now += 1
+    r.read("c")
+    assert evict(p, 3) == ["a", "e", "b"]
+    p.on_access("d")                      # a touch still works: d to the end, now
+    assert list(p.candidates()) == ["c", "d"]
+
+
+def test_a_read_in_the_epoch_a_key_was_placed_in_counts_as_later():
+    r = _Reads()
+    p = r.policy()
+    p.on_insert("a")
+    p.on_insert("b")
+    r.read("a")                           # the same instant: still after a took its place
+    assert list(p.candidates()) == ["b", "a"]
+    assert list(p.candidates()) == ["b", "a"]   # and moved once, not at every walk
+
+
+def test_a_block_whose_children_went_takes_its_turn_from_its_last_read():
+    r = _Reads()
+    p = r.policy()
+    p.on_insert("parent")
+    r.now += 1
+    p.on_insert("x")
+    r.now += 1
+    p.on_insert("child", "parent")
+    r.now += 1
+    r.read("parent")                      # a prefix read: the inner block too
+    r.now += 1
+    p.on_remove("child")
+    assert list(p.candidates()) == ["x", "parent"]
+    q = r.policy()                        # read while waiting as a revived leaf
+    q.on_insert("parent")
+    r.now += 1
+    q.on_insert("child", "parent")
+    r.now += 1
+    q.on_remove("child")
+    q.on_insert("y")
+    r.now += 1
+    r.read("parent")
+    assert list(q.candidates()) == ["y", "parent"]
+    assert list(q.candidates()) == ["y", "parent"]
+
+
+def test_a_walk_moves_a_bounded_number_of_keys_and_the_next_goes_on():
+    r = _Reads()
+    p = r.policy()
+    p._MAX_MOVES = 2
+    for key in "abcde":
+        p.on_insert(key)
+    r.now += 1
+    r.read(*"abcd")
+    assert list(p.candidates()) == ["c", "d", "e", "a", "b"]   # a and b moved, then no more
+    assert list(p.candidates()) == ["e", "a", "b", "c", "d"]

@@ -253,6 +253,28 @@ def test_put_evicts_least_recently_used_first(clock):
     assert state.stats().evictions == 3
 
 
+def test_a_read_counts_for_eviction_long_after_its_lease_closed(clock):
+    """A lookup does not touch the eviction order: the walk reads each key's last read off its
+    lease slot, which keeps a mark of the second a closed lease ended in."""
+    state = make_state(clock)
+    mount(state, "n1", "s1", size=1024)
+    for key in "abcd":
+        put(state, key, 256)
+        clock.advance(1.0)
+    get_replicas(state, ["b", "a"])
+    clock.advance(LEASE_S + 1.0)
+    state.tick()                                         # the leases close
+    assert len(state._leasing) == 0                      # noqa: SLF001
+    [obj] = [state._objects["a"]]                        # noqa: SLF001
+    assert obj.lease[0] == float("-inf") and obj.lease[1] <= clock.now - 1.0
+    clock.advance(100.0)
+    [e, f] = state.put_start(["e", "f"], [256, 256])
+    assert isinstance(e, tuple) and isinstance(f, tuple)
+    assert state.exists(list("abcd")) == [True, True, False, False]
+    get_replicas(state, ["a"])                           # leased again: counted again
+    assert len(state._leasing) == 1                      # noqa: SLF001
+
+
 def test_eviction_skips_pinned_leased_and_pending_objects(clock):
     state = make_state(clock)
     mount(state, "n1", "s1", size=256)
