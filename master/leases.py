@@ -21,9 +21,9 @@ space is quarantined until the lease ends too): both bounded, and both on the si
 refusing a put, never of evicting for one that then fails.
 
 A closed lease leaves a mark in its slot, ``(CLOSED, t)``: the second its lease ended in (one
-mark object shared by the leases that ended in it, as they close). The eviction order learns a key's last
-read from its slot (:func:`read_at`) when a walk comes to it, instead of at every read
-(master/eviction.py ``PrefixAwarePolicy``).
+mark object shared by the leases that ended in it, as they close). The eviction order learns
+a key's last read from its slot (:func:`read_at`) when a walk comes to it, instead of at
+every read (master/eviction.py ``PrefixAwarePolicy``).
 """
 
 from __future__ import annotations
