@@ -81,10 +81,9 @@ def main() -> int:
         servicer.get_replicas(request)
         clock.now += step
     spent: dict[str, float] = {}
-    leasing, policy = state._leasing, state._chains.policy   # noqa: SLF001 (a diagnostic)
+    leasing = state._leasing   # noqa: SLF001 (a diagnostic)
     _timed(spent, leasing, "expire", "leases ending (Leases.expire)")
     _timed(spent, leasing, "begin", "leases beginning (Leases.begin, expire included)")
-    _timed(spent, policy, "on_access_many", "eviction order touches")
     _timed(spent, state._index, "columns", "answer columns (ObjectIndex.columns)")  # noqa: SLF001
     _timed(spent, servicer._grants, "mint", "read grants (GrantMinter.mint)")  # noqa: SLF001
     _timed(spent, state, "locate_columns", "MasterState.locate_columns")

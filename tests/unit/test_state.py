@@ -262,6 +262,7 @@ def test_a_read_counts_for_eviction_long_after_its_lease_closed(clock):
         put(state, key, 256)
         clock.advance(1.0)
     get_replicas(state, ["b", "a"])
+    assert list(state._chains.policy._leaves) == list("abcd")   # noqa: SLF001 (not touched)
     clock.advance(LEASE_S + 1.0)
     state.tick()                                         # the leases close
     assert len(state._leasing) == 0                      # noqa: SLF001
