@@ -89,22 +89,25 @@ class BatchPlacer:
 
     def take(self) -> list[Extent] | None:
         """The next object's extent (as a list, like choose_segments), or None: no room."""
-        if not self._heap:
-            return None
-        rank, neg_free, node, i = self._heap[0]
-        seg, carved = self._segments[i], self._carved[i]
-        if not carved:   # it has room: a segment without is dropped once it has none
-            carved.extend(reversed(seg.allocator.allocate_many(
-                self._size, max(1, -(-self._left // len(self._heap))))))
-        offset = carved.pop()
-        self._left -= 1
-        self._free[i] -= self._length[i]
-        if carved or seg.allocator.largest_free_bytes >= self._length[i]:
-            heapq.heapreplace(self._heap, (rank, neg_free + self._length[i], node, i))
-        else:   # full: choose_segments passes it by from now on (its node's turn may move)
+        while self._heap:
+            rank, neg_free, node, i = self._heap[0]
+            seg, carved = self._segments[i], self._carved[i]
+            if not carved:   # it has room (a segment is dropped once it has none)
+                carved.extend(reversed(seg.allocator.allocate_many(
+                    self._size, max(1, -(-self._left // len(self._heap))))))
+            taken = [Extent(seg.info.segment_id, carved.pop(), self._size)] if carved else None
+            if taken is not None:
+                self._left -= 1
+                self._free[i] -= self._length[i]
+                if carved or seg.allocator.largest_free_bytes >= self._length[i]:
+                    heapq.heapreplace(self._heap, (rank, neg_free + self._length[i], node, i))
+                    return taken
+            # Full: choose_segments passes it by from now on (its node's turn may move).
             self._live[i] = False
             self._order()
-        return [Extent(seg.info.segment_id, offset, self._size)]
+            if taken is not None:
+                return taken
+        return None
 
     def release(self) -> None:
         """Free what was carved ahead and not taken."""
