@@ -92,7 +92,7 @@ class Leases:
             last = obj.lease
             if last is None or last[0] == CLOSED:
                 self.count += 1
-            elif last[0] <= now < last[0] + pause_s:
+            elif last[1] >= last[0] and last[0] <= now < last[0] + pause_s:
                 shortest = now   # its last lease reached the cap: paused
                 continue
             obj.lease = lease

@@ -184,6 +184,18 @@ def test_a_pinned_object_read_is_held_by_its_pin(clock):
     assert (seg.pinned_bytes, seg.leased_bytes, seg.pending_bytes) == (0, 0, 0)
 
 
+def test_a_pinned_object_read_again_past_its_first_lease_cap_gets_a_lease(clock):
+    """A hard-pinned object's lease is never closed (its pin holds it, no credit is kept):
+    a read after that lease's cap is no read of a lease that reached its cap, and is not
+    paused (it was, reading as paused for lease_ttl_s)."""
+    state = two_nodes(clock, max_lease_s=12.0)
+    put(state, "p", 8 * KiB)
+    state.pin(["p"])
+    assert state.locate_columns(["p"]).lease_s == LEASE_S
+    clock.advance(12.5)   # past the first lease's cap, within lease_ttl_s of it
+    assert state.locate_columns(["p"]).lease_s == LEASE_S
+
+
 def test_limits_are_validated():
     with pytest.raises(ConfigError, match="max_pending_fraction"):
         MasterConfig(max_pending_fraction=0)
