@@ -79,9 +79,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "is re-read; reads then grant none for --lease-ttl (default: 60s)")
     p.add_argument("--eviction", choices=EVICTION_POLICIES,
                    help="what a full segment gives up first: 'prefix' evicts KV prefix chains "
-                        "from the tail (blocks name their parent; shared prefixes go last, plain "
-                        "LRU for objects without one), 'lru' is plain least-recently-used and "
-                        "indexes each object in ~170 fewer bytes (default: prefix)")
+                        "from the tail (blocks name their parent; shared prefixes go last, "
+                        "LRU for objects without one, a read counted when eviction reaches the "
+                        "block: a second chance, not a touch per read), 'lru' is exact "
+                        "least-recently-used and indexes each object in ~170 fewer bytes "
+                        "(default: prefix)")
     p.add_argument("--namespace-depth", type=int, metavar="N",
                    help="count lookups per key namespace, a key's first N '/'-separated parts, "
                         "in kvpool_master_namespace_lookups_total (default: 3, the vLLM "
