@@ -199,8 +199,9 @@ class PrefixAwarePolicy(EvictionPolicy):
 
     def __init__(self, clock: Callable[[], float] | None = None,
                  read_at: Callable[[Hashable], float | None] | None = None) -> None:
-        self._clock = clock if read_at is not None else None
-        self._read_at = read_at if clock is not None else None
+        if (clock is None) != (read_at is None):
+            raise ValueError("reads told later need both a clock and read_at")
+        self._clock, self._read_at = clock, read_at
         self._touches = 0
         self._epoch = 0
         self._moves = 0   # keys the current walk may still move (read_at)
@@ -343,7 +344,7 @@ class PrefixAwarePolicy(EvictionPolicy):
     def _now(self) -> int:
         """The current epoch, counting this touch."""
         if self._clock is not None:
-            epoch = 2 * math.floor(self._clock() * self._EPOCHS_PER_S)
+            epoch = self._tenth(self._clock())
             if epoch != self._epoch:
                 self._epoch = epoch   # one int object per epoch, shared
             return self._epoch
@@ -351,6 +352,10 @@ class PrefixAwarePolicy(EvictionPolicy):
         if self._touches % self._EPOCH_TOUCHES == 0:
             self._epoch = self._touches
         return self._epoch
+
+    def _tenth(self, t: float) -> int:
+        """The (even) epoch of clock time ``t``."""
+        return 2 * math.floor(t * self._EPOCHS_PER_S)
 
     @property
     def reads_later(self) -> bool:
@@ -363,7 +368,7 @@ class PrefixAwarePolicy(EvictionPolicy):
         at = self._read_at(key) if self._read_at is not None and self._moves else None
         if at is None:
             return None
-        epoch = 2 * math.floor(at * self._EPOCHS_PER_S) + 1
+        epoch = self._tenth(at) + 1   # odd: a read, after a place taken in the same tenth
         if epoch <= used:
             return None
         self._moves -= 1

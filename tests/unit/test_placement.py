@@ -9,7 +9,6 @@ import random
 from dataclasses import dataclass
 
 import pytest
-
 from kvpool.common.types import SegmentInfo
 from kvpool.master.allocator import RangeAllocator
 from kvpool.master.placement import BatchPlacer, choose_segments

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from kvpool.master.eviction import LRUPolicy, PrefixAwarePolicy
 
 
@@ -240,3 +241,10 @@ def test_a_walk_moves_a_bounded_number_of_keys_and_the_next_goes_on():
     r.read(*"abcd")
     assert list(p.candidates()) == ["c", "d", "e", "a", "b"]   # a and b moved, then no more
     assert list(p.candidates()) == ["e", "a", "b", "c", "d"]
+
+
+def test_reads_told_later_need_both_a_clock_and_read_at():
+    with pytest.raises(ValueError, match="both"):
+        PrefixAwarePolicy(clock=lambda: 0.0)
+    with pytest.raises(ValueError, match="both"):
+        PrefixAwarePolicy(read_at=lambda key: None)
