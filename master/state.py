@@ -40,8 +40,7 @@ from kvpool.common.types import (
 from kvpool.master.chains import Chains
 from kvpool.master.eviction import EvictionPolicy, make_eviction_policy
 from kvpool.master.index import COMPLETE, PENDING, LocatedColumns, ObjectEntry, ObjectIndex
-from kvpool.master import leases
-from kvpool.master.leases import Leases
+from kvpool.master.leases import Leases, read_at
 from kvpool.master.manifest_log import ManifestDelta, ManifestLog, Removal
 from kvpool.master.membership import Membership, Segment
 from kvpool.master.pins import Pins
@@ -139,12 +138,12 @@ class MasterState:
         # PrefixAwarePolicy: a touch per key was a fifth of a batched lookup).
         ttl_s, objects = config.lease_ttl_s, self._objects
 
-        def read_at(key: str) -> float | None:
+        def last_read(key: str) -> float | None:
             obj = objects.get(key)
-            return None if obj is None else leases.read_at(obj.lease, ttl_s)
+            return None if obj is None else read_at(obj.lease, ttl_s)
 
         self._chains = Chains(policy if policy is not None else
-                              make_eviction_policy(config.eviction, clock, read_at),
+                              make_eviction_policy(config.eviction, clock, last_read),
                               make_eviction_policy(config.eviction))
         self._rechecks = Rechecks()
         self._recovery = Recovery(config.node_ttl_s)
