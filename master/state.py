@@ -379,7 +379,7 @@ class MasterState:
         # None: a miss, explained in ``errors``. Keys are strs, the index's keys too: any
         # other hashable key finds nothing (and an unhashable one is looked at alone).
         try:
-            objs: list[ObjectEntry | None] = list(map(get, keys))
+            objs: list[ObjectEntry | None] = self._index.get_many(keys)
         except TypeError:
             objs = [get(k) if isinstance(k, str) else None for k in keys]
         errors: dict[int, KVPoolError] = {}
