@@ -404,6 +404,11 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         grants = self._grants.mint(capabilities.READ, located.counts, located.segment_ids,
                                    located.offsets, located.sizes, located.versions,
                                    max(lease_s, capabilities.READ_GRANT_MIN_S))
+        if request.packed:   # the columns as arrays (wire.pack_columns)
+            return pb.GetReplicasResponse(
+                lease_ttl_s=lease_s, replicas=columns.to_pb(grants, packed=True),
+                packed=wire.pack_columns(statuses, located.sizes, located.versions,
+                                         located.checksums))
         return pb.GetReplicasResponse(lease_ttl_s=lease_s,
                                       statuses=statuses, sizes=located.sizes,
                                       versions=located.versions, replicas=columns.to_pb(grants),

@@ -21,6 +21,7 @@ from kvpool.common.errors import (
     MasterUnavailable,
     NoSpace,
     QuotaExceeded,
+    TransportError,
     UnknownNode,
     error_for_status,
 )
@@ -310,7 +311,9 @@ class MasterClient(GrpcClient):
     def locate(self, keys: Sequence[str]) -> Located:
         """Each key's size, version, checksum and replicas, leasing each object found (see
         :class:`Located`): columns, with no Python object per key until one is asked for."""
-        return located(keys, self.locate_answer(keys))
+        return located(keys, self._lookup(
+            lookup_port.GET_REPLICAS, "GetReplicas", pb.KeysRequest(keys=keys, packed=True),
+            pb.GetReplicasResponse))
 
     def locate_answer(self, keys: Sequence[str]) -> pb.GetReplicasResponse:
         """:meth:`locate`'s answer as it came (``located(keys, answer)`` makes the columns):
@@ -372,10 +375,20 @@ class MasterClient(GrpcClient):
 
 
 def located(keys: Sequence[str], r: pb.GetReplicasResponse) -> Located:
-    """A GetReplicas answer in columns."""
-    sizes = np.array(r.sizes, dtype=np.uint64)
-    sums = np.array(r.checksums, dtype=np.uint64)
-    return Located(keys=keys, statuses=np.array(r.statuses, dtype=np.int32), sizes=sizes,
-                   versions=np.array(r.versions, dtype=np.uint64),
-                   checksums=sums if len(sums) == len(sizes) else np.zeros_like(sizes),
-                   replicas=wire.replica_arrays(r.replicas), lease_ttl_s=r.lease_ttl_s)
+    """A GetReplicas answer about ``keys`` in columns, packed or not (KeysRequest.packed);
+    TransportError if it does not add up."""
+    if r.packed:
+        statuses, sizes, versions, sums = wire.unpack_columns(r.packed, len(keys), 4)[0]
+        statuses = statuses.astype(np.int32)
+    else:
+        statuses = np.array(r.statuses, dtype=np.int32)
+        sizes = np.array(r.sizes, dtype=np.uint64)
+        versions = np.array(r.versions, dtype=np.uint64)
+        sums = np.array(r.checksums, dtype=np.uint64)
+        if len(sums) != len(sizes):   # a master that recorded none
+            sums = np.zeros_like(sizes)
+    if not len(statuses) == len(sizes) == len(versions) == len(keys):
+        raise TransportError(f"malformed answer: {len(statuses)} statuses for {len(keys)} keys")
+    return Located(keys=keys, statuses=statuses, sizes=sizes, versions=versions, checksums=sums,
+                   replicas=wire.replica_arrays(r.replicas, len(keys)),
+                   lease_ttl_s=r.lease_ttl_s)

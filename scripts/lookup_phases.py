@@ -8,7 +8,7 @@ each call's timing starts after ``lease_ttl_s`` of such calls, when as many leas
 begin. (`kvpool bench`'s lookup phase is shorter than a lease: its master never expires one.)
 No sockets, framing or event loop: what is timed is the master's own work.
 
-    python3 scripts/lookup_phases.py [--objects 1000000] [--batch 256] [--calls 2000]
+    python3 scripts/lookup_phases.py [--objects 1000000] [--batch 256] [--calls 2000] [--unpacked]
 """
 
 from __future__ import annotations
@@ -55,6 +55,9 @@ def main() -> int:
     p.add_argument("--calls", type=int, default=2000, help="timed calls (after the warm-up)")
     p.add_argument("--interval-us", type=float, default=1280.0,
                    help="simulated time between two calls (default: 200k objects/s)")
+    p.add_argument("--unpacked", action="store_true",
+                   help="ask for the answer in repeated fields, as a single get does (default: "
+                        "packed columns, as MasterClient.locate asks)")
     args = p.parse_args()
     clock = _Clock()
     state = MasterState(MasterConfig(), clock=clock)
@@ -72,7 +75,8 @@ def main() -> int:
 
     def requests(n: int) -> list:   # decoded as the lookup port does: fresh strs
         return [pb.KeysRequest.FromString(pb.KeysRequest(
-            keys=rng.sample(keys, args.batch)).SerializeToString()) for _ in range(n)]
+            keys=rng.sample(keys, args.batch), packed=not args.unpacked).SerializeToString())
+            for _ in range(n)]
 
     step = args.interval_us / 1e6
     warm = int(state.config.lease_ttl_s / step) + 1

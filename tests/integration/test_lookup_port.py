@@ -18,7 +18,7 @@ from kvpool.master.servicer import MAX_BATCH
 from kvpool.net import lookup_port
 from kvpool.protos.kvpool.v1 import master_pb2 as pb
 from kvpool.rpc.lookup import RETRY_AFTER_S, LookupChannel, LookupLost, Lookups
-from kvpool.rpc.master_client import MasterClient
+from kvpool.rpc.master_client import MasterClient, located
 
 
 class CountCalls(grpc.aio.ServerInterceptor):
@@ -90,6 +90,27 @@ def test_lookups_go_to_the_lookup_port_once_a_grpc_answer_named_it(master):
     assert _columns(again) == _columns(first)
     assert first.statuses.tolist()[-1] == pb.STATUS_NOT_FOUND
     assert [v.size for v in views] == [64] * 5
+
+
+def test_a_packed_answer_says_what_the_repeated_fields_say(master):
+    """KeysRequest.packed (the columns as arrays: how MasterClient.locate asks)."""
+    keys = [f"k{i}" for i in range(200)]
+    ask = [*reversed(keys), "missing", *keys[:3]]
+    with MasterClient(master.address) as mc:
+        _store(mc, keys)
+        packed = mc.locate(ask)
+        plain = located(ask, mc.locate_answer(ask))
+        raw = mc._lookups.channel.call(lookup_port.GET_REPLICAS,
+                                       pb.KeysRequest(keys=ask, packed=True),
+                                       pb.GetReplicasResponse)
+    assert not raw.statuses and not raw.replicas.offsets and raw.packed
+    assert _columns(packed) == _columns(plain)
+    assert packed.checksums.tolist() == plain.checksums.tolist()
+    assert packed.replicas.location.tolist() == plain.replicas.location.tolist()
+    assert packed.statuses.tolist().count(pb.STATUS_NOT_FOUND) == 1
+    assert len(packed.replicas.grants) == len(plain.replicas.grants) == len(ask) - 1
+    assert [v.replicas[0].extent for v in packed.views() if not isinstance(v, Exception)] \
+        == [v.replicas[0].extent for v in plain.views() if not isinstance(v, Exception)]
 
 
 def test_exists_goes_to_the_lookup_port_and_finds_it_by_itself(master):

@@ -306,18 +306,22 @@ class PutStartRequest(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., replicas: _Optional[int] = ..., parents: _Optional[_Iterable[str]] = ..., fenced: _Optional[bool] = ..., slots: _Optional[bool] = ...) -> None: ...
 
 class ReplicaColumns(_message.Message):
-    __slots__ = ("locations", "counts", "location", "offsets", "grants")
+    __slots__ = ("locations", "counts", "location", "offsets", "grants", "packed", "packed_grants")
     LOCATIONS_FIELD_NUMBER: _ClassVar[int]
     COUNTS_FIELD_NUMBER: _ClassVar[int]
     LOCATION_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     GRANTS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
+    PACKED_GRANTS_FIELD_NUMBER: _ClassVar[int]
     locations: _containers.RepeatedCompositeFieldContainer[Replica]
     counts: _containers.RepeatedScalarFieldContainer[int]
     location: _containers.RepeatedScalarFieldContainer[int]
     offsets: _containers.RepeatedScalarFieldContainer[int]
     grants: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, locations: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., counts: _Optional[_Iterable[int]] = ..., location: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., grants: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    packed: bytes
+    packed_grants: bytes
+    def __init__(self, locations: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., counts: _Optional[_Iterable[int]] = ..., location: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., grants: _Optional[_Iterable[bytes]] = ..., packed: _Optional[bytes] = ..., packed_grants: _Optional[bytes] = ...) -> None: ...
 
 class PutStartResponse(_message.Message):
     __slots__ = ("put_timeout_s", "statuses", "replicas", "space_summary", "epoch", "versions", "hold_s", "tenant", "quota_summary")
@@ -342,10 +346,12 @@ class PutStartResponse(_message.Message):
     def __init__(self, put_timeout_s: _Optional[float] = ..., statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., replicas: _Optional[_Union[ReplicaColumns, _Mapping]] = ..., space_summary: _Optional[str] = ..., epoch: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., hold_s: _Optional[float] = ..., tenant: _Optional[str] = ..., quota_summary: _Optional[str] = ...) -> None: ...
 
 class KeysRequest(_message.Message):
-    __slots__ = ("keys",)
+    __slots__ = ("keys", "packed")
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
+    packed: bool
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., packed: _Optional[bool] = ...) -> None: ...
 
 class StatusesResponse(_message.Message):
     __slots__ = ("statuses",)
@@ -354,7 +360,7 @@ class StatusesResponse(_message.Message):
     def __init__(self, statuses: _Optional[_Iterable[_Union[Status, str]]] = ...) -> None: ...
 
 class GetReplicasResponse(_message.Message):
-    __slots__ = ("lease_ttl_s", "statuses", "sizes", "versions", "replicas", "checksums", "lookup_port")
+    __slots__ = ("lease_ttl_s", "statuses", "sizes", "versions", "replicas", "checksums", "lookup_port", "packed")
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     STATUSES_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
@@ -362,6 +368,7 @@ class GetReplicasResponse(_message.Message):
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_PORT_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     lease_ttl_s: float
     statuses: _containers.RepeatedScalarFieldContainer[Status]
     sizes: _containers.RepeatedScalarFieldContainer[int]
@@ -369,7 +376,8 @@ class GetReplicasResponse(_message.Message):
     replicas: ReplicaColumns
     checksums: _containers.RepeatedScalarFieldContainer[int]
     lookup_port: int
-    def __init__(self, lease_ttl_s: _Optional[float] = ..., statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., sizes: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Union[ReplicaColumns, _Mapping]] = ..., checksums: _Optional[_Iterable[int]] = ..., lookup_port: _Optional[int] = ...) -> None: ...
+    packed: bytes
+    def __init__(self, lease_ttl_s: _Optional[float] = ..., statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., sizes: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Union[ReplicaColumns, _Mapping]] = ..., checksums: _Optional[_Iterable[int]] = ..., lookup_port: _Optional[int] = ..., packed: _Optional[bytes] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("keys", "ttl_s", "unpin")
