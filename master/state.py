@@ -821,8 +821,10 @@ class MasterState:
 
     def _reclaim_pending(self, now: float) -> None:
         for obj in self._space.puts_due(now):
-            if self._objects.get(obj.key) is not obj or obj.state is not PENDING:
-                continue   # committed, revoked or lost since: nothing to reclaim
+            # Committed since (most puts; asked first: no probe of the index for them), or
+            # revoked or lost: nothing to reclaim.
+            if obj.seal is not PENDING or self._objects.get(obj.key) is not obj:
+                continue
             # The writer may still be writing into these extents: keep them out of reuse.
             self._space.free_later(self._unindex(obj), now + self._config.quarantine_s,
                                    abandoned=True)
