@@ -124,11 +124,13 @@ class Signer:
         return encrypt(chained.to_bytes(TAG_BYTES, "big"))
 
     def mint_many(self, op: int, segment_id: bytes, offsets, lengths, versions, expiry: int,
-                  keys=None) -> list[bytes]:
+                  keys=None, joined: bool = False) -> list[bytes] | bytes:
         """:meth:`mint` for the extents ``offsets[i], lengths[i]`` of objects
         ``versions[i]`` in one segment (the master's loop: one call per segment of a batch,
         not per replica). ``keys``: each one's stored key: WRITE grants then carry its record
-        tag."""
+        tag. ``joined`` (no ``keys``): the grants in one bytes object, one after another."""
+        if joined and keys is not None:
+            raise ValueError("grants with record tags are not joined")
         n = len(offsets)
         if n < _BATCH_MIN:
             out = [self.mint(op, segment_id, offsets[i], lengths[i], versions[i], expiry)
@@ -150,12 +152,14 @@ class Signer:
             grants[:, 16:] = np.frombuffer(encrypt((chained ^ raw[:, 16:]).tobytes()),
                                            np.uint8).reshape(n, 16)
             flat, size = grants.tobytes(), GRANT.size
+            if joined:
+                return flat
             out = [flat[i:i + size] for i in range(0, n * size, size)]
         if keys is not None:
             for i, key in enumerate(keys):
                 out[i] += self._record_tag(segment_id, offsets[i], lengths[i], versions[i],
                                            expiry, key.encode())
-        return out
+        return b"".join(out) if joined else out
 
     def _record_tag(self, segment_id: bytes, offset: int, length: int, version: int,
                     expiry: int, key: bytes) -> bytes:

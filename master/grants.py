@@ -29,10 +29,12 @@ class GrantMinter:
 
     def mint(self, op: int, counts: Sequence[int], segment_ids: Sequence[str],
              offsets: Sequence[int], sizes: Sequence[int], versions: Sequence[int],
-             ttl_s: float, keys: Sequence[str] | None = None) -> list[bytes]:
+             ttl_s: float, keys: Sequence[str] | None = None, joined: bool = False
+             ) -> list[bytes] | bytes:
         """One grant per replica: object ``i`` has ``counts[i]`` replicas, each at
         ``(segment_ids[j], offsets[j])``, of ``sizes[i]`` bytes and version ``versions[i]``.
-        ``keys``: each object's stored key, for WRITE grants with record tags."""
+        ``keys``: each object's stored key, for WRITE grants with record tags. ``joined``
+        (READ grants): the grants in one bytes object, one after another."""
         expiry = capabilities.expiry_ms(ttl_s)
         n = len(segment_ids)
         if n and len(counts) == n and counts.count(1) == n \
@@ -40,7 +42,7 @@ class GrantMinter:
             # One replica each, all in one segment (most batches): the columns as they are.
             sid = segment_ids[0]
             return self._signer(self._node_of(sid)).mint_many(
-                op, sid.encode(), offsets, sizes, versions, expiry, keys)
+                op, sid.encode(), offsets, sizes, versions, expiry, keys, joined)
         # Grouped by segment (a batch's replicas share a few), minted per segment, then put
         # back in replica order.
         by_segment: dict[str, list[int]] = {}
@@ -66,4 +68,4 @@ class GrantMinter:
             for k, grant in zip(where, signer.mint_many(op, sid.encode(), *columns[sid][:3],
                                                         expiry, columns[sid][3])):
                 grants[k] = grant
-        return grants
+        return b"".join(grants) if joined else grants

@@ -401,14 +401,17 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                             self._descriptors)
         # The shortest lease granted (max_lease_s caps a lease re-read for long).
         lease_s = self._state.config.lease_ttl_s if located.lease_s is None else located.lease_s
-        grants = self._grants.mint(capabilities.READ, located.counts, located.segment_ids,
-                                   located.offsets, located.sizes, located.versions,
-                                   max(lease_s, capabilities.READ_GRANT_MIN_S))
-        if request.packed:   # the columns as arrays (wire.pack_columns)
+        grant_s = max(lease_s, capabilities.READ_GRANT_MIN_S)
+        if request.packed:   # the columns as arrays (wire.pack_columns), each converted once
+            offsets, sizes, versions = (wire.u64_array(c) for c in (
+                located.offsets, located.sizes, located.versions))
+            grants = self._grants.mint(capabilities.READ, located.counts, located.segment_ids,
+                                       offsets, sizes, versions, grant_s, joined=True)
             return pb.GetReplicasResponse(
                 lease_ttl_s=lease_s, replicas=columns.to_pb(grants, packed=True),
-                packed=wire.pack_columns(statuses, located.sizes, located.versions,
-                                         located.checksums))
+                packed=wire.pack_columns(statuses, sizes, versions, located.checksums))
+        grants = self._grants.mint(capabilities.READ, located.counts, located.segment_ids,
+                                   located.offsets, located.sizes, located.versions, grant_s)
         return pb.GetReplicasResponse(lease_ttl_s=lease_s,
                                       statuses=statuses, sizes=located.sizes,
                                       versions=located.versions, replicas=columns.to_pb(grants),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import time
 
+import numpy as np
 import pytest
 from kvpool.client.transport.base import IoOp
 from kvpool.client.transport.tcp import TCPTransport
@@ -170,6 +171,10 @@ def test_a_batch_of_grants_is_minted_as_one_by_one_and_each_checks():
             assert caps.check(KEY, g, caps.READ, b"n/0-a", o, ln) == (v, "")
             assert caps.check(KEY, g, caps.WRITE, b"n/0-a", o, ln)[1]
             assert caps.check(KEY, g, caps.READ, b"n/0-a", o, ln + 1)[1]
+        # Joined (a packed answer's), from uint64 arrays: the same grants, one after another.
+        arrays = (np.array(c[:n], np.uint64) for c in (offsets, lengths, versions))
+        assert signer.mint_many(caps.READ, b"n/0-a", *arrays, expiry, joined=True) \
+            == b"".join(batch)
         # Write grants with their record tags: each record checks for its own key only.
         keys = [f"k{i}" for i in range(n)]
         writes = signer.mint_many(caps.WRITE, b"n/0-a", offsets[:n], lengths[:n],
@@ -198,12 +203,17 @@ def test_the_master_mints_a_batchs_grants_in_replica_order_over_several_segments
     versions = [1000 + i for i in range(len(counts))]
     grants = minter.mint(caps.READ, counts, segment_ids, offsets, sizes, versions, 10)
     assert len(grants) == len(segment_ids)
+    joined = minter.mint(caps.READ, counts, segment_ids, offsets, sizes, versions, 10,
+                         joined=True)   # (a packed answer's: one after another)
+    size = caps.GRANT.size
+    assert len(joined) == len(grants) * size
     j = 0
     for i, c in enumerate(counts):
         for _ in range(c):
             sid = segment_ids[j]
-            assert keys[nodes[sid]].check(grants[j], caps.READ, sid.encode(), offsets[j],
-                                          sizes[i]) == (versions[i], "")
+            for grant in (grants[j], joined[j * size:(j + 1) * size]):
+                assert keys[nodes[sid]].check(grant, caps.READ, sid.encode(), offsets[j],
+                                              sizes[i]) == (versions[i], "")
             j += 1
     one = minter.mint(caps.READ, [1] * 9, ["a/0"] * 9, offsets[:9], sizes[:9], versions[:9], 10)
     for g, o, s, v in zip(one, offsets, sizes, versions):
