@@ -88,10 +88,11 @@ class Leases:
         add = credits.append
         seg: Segment | None = None
         place, n = None, 0
+        began = run = 0   # leases begun; objects leased in ``seg`` since ``place`` changed
         for obj in objs:
             last = obj.lease
             if last is None or last[0] == CLOSED:
-                self.count += 1
+                began += 1
             elif last[1] >= last[0] and last[0] <= now < last[0] + pause_s:
                 shortest = now   # its last lease reached the cap: paused
                 continue
@@ -100,17 +101,23 @@ class Leases:
                 continue   # its pin holds it
             # Most keys of a lookup share one place (segment, size): once per run of them.
             if obj.place is not place:
-                place = obj.place
+                if run:
+                    seg.held[LEASED] += run * n
+                place, run = obj.place, 0
                 seg = segments.get(place[0])
                 n = seg.allocator.aligned_size(place[1]) if seg is not None else 0
             if seg is not None:
-                seg.held[LEASED] += n
+                run += 1
                 add((obj, seg, n))
-            for e in more.get(obj, ()) if more else ():   # further replicas (rare)
-                if (other := segments.get(e.segment_id)) is not None:
-                    m = other.allocator.aligned_size(obj.place[1])
-                    other.held[LEASED] += m
-                    add((obj, other, m))
+            if more and obj in more:   # further replicas (rare)
+                for e in more[obj]:
+                    if (other := segments.get(e.segment_id)) is not None:
+                        m = other.allocator.aligned_size(obj.place[1])
+                        other.held[LEASED] += m
+                        add((obj, other, m))
+        if run:
+            seg.held[LEASED] += run * n
+        self.count += began
         if credits:
             self._bucket(until).extend(credits)
         return shortest
