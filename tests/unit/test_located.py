@@ -87,3 +87,15 @@ def test_a_packed_answer_that_does_not_add_up_is_refused():
                     packed_grants=b"g" * (capabilities.GRANT.size + 1)))):
         with pytest.raises(TransportError, match="malformed answer"):
             located(["k"], bad)
+
+
+def test_a_location_is_made_once_and_each_distinct_one_apart():
+    a, b = (wire.replica_to_pb(Replica(node, Extent(sid, 0, 0))) for node, sid in
+            ((A, "sa"), (B, "sb")))
+    first = wire.location_from_pb(a)
+    assert first == wire.replica_from_pb(a) and wire.location_from_pb(a) is first
+    assert wire.location_from_pb(b) == wire.replica_from_pb(b) != first
+    moved = pb.Replica()
+    moved.CopyFrom(a)
+    moved.node.tcp_endpoint = "127.0.0.1:3"   # the same segment, its node on a new port
+    assert wire.location_from_pb(moved).node.tcp_endpoint == "127.0.0.1:3"
