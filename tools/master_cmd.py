@@ -11,7 +11,7 @@ from kvpool.tools.argtypes import count_type, duration_type, fraction_type, log_
 DEFAULT_PORT = 50051
 
 
-def _gc_for_a_large_index() -> None:
+def gc_for_a_large_index() -> None:
     """Collect cycles rarely: the index holds millions of long-lived tracked objects (one per
     entry) and no cycles, and every full collection walks all of them (~1 s at 10M); at
     CPython's default thresholds reads alone started one every few hundred thousand lookups
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--tokens needs --credentials (tokens travel over TLS only)")
         tokens = Tokens.load(args.tokens)
     lookup_port = None if args.no_lookup_port else args.lookup_port
-    _gc_for_a_large_index()
+    gc_for_a_large_index()
     if args.ha:
         from kvpool.common.addresses import parse_etcd_url
         from kvpool.common.logging import get_logger
