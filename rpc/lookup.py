@@ -77,10 +77,13 @@ class _Connection:
         with self._sending:
             self.sock.sendall(_request(self.out, method, body))
 
-    def receive(self) -> tuple[int, bytes]:
-        """The next answer's (status, body); LookupLost if it does not open."""
-        self._answer.wait()
+    def receive(self, kind: int | None = None) -> tuple[int, bytes]:
+        """The next answer's (status, body); LookupLost if it does not open. ``kind``: the
+        call's kind, for an answer to a call (net/sockets.py ``Spinner.wait``); not for a
+        stream's frames, which come when they come."""
+        self._answer.wait(kind)
         head = recv_exact(self.sock, lookup_port.RESPONSE.size, "the master")
+        self._answer.arrived()
         status, length = _header(head)
         data = recv_exact(self.sock, length, "the master")
         return status, _opened(self.inn, head, data, status)
@@ -144,7 +147,8 @@ class LookupChannel:
             conn, reused = self._connection()
             try:
                 conn.send(method, body)
-                status, answer = conn.receive()
+                # Answers to requests of one method and size take alike.
+                status, answer = conn.receive(method << 8 | len(body).bit_length())
                 break
             except TimeoutError:
                 conn.close()

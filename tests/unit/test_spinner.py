@@ -129,3 +129,66 @@ async def test_a_hold_a_client_asked_for_polls_that_long_backed_off_or_not():
     off = LoopSpinner(0.0)   # $KVPOOL_SPIN_US=0: no polling, asked for or not
     off.hold(loop, 0.05)
     assert not off.spinning
+
+
+def _answered_after(b: socket.socket, delay_s: float) -> threading.Timer:
+    timer = threading.Timer(delay_s, b.send, (b"x",))
+    timer.start()
+    return timer
+
+
+def _call(spinner: Spinner, a: socket.socket, b: socket.socket, delay_s: float, kind: int = 1
+          ) -> tuple[bool, float, float]:
+    """One call of ``kind`` answered ``delay_s`` after it is asked, as a caller makes it: wait,
+    read (blocking where the wait says so), arrived. Whether the wait caught it, the call's time
+    and the CPU time the waiting thread spent."""
+    timer = _answered_after(b, delay_s)
+    start, cpu = time.perf_counter(), time.thread_time()
+    caught = spinner.wait(kind)
+    a.recv(1)
+    spinner.arrived()
+    took, spent = time.perf_counter() - start, time.thread_time() - cpu
+    timer.join()
+    return caught, took, spent
+
+
+def test_a_kind_of_call_learns_its_answers_time_and_naps_until_shortly_before_it(pair):
+    a, b = pair
+    spinner = Spinner(a, 0.01)
+    caught, took, _ = _call(spinner, a, b, 0.15)
+    assert not caught and took > 0.1   # unknown yet: spun 10 ms, then slept on the socket
+    for _ in range(3):
+        caught, took, spent = _call(spinner, a, b, 0.15)
+        # Napped on a timer, then polled: the answer is caught, not slept on, at little CPU.
+        assert caught and took < 0.3 and spent < 0.1
+    caught, took, _ = _call(spinner, a, b, 0.002, kind=2)
+    assert caught and took < 0.1   # another kind of call: not napped for kind 1's time
+
+
+def test_a_late_answer_moves_the_nap_a_little_and_early_ones_shorten_it(pair):
+    a, b = pair
+    spinner = Spinner(a, 0.01)
+    for _ in range(2):
+        _call(spinner, a, b, 0.1)
+    _call(spinner, a, b, 1.0)   # one answer held up: the next nap grows by an eighth at most
+    caught, took, _ = _call(spinner, a, b, 0.02)
+    assert 0.08 < took < 0.2    # it napped (for ~0.11 s): the answer waited for the nap's end
+    times = [_call(spinner, a, b, 0.02)[1] for _ in range(12)]
+    assert times[-1] < 0.06 < times[0]   # answers came during the nap: it shrank towards them
+
+
+def test_waits_of_a_kind_do_not_back_off(pair):
+    a, b = pair
+    spinner = Spinner(a, SPIN_S)
+    for _ in range(4):   # each misses (nothing is sent) and each spins in full: no back-off
+        start = time.perf_counter()
+        assert spinner.wait(7) is False
+        assert time.perf_counter() - start >= SPIN_S
+
+
+def test_answers_due_later_than_twenty_spins_are_not_napped_for(pair):
+    a, b = pair
+    spinner = Spinner(a, 0.01)
+    _call(spinner, a, b, 0.3)   # the first answer held up: 30 spins
+    caught, took, _ = _call(spinner, a, b, 0.005)
+    assert caught and took < 0.1   # spun for and caught, not napped for 0.3 s
