@@ -8,10 +8,12 @@ The bytes leased objects hold are counted per segment (``Segment.leased_bytes``)
 admission (master/pressure.py). Kept cheap on the read path: an object's lease is a slot of
 its entry (``ObjectEntry.lease``, read with the entry a lookup already holds: a dict beside
 the index cost two more cache misses a key, and the closing of leases as many again); a
-lookup's new leases are one (cap, end) pair their objects share and one credit each in the
-bucket of ``BUCKET_S`` in which they end (a heap of buckets, not of credits); extending a
-running lease touches nothing but that object's pair, and its credit, looked at when its
-bucket is due, moves to the bucket of its new end (one dict step). Bytes stay counted as
+lookup's new leases are one (cap, end) pair their objects share and one credit for them all
+(a batch, its objects in runs of a segment) in the bucket of ``BUCKET_S`` in which they end
+(a heap of buckets, not of credits); extending a running lease touches nothing but that
+object's pair. When the bucket is due, the objects whose slot still holds the batch's pair
+close together (an identity test each); an extended one gets a credit of its own, in the
+bucket of its new end (one dict step). Bytes stay counted as
 leased up to ``BUCKET_S`` past a lease's end. (Credits were kept in lists, one per lookup,
 each put back at the earliest end among the extended ones it held: under steady re-reads
 every list was walked again at each of its credits' ends, 40% of a lookup's time on the
@@ -41,6 +43,19 @@ from kvpool.master.membership import Segment
 # (after a lease reached its cap) is an entry with no segment.
 _Credit = tuple[ObjectEntry, Segment | None, int]
 BUCKET_S = 0.1
+
+
+class _Batch:
+    """The credits of one :meth:`Leases.begin`: ``objs``, in ``runs`` of (segment, bytes
+    each, how many), all given the lease ``lease`` (one tuple) then. Closing them is an
+    identity test each where a credit apiece cost a tuple and a dozen steps."""
+
+    __slots__ = ("lease", "objs", "runs")
+
+    def __init__(self, lease: tuple[float, float], objs: list[ObjectEntry],
+                 runs: list[tuple[Segment, int, int]]) -> None:
+        self.lease, self.objs, self.runs = lease, objs, runs
+
 #: A closed lease's cap: (CLOSED, t) in a slot is no lease, only when the last one ended.
 CLOSED = -math.inf
 
@@ -66,7 +81,7 @@ class Leases:
         self.count = 0
         self._mark: tuple[float, float] = (CLOSED, 0.0)   # the latest, shared
         # Credits by the bucket of BUCKET_S they are due in, and a heap of those buckets.
-        self._buckets: dict[int, list[_Credit]] = {}
+        self._buckets: dict[int, list[_Credit | _Batch]] = {}
         self._due: list[int] = []
 
     def until(self, obj: ObjectEntry) -> float:
@@ -84,8 +99,10 @@ class Leases:
         end = min(until, cap_at)
         shortest = end
         lease = (cap_at, end)   # shared by the objects leased here
-        credits: list[_Credit] = []
-        add = credits.append
+        leased: list[ObjectEntry] = []   # those that hold bytes of a segment, in runs:
+        runs: list[tuple[Segment, int, int]] = []   # (segment, bytes each, how many)
+        extra: list[_Credit] = []   # further replicas' (rare)
+        add = leased.append
         seg: Segment | None = None
         place, n = None, 0
         began = run = 0   # leases begun; objects leased in ``seg`` since ``place`` changed
@@ -103,26 +120,31 @@ class Leases:
             if obj.place is not place:
                 if run:
                     seg.held[LEASED] += run * n
+                    runs.append((seg, n, run))
                 place, run = obj.place, 0
                 seg = segments.get(place[0])
                 n = seg.allocator.aligned_size(place[1]) if seg is not None else 0
             if seg is not None:
                 run += 1
-                add((obj, seg, n))
+                add(obj)
             if more and obj in more:   # further replicas (rare)
                 for e in more[obj]:
                     if (other := segments.get(e.segment_id)) is not None:
                         m = other.allocator.aligned_size(obj.place[1])
                         other.held[LEASED] += m
-                        add((obj, other, m))
+                        extra.append((obj, other, m))
         if run:
             seg.held[LEASED] += run * n
+            runs.append((seg, n, run))
         self.count += began
-        if credits:
-            self._bucket(until).extend(credits)
+        if leased or extra:
+            bucket = self._bucket(until)
+            if leased:
+                bucket.append(_Batch(lease, leased, runs))
+            bucket.extend(extra)
         return shortest
 
-    def _bucket(self, at: float) -> list[_Credit]:
+    def _bucket(self, at: float) -> list[_Credit | _Batch]:
         """The credits due in ``at``'s bucket (looked at once it has passed)."""
         b = math.ceil(at / BUCKET_S)
         if b * BUCKET_S < at:   # a quotient rounded down: never a bucket due before ``at``
@@ -137,26 +159,59 @@ class Leases:
         """Close the leases (and pauses) due by ``now``; credits of leases extended since
         are looked at again when those end."""
         due, buckets = self._due, self._buckets
-        pause_s = self._ttl_s
         while due and due[0] * BUCKET_S <= now:
-            credits = buckets.pop(heapq.heappop(due))
-            for credit in credits:
-                obj, seg, n = credit
-                lease = obj.lease
-                if lease is not None and lease[1] > now:   # extended (or leased again)
-                    self._bucket(lease[1] if seg is not None else lease[0] + pause_s
-                                 ).append(credit)
-                    continue
-                if seg is not None:
-                    seg.held[LEASED] -= n
-                if lease is None or lease[0] == CLOSED:
-                    continue
-                cap, end = lease
-                if end >= cap and now < cap + pause_s:   # reached its cap: pause
-                    self._bucket(cap + pause_s).append((obj, None, 0))
-                elif seg is not None or now >= cap + pause_s:
-                    obj.lease = self._closed(end)
-                    self.count -= 1
+            for credit in buckets.pop(heapq.heappop(due)):
+                if type(credit) is _Batch:
+                    self._close_batch(credit, now)
+                else:
+                    self._settle(credit, now)
+
+    def _settle(self, credit: _Credit, now: float) -> None:
+        """One credit come due: its lease closes, pauses, or (extended) is looked at again
+        when it ends."""
+        obj, seg, n = credit
+        lease = obj.lease
+        if lease is not None and lease[1] > now:   # extended (or leased again)
+            self._bucket(lease[1] if seg is not None else lease[0] + self._ttl_s
+                         ).append(credit)
+            return
+        if seg is not None:
+            seg.held[LEASED] -= n
+        if lease is None or lease[0] == CLOSED:
+            return
+        cap, end = lease
+        if end >= cap and now < cap + self._ttl_s:   # reached its cap: pause
+            self._bucket(cap + self._ttl_s).append((obj, None, 0))
+        elif seg is not None or now >= cap + self._ttl_s:
+            obj.lease = self._closed(end)
+            self.count -= 1
+
+    def _close_batch(self, batch: _Batch, now: float) -> None:
+        """A begin()'s leases come due: those still holding the lease it gave (one tuple,
+        so an identity test) close in one step per run of a segment; the others (extended,
+        closed or leased again since) are settled one by one."""
+        lease, objs = batch.lease, batch.objs
+        start = 0
+        if lease[1] >= lease[0]:   # they reached their cap at once: each pauses
+            for seg, n, count in batch.runs:
+                for obj in objs[start:start + count]:
+                    self._settle((obj, seg, n), now)
+                start += count
+            return
+        mark = self._closed(lease[1])
+        closed_all = 0
+        for seg, n, count in batch.runs:
+            closed = 0
+            for obj in objs[start:start + count]:
+                if obj.lease is lease:
+                    obj.lease = mark
+                    closed += 1
+                else:
+                    self._settle((obj, seg, n), now)
+            seg.held[LEASED] -= closed * n
+            closed_all += closed
+            start += count
+        self.count -= closed_all
 
     def _closed(self, end: float) -> tuple[float, float]:
         """The mark of a lease that ended at ``end``: its second (never later), shared."""

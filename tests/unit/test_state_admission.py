@@ -235,3 +235,27 @@ def test_leases_extended_at_random_are_looked_at_once_per_end(clock):
     state.tick()
     assert [s.leased_bytes for s in segs] == [0, 0]
     assert len(state._leasing) == 0
+
+
+def test_a_lookups_leases_close_together_and_the_extended_or_removed_ones_on_their_own(clock):
+    """One lookup's leases are one batch (master/leases.py ``_Batch``): those still as the
+    lookup left them close in one step per segment; one extended since runs to its new end,
+    one removed since releases its bytes once, and nothing is released twice."""
+    state = two_nodes(clock)
+    keys = fill_small(state, n=40, size=KiB)
+    segs = [state._segments[s] for s in ("s1", "s2")]
+    assert {state._objects[k].segment_id for k in keys} == {"s1", "s2"}   # runs in both
+    state.locate_columns(keys)
+    assert sum(s.leased_bytes for s in segs) == 40 * KiB and len(state._leasing) == 40
+    clock.advance(LEASE_S / 2)
+    extended, removed = keys[:3], keys[3:5]
+    state.locate_columns(extended)
+    assert state.remove(removed) == [None, None]
+    clock.advance(LEASE_S / 2 + 0.2)   # the lookup's leases end, the re-read ones run on
+    state.tick()
+    assert sum(s.leased_bytes for s in segs) == 3 * KiB and len(state._leasing) == 3
+    assert all(state._leasing.until(state._objects[k]) > clock.now for k in extended)
+    assert state.locate_columns(keys[5:6]).lease_s == LEASE_S   # leased anew after closing
+    clock.advance(LEASE_S)
+    state.tick()
+    assert [s.leased_bytes for s in segs] == [0, 0] and len(state._leasing) == 0
