@@ -99,7 +99,7 @@ def main() -> int:
                 for i, size in enumerate(sizes):
                     shape = w.Shape("single", size, 1, args.calls)
                     figures = {(f.system, f.op): f for f in w.kvpool_figures(
-                        clients, args.transport, shape, 3, w.random_rows(1, size, seed=i),
+                        clients, shape, 3, w.random_rows(1, size, seed=i),
                         f"spread-{pair}-{size}")}
                     calls += 2 * 2 * 3 * args.calls   # put and get, on both, 3 repeats
                     for op in ("put", "get"):

@@ -113,34 +113,57 @@ def mooncake_figures(peer, shape: Shape, repeats: int, src: np.ndarray, prefix: 
     """Mooncake Store's batched put and get of the same rows (tools/bench_mooncake.py), fresh
     keys per repeat, through registered buffers; checked byte for byte once. The figures'
     transport is the peer's: tcp, or local (its same-host path)."""
-    dst = np.zeros_like(src)
-    peer.register(src)
-    peer.register(dst)
     try:
-        put, get = [], []
-        for r in range(repeats):
-            keys = _keys(prefix, r, shape)
-            lat = []
-            for k in keys:
-                t, codes = _timed(peer.put, k, src)
-                if any(codes):
-                    raise BenchError(f"mooncake put failed: codes {sorted(set(codes))}")
-                lat.append(t)
-            put.append(lat)
-            lat = []
-            for k in keys:
-                t, got = _timed(peer.get, k, dst)
-                if any(n != shape.value_bytes for n in got):
-                    raise BenchError(f"mooncake get failed: results {sorted(set(got))[:4]}")
-                lat.append(t)
-            get.append(lat)
-            if r == 0 and not np.array_equal(src, dst):
-                raise BenchError("mooncake get returned bytes that differ from those put")
-            peer.delete([x for ks in keys for x in ks])
+        return kvpool_figures({"mooncake": PeerClient(peer)}, shape, repeats, src, prefix)
     finally:
         peer.unregister_all()
-    return [summarize("mooncake", peer.transport, shape.workload, op, shape.value_bytes,
-                      shape.objects_per_call, lat) for op, lat in (("put", put), ("get", get))]
+
+
+class PeerClient:
+    """A peer's client where :func:`kvpool_figures` takes a system's: Mooncake Store's
+    (tools/bench_mooncake.py MooncakePeer), putting and getting the rows of buffers it
+    registered. Beside kvpool's clients, its single calls take turns with theirs."""
+
+    def __init__(self, peer) -> None:
+        self.peer, self.transport = peer, peer.transport
+        self.src = self.dst = np.zeros((0, 0), np.uint8)
+
+    def load(self, src: np.ndarray) -> None:
+        self.peer.unregister_all()
+        self.src, self.dst = src, np.zeros_like(src)
+        self.peer.register(self.src)
+        self.peer.register(self.dst)
+
+    def calls(self, op: str, keys: list[list[str]], timed: list[bool], check: bool
+              ) -> list[float]:
+        """As :meth:`SystemClient.calls`."""
+        latencies = []
+        for k, timing in zip(keys, timed):
+            if op == "put":
+                t, codes = _timed(self.peer.put, k, self.src)
+                if any(codes):
+                    raise BenchError(f"mooncake put failed: codes {sorted(set(codes))}")
+            else:
+                t, got = _timed(self.peer.get, k, self.dst)
+                if any(n != self.src.shape[1] for n in got):
+                    raise BenchError(f"mooncake get failed: results {sorted(set(got))[:4]}")
+            if timing:
+                latencies.append(t)
+        if check and not np.array_equal(self.src, self.dst):
+            raise BenchError("mooncake get returned bytes that differ from those put")
+        return latencies
+
+    def remove(self, keys: list[str]) -> None:
+        self.peer.delete(keys)
+
+    def close(self) -> None:
+        self.peer.close()
+
+
+def mooncake_client(segment_bytes: int, local: bool) -> PeerClient:
+    """A started Mooncake Store peer's :class:`PeerClient` (for a :class:`SpawnedClient`)."""
+    from kvpool.tools.bench_mooncake import MooncakePeer
+    return PeerClient(MooncakePeer(segment_bytes, local=local).__enter__())
 
 
 # ---------------------------------------------------------------- kvpool data path
@@ -209,7 +232,7 @@ def connect(master: str, transport: str, spawned: bool = False
     """A client of ``master`` over ``transport`` only, here or (``spawned``) in a process of
     its own."""
     if spawned:
-        return SpawnedClient(master, transport)
+        return SpawnedClient(transport, connect, master, transport)
     from kvpool.client import KVClient
     return SystemClient(KVClient(master, transports=[transport]), transport)
 
@@ -221,12 +244,15 @@ class SpawnedClient:
     prefaulter) wait for the GIL behind the other's calls, and the single-call figures swung
     0.6-1.8 x between two identical clusters."""
 
-    def __init__(self, master: str, transport: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, transport: str, make: Callable[..., object], *args: object,
+                 timeout_s: float = 600.0) -> None:
+        """The client ``make(*args)`` returns in the child (a module's function: it is
+        pickled); ``transport``: the transport its figures are of."""
         import multiprocessing
         ctx = multiprocessing.get_context("spawn")
+        self.transport = transport
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve_client, args=(child, master, transport),
-                                 daemon=True)
+        self._proc = ctx.Process(target=_serve_client, args=(child, make, args), daemon=True)
         self._proc.start()
         child.close()
         self._timeout_s = timeout_s
@@ -280,14 +306,15 @@ class SpawnedClient:
             self._conn.close()
 
 
-def _serve_client(conn, master: str, transport: str) -> None:
-    """A :class:`SpawnedClient`'s process: a :class:`SystemClient` that answers each call
-    with (None, result) or (what failed, its message), until closed or its parent is gone."""
+def _serve_client(conn, make: Callable[..., object], args: tuple) -> None:
+    """A :class:`SpawnedClient`'s process: the client ``make(*args)`` (a
+    :class:`SystemClient` or a :class:`PeerClient`) answers each call with (None, result)
+    or (what failed, its message), until closed or its parent is gone."""
     def failed(e: BaseException) -> tuple[str, str]:
         return ("kvpool" if isinstance(e, KVPoolError) else "bench",
                 f"{e}" if isinstance(e, (KVPoolError, BenchError)) else f"{type(e).__name__}: {e}")
     try:
-        client = connect(master, transport)
+        client = make(*args)
     except Exception as e:   # noqa: BLE001  (reported to the parent, which raises it)
         conn.send(failed(e))
         return
@@ -308,13 +335,14 @@ def _serve_client(conn, master: str, transport: str) -> None:
             return
 
 
-def kvpool_figures(clients: Mapping[str, SystemClient], transport: str, shape: Shape,
-                   repeats: int, src: np.ndarray, prefix: str, settle_s: float = 0.0
-                   ) -> list[Figure]:
+def kvpool_figures(clients: Mapping[str, SystemClient | PeerClient | SpawnedClient],
+                   shape: Shape, repeats: int, src: np.ndarray, prefix: str,
+                   settle_s: float = 0.0) -> list[Figure]:
     """Batched (or single-value) put then get_into of the same bytes, fresh keys per repeat;
     ``settle_s``: a pause (untimed) after each repeat's removal, for its space to be freed.
-    ``clients``: the figures' system -> its client. With several (security's cost: a secure
-    and a plain cluster), each call is made on each in turn, the order swapped from call to
+    ``clients``: the figures' system -> its client (the figures' transport is the client's).
+    With several (security's cost: a secure and a plain cluster; a peer's single calls
+    beside kvpool's), each call is made on each in turn, the order swapped from call to
     call (across repeats too: a prompt is one call per repeat), so that all are timed under
     the same load. Single calls go in turns of ``TURN_CALLS`` per system instead, the first of
     each turn untimed: a call made while the other cluster's servers still poll after their
@@ -343,9 +371,9 @@ def kvpool_figures(clients: Mapping[str, SystemClient], transport: str, shape: S
         for client in clients.values():
             client.remove([x for ks in keys for x in ks])
         time.sleep(settle_s)
-    return [summarize(system, transport, shape.workload, op, shape.value_bytes,
+    return [summarize(system, client.transport, shape.workload, op, shape.value_bytes,
                       shape.objects_per_call, timed[op][system])
-            for system in clients for op in ("put", "get")]
+            for system, client in clients.items() for op in ("put", "get")]
 
 
 #: With several systems, single calls go in turns of this many per system (the first untimed).

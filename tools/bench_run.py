@@ -250,7 +250,7 @@ def _kvpool_on(config: BenchConfig, data: dict, pairs: dict, skipped: dict,
     added to ``pairs`` ((transport, shape) -> a list of figures per pair of clusters); with
     several masters, each system's client is in a process of its own (SpawnedClient)."""
     for transport in config.transports:
-        clients = {}
+        clients, peers = {}, {}
         try:
             for system, master in masters.items():
                 clients[system] = w.connect(master, transport, spawned=len(masters) > 1)
@@ -263,11 +263,13 @@ def _kvpool_on(config: BenchConfig, data: dict, pairs: dict, skipped: dict,
                 if not all([c.prefaulted(_PREFAULT_S) for c in clients.values()]):
                     _say(f"kvpool shm: still faulting in after {_PREFAULT_S:.0f} s; "
                          "timing anyway")
+            peers = _single_call_peers(config, data, transport, skipped)
             for shape, src in data.items():
                 _say(f"{' and '.join(clients)} {transport}: {shape.workload} "
                      f"{shape.objects_per_call} x {format_size(shape.value_bytes)}")
+                beside = peers if shape.objects_per_call == 1 else {}
                 pairs.setdefault((transport, shape), []).append(w.kvpool_figures(
-                    clients, transport, shape, config.repeats, src,
+                    {**clients, **beside}, shape, config.repeats, src,
                     f"bench-{run_id}-{transport}-{shape.workload}-{shape.value_bytes}",
                     _settle_s(config, shape, segment)))
         except KVPoolError as e:
@@ -276,8 +278,36 @@ def _kvpool_on(config: BenchConfig, data: dict, pairs: dict, skipped: dict,
             skipped[f"kvpool-{transport}"] = str(e)   # e.g. rdma without pyverbs or a device
             _say(f"kvpool {transport}: skipped: {e}")
         finally:
-            for c in clients.values():
+            for c in [*clients.values(), *peers.values()]:
                 c.close()
+
+
+# kvpool's transport -> the Mooncake path its single calls take turns with: its same-host
+# path beside shm, its own tcp transport beside tcp (labels as in ``skipped``).
+_SINGLE_CALL_PEERS = {"shm": ("mooncake-local", True), "tcp": ("mooncake", False)}
+
+
+def _single_call_peers(config: BenchConfig, data: dict, transport: str, skipped: dict
+                       ) -> dict:
+    """The ``--peers`` clients whose single calls take turns with kvpool's over ``transport``
+    (each in a process of its own), so that the single-call ratios are of calls made under
+    the same load: timed minutes apart, they swung with it."""
+    if "mooncake" not in config.peers or transport not in _SINGLE_CALL_PEERS \
+            or not any(shape.objects_per_call == 1 for shape in data):
+        return {}
+    label, local = _SINGLE_CALL_PEERS[transport]
+    if label in skipped:
+        return {}
+    volume = max(s.value_bytes * s.objects_per_call * s.calls for s in data
+                 if s.objects_per_call == 1)
+    _say(f"peer: Mooncake Store ({label}), its single calls in turns with kvpool's")
+    try:
+        return {"mooncake": w.SpawnedClient("local" if local else "tcp", w.mooncake_client,
+                                            max(1 << 30, 2 * volume), local)}
+    except w.BenchError as e:
+        skipped[label] = str(e)
+        _say(f"peer: {label} skipped: {e}")
+        return {}
 
 
 def _master(config: BenchConfig, master: str | None) -> dict:
@@ -308,7 +338,8 @@ def _master(config: BenchConfig, master: str | None) -> dict:
 
 def _peers(config: BenchConfig, data: dict, figures: list, skipped: dict, run_id: str) -> None:
     """The ``--peers`` systems' figures (before kvpool's: no gRPC channel is open yet when
-    they start their processes), or why each was skipped."""
+    they start their processes), or why each was skipped; their single calls beside a
+    transport kvpool is timed on are timed in turns with kvpool's instead."""
     from kvpool.tools.bench_peers import PeerUnavailable
     for name in config.peers:
         if name != "mooncake":
@@ -316,6 +347,8 @@ def _peers(config: BenchConfig, data: dict, figures: list, skipped: dict, run_id
             continue
         from kvpool.tools.bench_mooncake import MooncakePeer
         volume = max(s.value_bytes * s.objects_per_call * s.calls for s in data)
+        in_turns = {label for t, (label, _) in _SINGLE_CALL_PEERS.items()
+                    if t in config.transports}
         # Its tcp transport (a holder process keeps the values), then its same-host path (the
         # bench's client keeps them: a local memcpy), one after the other.
         for local, label, what in ((False, name, "tcp, zero-copy batch calls"),
@@ -330,6 +363,8 @@ def _peers(config: BenchConfig, data: dict, figures: list, skipped: dict, run_id
             with peer:
                 _say(f"peer: Mooncake Store ({what})")
                 for shape, src in data.items():
+                    if shape.objects_per_call == 1 and label in in_turns:
+                        continue   # timed in turns with kvpool's (_single_call_peers)
                     figures.extend(w.mooncake_figures(
                         peer, shape, config.repeats, src,
                         f"bench-{run_id}-{peer.transport}-{shape.workload}"))

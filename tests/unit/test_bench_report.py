@@ -241,7 +241,7 @@ def test_two_systems_take_turns_going_first_across_repeats_too():
     calls: list = []
     kvs = {s: SystemClient(_Recorder(s, calls), "shm") for s in "ab"}
     src = np.zeros((4, 64), np.uint8)
-    kvpool_figures(kvs, "shm", Shape("prompt", 64, 4, 1), 4, src, "t")
+    kvpool_figures(kvs, Shape("prompt", 64, 4, 1), 4, src, "t")
     for op in ("put", "get"):
         firsts = [c[1] for c in calls if c[0] == op][::2]
         assert firsts == ["a", "b", "a", "b"], (op, firsts)
@@ -256,7 +256,7 @@ def test_single_calls_of_two_systems_go_in_turns_the_first_of_each_untimed():
     calls: list = []
     kvs = {s: SystemClient(_Recorder(s, calls), "shm") for s in "ab"}
     src = np.zeros((1, 64), np.uint8)
-    figures = kvpool_figures(kvs, "shm", Shape("single", 64, 1, 2 * TURN_CALLS), 1, src, "t")
+    figures = kvpool_figures(kvs, Shape("single", 64, 1, 2 * TURN_CALLS), 1, src, "t")
     puts = [system for op, system in calls if op == "put"]
     assert puts == ["a"] * TURN_CALLS + ["b"] * TURN_CALLS + ["b"] * TURN_CALLS \
         + ["a"] * TURN_CALLS
