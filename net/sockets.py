@@ -120,6 +120,7 @@ class Spinner(_BackOff):
         wake-up falls while the peer still works, where sleeping on the socket puts a wake-up
         (~0.1 ms here) after the answer. Such waits do not back off, as the nap leaves the
         CPU to others. A caller that passes ``kind`` calls :meth:`arrived` after its read."""
+        self._asked = None   # a read that failed since never arrived
         if self._pending is not None and self._pending():
             return True
         if not self._spin_s:
