@@ -104,8 +104,9 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
                         "client, on shm and tcp (tools/bench_compat.py; target: within 10%%)")
     b.add_argument("--peers", default="", metavar="LIST",
                    help="more systems to compare, where installed: 'mooncake' = Mooncake Store "
-                        "over its tcp transport (a master and a segment holder started here; "
-                        "pip install mooncake-transfer-engine-non-cuda)")
+                        "over its tcp transport (a master and a segment holder started here) "
+                        "and over its same-host path (beside shm); its single calls take "
+                        "turns with kvpool's (pip install mooncake-transfer-engine-non-cuda)")
 
 
 def run(args: argparse.Namespace) -> int:
