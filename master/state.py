@@ -892,8 +892,10 @@ class MasterState:
 
 
 def _attempt(op: Callable[..., T], *args: object) -> T | KVPoolError:
-    """``op(*args)``, or the KVPoolError it raised: one slot of a batch answer."""
+    """``op(*args)``, or the KVPoolError it raised: one slot of a batch answer. Without its
+    traceback: that holds this frame, which holds the error (a cycle that outlives the call
+    and, frozen, is never collected: tools/master_cmd.py ``gc_for_a_large_index``)."""
     try:
         return op(*args)
     except KVPoolError as e:
-        return e
+        return e.with_traceback(None)
