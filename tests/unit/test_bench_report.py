@@ -101,9 +101,13 @@ def test_targets_hold_fail_or_are_unmeasured():
     assert met["shm_put_vs_memcpy"] is True            # 0.6 >= 0.6
     assert met["master.lookup_objects_per_s"] is False
     assert met["master.put_objects_per_s"] is False    # 30k < 50k
-    assert met["master.bytes_per_object"] is True      # 290 <= 300
+    # 290 <= 300, but on 1,000 objects: the target is at 10M, where fixed costs weigh less
+    assert met["master.bytes_per_object"] is None
+    met = {t["name"]: t["met"] for t in check_targets(ratios, 10_000_000)}
+    assert met["master.bytes_per_object"] is True
     ratios["master"]["bytes_per_object"] = None
-    assert {t["name"]: t["met"] for t in check_targets(ratios)}["master.bytes_per_object"] is None
+    met = {t["name"]: t["met"] for t in check_targets(ratios, 10_000_000)}
+    assert met["master.bytes_per_object"] is None
 
 
 def test_report_schema_and_json_round_trip():
