@@ -70,6 +70,10 @@ SPIN_MIN_BYTES = 512 << 10
 SPIN_BASE_S = 100e-6
 # A copy's speed over shm. Not over tcp: the master polling through a 1 MiB WRITE took the
 # node's CPU (master 370 -> 670-830 us a put): PutEnd 0.33 -> 0.20 ms, the put no faster.
+# Through a 64 KiB WRITE (250 us + 1 us/KiB): faster alone (scripts/put_phases.py, three
+# alternated pairs, 0.36-0.44 -> 0.36-0.38 ms) but slower in `kvpool bench --peers mooncake`,
+# Mooncake's servers beside it on the two cores: against Mooncake's tcp put 1.15-1.32
+# (median 1.19) -> 1.24-1.46 (median 1.34), seven alternated pairs.
 SPIN_BYTES_PER_S = 4e9
 @dataclass(frozen=True, slots=True)
 class _Unsure:
