@@ -21,7 +21,7 @@ import time
 
 from kvpool.rpc import lookup
 from kvpool.rpc.master_client import MasterClient
-from kvpool.tools.bench_kvpool import _virtual_node
+from kvpool.tools.bench_kvpool import virtual_node
 from kvpool.tools.cluster import LocalCluster
 
 _BATCH = 256
@@ -47,7 +47,7 @@ def main() -> None:
         try:
             keys = [os.urandom(32).hex() for _ in range(args.objects)]
             with MasterClient(address, timeout_s=60.0) as mc, \
-                    _virtual_node(address, args.objects * (2 << 20), True) as keep_alive:
+                    virtual_node(address, args.objects * (2 << 20), True) as keep_alive:
                 for i in range(0, args.objects, _BATCH):
                     keep_alive()
                     part = keys[i:i + _BATCH]

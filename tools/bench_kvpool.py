@@ -119,14 +119,43 @@ def mooncake_figures(peer, shape: Shape, repeats: int, src: np.ndarray, prefix: 
         peer.unregister_all()
 
 
-class PeerClient:
+class _Rows:
+    """A client of :func:`kvpool_figures`: the rows of the workload it puts (``src``, one per
+    key of a call) and reads into (``dst``), and the loop that times its calls."""
+
+    name = ""
+    src = dst = np.zeros((0, 0), np.uint8)
+
+    def put(self, keys: list[str]) -> float:
+        raise NotImplementedError
+
+    def get(self, keys: list[str]) -> float:
+        raise NotImplementedError
+
+    def calls(self, op: str, keys: list[list[str]], timed: list[bool], check: bool
+              ) -> list[float]:
+        """Make ``op`` ("put" or "get") once per key list, in order; the latencies of those
+        ``timed``. ``check``: the bytes read must be those put (after a get)."""
+        call = self.put if op == "put" else self.get
+        latencies = []
+        for k, timing in zip(keys, timed):
+            t = call(k)
+            if timing:
+                latencies.append(t)
+        if check and not np.array_equal(self.src, self.dst):
+            raise BenchError(f"{self.name} get returned bytes that differ from those put")
+        return latencies
+
+
+class PeerClient(_Rows):
     """A peer's client where :func:`kvpool_figures` takes a system's: Mooncake Store's
     (tools/bench_mooncake.py MooncakePeer), putting and getting the rows of buffers it
     registered. Beside kvpool's clients, its single calls take turns with theirs."""
 
+    name = "mooncake"
+
     def __init__(self, peer) -> None:
         self.peer, self.transport = peer, peer.transport
-        self.src = self.dst = np.zeros((0, 0), np.uint8)
 
     def load(self, src: np.ndarray) -> None:
         self.peer.unregister_all()
@@ -134,24 +163,17 @@ class PeerClient:
         self.peer.register(self.src)
         self.peer.register(self.dst)
 
-    def calls(self, op: str, keys: list[list[str]], timed: list[bool], check: bool
-              ) -> list[float]:
-        """As :meth:`SystemClient.calls`."""
-        latencies = []
-        for k, timing in zip(keys, timed):
-            if op == "put":
-                t, codes = _timed(self.peer.put, k, self.src)
-                if any(codes):
-                    raise BenchError(f"mooncake put failed: codes {sorted(set(codes))}")
-            else:
-                t, got = _timed(self.peer.get, k, self.dst)
-                if any(n != self.src.shape[1] for n in got):
-                    raise BenchError(f"mooncake get failed: results {sorted(set(got))[:4]}")
-            if timing:
-                latencies.append(t)
-        if check and not np.array_equal(self.src, self.dst):
-            raise BenchError("mooncake get returned bytes that differ from those put")
-        return latencies
+    def put(self, keys: list[str]) -> float:
+        t, codes = _timed(self.peer.put, keys, self.src)
+        if any(codes):
+            raise BenchError(f"mooncake put failed: codes {sorted(set(codes))}")
+        return t
+
+    def get(self, keys: list[str]) -> float:
+        t, got = _timed(self.peer.get, keys, self.dst)
+        if any(n != self.src.shape[1] for n in got):
+            raise BenchError(f"mooncake get failed: results {sorted(set(got))[:4]}")
+        return t
 
     def remove(self, keys: list[str]) -> None:
         self.peer.delete(keys)
@@ -169,14 +191,13 @@ def mooncake_client(segment_bytes: int, local: bool) -> PeerClient:
 # ---------------------------------------------------------------- kvpool data path
 
 
-class SystemClient:
+class SystemClient(_Rows):
     """One system's client in :func:`kvpool_figures`, and the rows of the workload it times:
     its calls are made and timed where it lives (in this process, or in a
     :class:`SpawnedClient`'s)."""
 
     def __init__(self, kv, transport: str) -> None:
-        self.kv, self.transport = kv, transport
-        self.src = self.dst = np.zeros((0, 0), np.uint8)
+        self.kv, self.transport, self.name = kv, transport, transport
 
     def reachable(self, key: str) -> bool:
         """A put and a get (which map the segment, for writing and for reading, on shm)."""
@@ -200,25 +221,23 @@ class SystemClient:
         self.dst.fill(0)   # fault the destination's pages in before timing, as memcpy's are
         self.src_rows, self.dst_rows = list(src), list(self.dst)
 
-    def calls(self, op: str, keys: list[list[str]], timed: list[bool], check: bool
-              ) -> list[float]:
-        """Make ``op`` ("put" or "get") once per key list, in order; the latencies of those
-        ``timed``. ``check``: the bytes read must be those put (after a get)."""
-        single = len(self.src) == 1
-        latencies = []
-        for k, timing in zip(keys, timed):
-            if op == "put":
-                t, res = _timed(self.kv.put, k[0], self.src_rows[0]) if single else \
-                    _timed(self.kv.batch_put, k, self.src_rows)
-            else:   # batches: one array, a row per key
-                t, res = _timed(self.kv.get_into, k[0], self.dst_rows[0]) if single else \
-                    _timed(self.kv.batch_get_into, k, self.dst)
-            _check([res] if single else res, f"{self.transport} {op}")
-            if timing:
-                latencies.append(t)
-        if check and not np.array_equal(self.src, self.dst):
-            raise BenchError(f"{self.transport} get returned bytes that differ from those put")
-        return latencies
+    def put(self, keys: list[str]) -> float:
+        if len(keys) == 1:
+            t, res = _timed(self.kv.put, keys[0], self.src_rows[0])
+            _check([res], f"{self.transport} put")
+        else:
+            t, res = _timed(self.kv.batch_put, keys, self.src_rows)
+            _check(res, f"{self.transport} put")
+        return t
+
+    def get(self, keys: list[str]) -> float:
+        if len(keys) == 1:
+            t, res = _timed(self.kv.get_into, keys[0], self.dst_rows[0])
+            _check([res], f"{self.transport} get")
+        else:   # batches: one array, a row per key
+            t, res = _timed(self.kv.batch_get_into, keys, self.dst)
+            _check(res, f"{self.transport} get")
+        return t
 
     def remove(self, keys: list[str]) -> None:
         _check(self.kv.batch_remove(keys), "remove")
@@ -429,7 +448,7 @@ def master_figures(address: str, master_pid: int | None, objects: int, batch: in
     sizes = [value_bytes] * batch
     put_rates = []
     with MasterClient(address, timeout_s=60.0) as mc, \
-            _virtual_node(address, objects * value_bytes, virtual_segment) as keep_alive:
+            virtual_node(address, objects * value_bytes, virtual_segment) as keep_alive:
         rss_before = _rss_bytes(master_pid)
         chunk = -(-objects // repeats)
         for lo in range(0, objects, chunk):
@@ -547,7 +566,7 @@ def _master_client(address: str, op: str, keys: list[str], batch: int, value_byt
 
 
 @contextlib.contextmanager
-def _virtual_node(address: str, total_bytes: int, mount: bool) -> Iterator[Callable[[], None]]:
+def virtual_node(address: str, total_bytes: int, mount: bool) -> Iterator[Callable[[], None]]:
     """With ``mount``: mount a segment of ``2 x total_bytes`` (below the eviction watermark)
     for a node that does not exist, as that node (a secure local cluster issues it a node
     certificate: only a node mounts); yield a function that heartbeats for it at most once a
