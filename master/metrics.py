@@ -10,6 +10,9 @@ each carry a batch). The names: README "Metrics, probes and logs".
 from __future__ import annotations
 
 import asyncio
+import bisect
+import gc
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,12 +20,14 @@ from dataclasses import dataclass, field
 import grpc
 from kvpool.master.state import MasterState, MasterStats
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 SNAPSHOT_TIMEOUT_S = 5.0
 # From 0.25 ms (a lookup on an idle loop) to 5 s (a put held by a node slow to acknowledge).
 RPC_BUCKETS_S = (0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                  2.5, 5.0)
+# From a young collection (~1-10 ms) to a full one over ten million entries (3.5 s).
+GC_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 # Per segment, as the master accounts it: (name, help, the figure from a SegmentStats).
 _SEGMENT_FIGURES = (
     ("capacity_bytes", "Segment size", lambda g: g.info.size_bytes),
@@ -199,3 +204,45 @@ class RpcMetrics(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(
             timed, request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer)
+
+
+class GcPauses:
+    """Times each of this process's cycle collections, by generation
+    (``kvpool_master_gc_pause_seconds``): the master answers nothing while one runs
+    (tools/master_cmd.py ``gc_for_a_large_index`` keeps them short), and what is frozen out of
+    them (``kvpool_master_gc_frozen_objects``: the index, mostly). The collector's callback
+    only counts (no lock: a collection can start in a thread that holds a metric's); a scrape
+    reads the counts. ``close`` removes the callback."""
+
+    def __init__(self) -> None:
+        self._start = 0.0
+        self._counts = [[0] * (len(GC_BUCKETS_S) + 1) for _ in range(3)]   # the last: +Inf
+        self._sums = [0.0] * 3
+        gc.callbacks.append(self._timed)
+
+    def _timed(self, phase: str, info: dict) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._start = now
+            return
+        took, generation = now - self._start, info["generation"]
+        self._counts[generation][bisect.bisect_left(GC_BUCKETS_S, took)] += 1
+        self._sums[generation] += took
+
+    def collect(self):
+        family = HistogramMetricFamily(
+            "kvpool_master_gc_pause_seconds", "Time the master stood still for a cycle "
+            "collection, by generation (0, 1: young; 2: full)", labels=["generation"])
+        bounds = [*map(str, GC_BUCKETS_S), "+Inf"]
+        for generation, counts in enumerate(self._counts):
+            family.add_metric([str(generation)],
+                              list(zip(bounds, itertools.accumulate(counts))),
+                              self._sums[generation])
+        yield family
+        yield GaugeMetricFamily("kvpool_master_gc_frozen_objects", "Objects frozen out of "
+                                "cycle collections (what outlived a generation-1 one)",
+                                value=gc.get_freeze_count())
+
+    def close(self) -> None:
+        if self._timed in gc.callbacks:
+            gc.callbacks.remove(self._timed)

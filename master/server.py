@@ -16,7 +16,7 @@ from kvpool.common.security import Credentials, Tokens
 from kvpool.master.auth import Authorizer
 from kvpool.master.lookup_server import LookupServer, Stream
 from kvpool.master.lookup_sessions import LookupSessions
-from kvpool.master.metrics import MasterCollector, RpcMetrics, ServerFigures
+from kvpool.master.metrics import GcPauses, MasterCollector, RpcMetrics, ServerFigures
 from kvpool.master.request_guard import RequestGuard
 from kvpool.master.routing import RoutingIndex, RoutingLimits
 from kvpool.master.routing_servicer import RouterServicer, store_lookup
@@ -91,6 +91,7 @@ class MasterServer:
         self._supervisor = supervisor or Supervisor()
         self._metrics_port = metrics_port
         self.metrics: MetricsServer | None = None
+        self._gc_pauses: GcPauses | None = None
         self.port = 0
 
     @property
@@ -115,6 +116,8 @@ class MasterServer:
                                               lambda: self._lookup_refusal() is None,
                                               self._figures)
             registry.register(self._collector)
+            self._gc_pauses = GcPauses()
+            registry.register(self._gc_pauses)
             self._rpc_metrics = RpcMetrics(registry)
             interceptors.insert(0, self._rpc_metrics)   # first: refused calls count too
             self.metrics = MetricsServer(registry, self._not_ready, self._host,
@@ -124,6 +127,7 @@ class MasterServer:
         except BaseException:
             if self.metrics:
                 self.metrics.stop()
+                self._gc_pauses.close()
             raise
         self._ticker = asyncio.create_task(
             self._supervisor.run("tick", self._tick_forever, TICK_ON_CRASH))
@@ -216,6 +220,7 @@ class MasterServer:
     async def stop(self, grace_s: float = 1.0) -> None:
         if self.metrics:
             self.metrics.stop()
+            self._gc_pauses.close()
         if self._ticker:
             self._ticker.cancel()
         if self._server:

@@ -106,6 +106,11 @@ def _check_figures(address: str, mm: str, nm: str) -> None:
     assert m["kvpool_master_lookups_total", frozenset({("result", "hit")})] >= 1
     assert m["kvpool_master_lookups_total", frozenset({("result", "miss")})] >= 1
     assert m["kvpool_master_evictions_total", frozenset()] == 0
+    # The master's collector: every generation's pauses timed, the startup's objects frozen.
+    for generation in "012":
+        assert ("kvpool_master_gc_pause_seconds_count",
+                frozenset({("generation", generation)})) in m
+    assert m["kvpool_master_gc_frozen_objects", frozenset()] > 10_000
     assert m["kvpool_master_corrupt_replicas_total", frozenset()] == 0
     [(labels, capacity)] = [(dict(k[1]), v) for k, v in m.items()
                             if k[0] == "kvpool_segment_capacity_bytes"]
