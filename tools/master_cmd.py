@@ -20,7 +20,8 @@ def gc_for_a_large_index() -> None:
     s. So what survives a generation-1 collection is frozen (``gc.freeze``: no collection
     walks it again; freed by its reference count as before): each object is walked twice,
     young, and never again. Generation-1 collections run after 2 young ones (each after 50,000
-    allocations), so each walks at most what survived those: ~20 ms. A cycle still alive at a
+    allocations), so each walks at most what survived those (the longest in the bench's
+    master: 36 ms at 1M objects, 60 ms at 10M; DESIGN.md). A cycle still alive at a
     generation-1 collection that dies later is not collected; the master makes few (a request's
     exception and its frames, in flight at that instant: ``scripts/gc_leak.py`` measures
     them)."""
