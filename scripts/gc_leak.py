@@ -27,6 +27,7 @@ from pathlib import Path
 
 from kvpool.client import KVClient
 from kvpool.common.errors import KVPoolError
+from kvpool.tools.argtypes import count_type, duration_type
 from kvpool.tools.cluster import LocalCluster
 
 # Run in the master (sitecustomize): on SIGUSR1, write the report to $KVPOOL_GC_REPORT.
@@ -78,8 +79,10 @@ def _work(master: str, transport: str, stop: threading.Event, seed: int,
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seconds", type=float, default=60.0)
-    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--seconds", type=duration_type, default=60.0,
+                   help="how long the clients run (60, 60s, 2m; default: 60s)")
+    p.add_argument("--clients", type=count_type, default=4,
+                   help="client threads, half over shm, half over tcp (default: 4)")
     p.add_argument("--no-errors", action="store_true",
                    help="only calls that succeed (and remove what they put: nothing evicted)")
     args = p.parse_args()
@@ -95,7 +98,7 @@ def main() -> int:
             counts: dict[str, int] = {"ok": 0, "errors": 0}
             threads = [threading.Thread(target=_work, args=(cluster.master, t, stop, n, counts,
                                                          not args.no_errors))
-                       for n, t in enumerate(["shm", "tcp"] * (args.clients // 2 or 1))]
+                       for n, t in enumerate((["shm", "tcp"] * args.clients)[:args.clients])]
             for t in threads:
                 t.start()
             time.sleep(args.seconds)

@@ -21,6 +21,7 @@ import time
 
 from kvpool.rpc import lookup
 from kvpool.rpc.master_client import MasterClient
+from kvpool.tools.argtypes import count_type
 from kvpool.tools.bench_kvpool import virtual_node
 from kvpool.tools.cluster import LocalCluster
 
@@ -30,9 +31,11 @@ _SETTLE_CALLS = 20   # untimed at the start of each block: the nap's estimate, t
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--objects", type=int, default=1_000_000, help="objects indexed first")
-    p.add_argument("--rounds", type=int, default=20, help="rounds of one block of each")
-    p.add_argument("--calls", type=int, default=200, help="timed calls per block")
+    p.add_argument("--objects", type=count_type, default=1_000_000,
+                   help="objects indexed first")
+    p.add_argument("--rounds", type=count_type, default=20,
+                   help="rounds of one block of each")
+    p.add_argument("--calls", type=count_type, default=200, help="timed calls per block")
     args = p.parse_args()
     napping = lookup._Connection.receive
 
