@@ -222,21 +222,18 @@ class SystemClient(_Rows):
         self.src_rows, self.dst_rows = list(src), list(self.dst)
 
     def put(self, keys: list[str]) -> float:
-        if len(keys) == 1:
-            t, res = _timed(self.kv.put, keys[0], self.src_rows[0])
-            _check([res], f"{self.transport} put")
-        else:
-            t, res = _timed(self.kv.batch_put, keys, self.src_rows)
-            _check(res, f"{self.transport} put")
-        return t
+        return self._call("put", keys, self.kv.put, self.src_rows[0], self.kv.batch_put,
+                          self.src_rows)
 
-    def get(self, keys: list[str]) -> float:
-        if len(keys) == 1:
-            t, res = _timed(self.kv.get_into, keys[0], self.dst_rows[0])
-            _check([res], f"{self.transport} get")
-        else:   # batches: one array, a row per key
-            t, res = _timed(self.kv.batch_get_into, keys, self.dst)
-            _check(res, f"{self.transport} get")
+    def get(self, keys: list[str]) -> float:   # batches: one array, a row per key
+        return self._call("get", keys, self.kv.get_into, self.dst_rows[0],
+                          self.kv.batch_get_into, self.dst)
+
+    def _call(self, op: str, keys: list[str], single, row, batch, rows) -> float:
+        """One call's time: ``single(key, row)`` for one key, else ``batch(keys, rows)``."""
+        one = len(keys) == 1
+        t, res = _timed(single, keys[0], row) if one else _timed(batch, keys, rows)
+        _check([res] if one else res, f"{self.transport} {op}")
         return t
 
     def remove(self, keys: list[str]) -> None:
