@@ -19,8 +19,8 @@ area (one memcpy each way). Every op is split into work requests of at most the 
 message size (8 MiB on soft-RoCE); up to ``max_outstanding`` are in flight at once.
 
 Errors, per op: a descriptor the node's device refuses (wrong rkey, range outside the region)
-is a SegmentBoundsError; so is one the client can refuse before posting (segment not registered
-for RDMA, range outside ``rdma_length``). A queue pair that breaks (remote refusal, retries
+is asked a new region for once, then is a SegmentBoundsError; so is one the client can refuse
+before posting (segment not registered for RDMA, range outside ``rdma_length``). A queue pair that breaks (remote refusal, retries
 exhausted) is re-created, and the ops it did not finish run again on the new one; a second
 break in one call, a timeout, or the node's death fails the node's remaining ops with
 TransportError, so the client moves on to another replica.
@@ -353,7 +353,7 @@ class RDMATransport(Transport):
     def _run_node(self, endpoint: str, pieces: list[_Piece], ops: Sequence[IoOp],
                   views: list[memoryview], write: bool, results: list) -> None:
         """Run one node's pieces, re-creating a broken queue pair once; fills ``results``."""
-        rebuilds_left = 1
+        rebuilds_left, asked_again = 1, False
         while pieces:
             try:
                 link = self._link(endpoint)
@@ -367,18 +367,22 @@ class RDMATransport(Transport):
             if not pieces:
                 return
             outcome = self._execute(link, pieces, views, write)
-            # A kept region the node no longer has (a clock far from the node's, a segment
-            # registered again): asked for afresh, on a new link (the refusal broke this one).
-            stale = {p.op for p in pieces if p.kept} & outcome.refused.keys()
-            if stale:
-                log.info("rdma_kept_region_refused", endpoint=endpoint, ops=len(stale))
+            # Every region was granted over its op's extent, so a refusal means the node no
+            # longer has it: kept past its life (a clock far from the node's, a segment
+            # registered again), or the node is being killed (its regions go before its sockets
+            # close). Asked for afresh once, on a new link (the refusal broke this one): a dead
+            # node fails that (TransportError), a live one grants anew; a second refusal stands.
+            again = set() if asked_again else set(outcome.refused)
+            if again:
+                asked_again = True
+                log.info("rdma_region_refused", endpoint=endpoint, ops=len(again))
                 if not outcome.broken:
-                    self._drop(link, "a kept region was refused")
+                    self._drop(link, "a region was refused")
             for i, err in outcome.refused.items():
-                if i not in stale:
+                if i not in again:
                     results[i] = err
             pieces = [p for p in outcome.unfinished
-                      if p.op not in outcome.refused or p.op in stale]
+                      if p.op not in outcome.refused or p.op in again]
             if outcome.broken:
                 self._drop(link, outcome.broken)
             if not pieces:
