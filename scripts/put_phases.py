@@ -1,6 +1,7 @@
 """Where a single put's (and get's) time goes: one local cluster (one node), one client, values
 of one size put one at a time, each phase of the client's put timed on the way (PutStart, the
-node's RESERVE, the copy, SEAL with PutEnd overlapped inside it, PutEnd alone) and the master's
+node's RESERVE, the copy, SEAL with PutEnd overlapped inside it, PutEnd alone), then of its
+get (GetReplicas, the node's READ: each key read once, so each lookup opens a lease), the master's
 own time per call (its /metrics), so that what is left of a phase is wire, wake-ups and the
 other end's framing; and the CPU each process spent per call (on two cores a single put keeps
 them all busy). Secure (mutual TLS, grants) unless --insecure.
@@ -93,6 +94,8 @@ def main() -> int:
                 "WRITE+SEAL into a slot" if kw.get("reserved") else "RESERVE+WRITE+SEAL")
                 + " (node round trip, PutEnd overlapped)", times)
             _wrap(transport, "reserve", "RESERVE (node round trip)", times)
+        _wrap(kv._master, "locate_answer", "GetReplicas (master round trip)", times)
+        _wrap(transport, "read", "READ (node round trip)", times)
         puts, gets = [], []
         pids = {"client": None, "master": cluster.master_proc.popen.pid,
                 "node": cluster.nodes[0].popen.pid}
@@ -113,9 +116,12 @@ def main() -> int:
           f"{'no slots, ' if args.no_slots else ''}"
           f"{args.size} B values, {args.calls} calls (p50, ms)")
     print(f"  put {statistics.median(puts) * ms:.3f}   get {statistics.median(gets) * ms:.3f}")
-    print("  put phases, client side:")
-    for label, xs in times.items():
-        print(f"    {label:58s} {statistics.median(xs) * ms:.3f}")
+    for op, labels in (("put", [k for k in times if "GetReplicas" not in k
+                                      and not k.startswith("READ")]),
+                       ("get", ["GetReplicas (master round trip)", "READ (node round trip)"])):
+        print(f"  {op} phases, client side:")
+        for label in labels:
+            print(f"    {label:58s} {statistics.median(times[label]) * ms:.3f}")
     print("  CPU per call by process (us; polling for answers included, $KVPOOL_SPIN_US):")
     for op, before, after in (("put", *cpu[:2]), ("get", *cpu[1:])):
         print(f"    {op}: " + ", ".join(

@@ -287,15 +287,18 @@ def test_raw_tcp_peer_moves_bytes_and_stops():
 @pytest.mark.parametrize("slots", [True, False])
 def test_put_phases_names_where_a_puts_time_goes(slots):
     """scripts/put_phases.py (the per-phase breakdown the issue-19 notes quote) runs, and each
-    phase of a put it reports took time and less than the whole put; with slots, a put is the
+    phase of a put (of a get) it reports took time and less than the whole call; with slots, a put is the
     copy and PutEnd (sealed on the node's seal board: no SEAL frame), the slots made apart,
     ahead."""
     script = Path(__file__).resolve().parents[2] / "scripts" / "put_phases.py"
     out = subprocess.run([sys.executable, str(script), "--calls", "30", "--insecure",
                           *(() if slots else ("--no-slots",))],
                          capture_output=True, text=True, timeout=120, check=True).stdout
-    put = float(re.search(r"put (\d+\.\d+)", out).group(1))
+    put, get = map(float, re.search(r"put (\d+\.\d+)\s+get (\d+\.\d+)", out).groups())
     phases = dict(re.findall(r"^    (\S.*?)\s+(\d+\.\d+)$", out, re.M))
+    in_gets = {k: float(phases.pop(k)) for k in ("GetReplicas (master round trip)",
+                                                 "READ (node round trip)")}
+    assert all(0 < v <= get for v in in_gets.values()), out
     # With slots the master's PutStart calls are the helper's (a slot batch each), not a put's.
     in_puts = {k: float(v) for k, v in phases.items()
                if "slot helper" not in k and not (slots and k == "PutStart")}
