@@ -191,19 +191,13 @@ class Leases:
         so an identity test) close in one step per run of a segment; the others (extended,
         closed or leased again since) are settled one by one."""
         lease, objs = batch.lease, batch.objs
-        start = 0
-        if lease[1] >= lease[0]:   # they reached their cap at once: each pauses
-            for seg, n, count in batch.runs:
-                for obj in objs[start:start + count]:
-                    self._settle((obj, seg, n), now)
-                start += count
-            return
+        capped = lease[1] >= lease[0]   # they reached their cap at once: each pauses (settled)
         mark = self._closed(lease[1])
-        closed_all = 0
+        start = closed_all = 0
         for seg, n, count in batch.runs:
             closed = 0
             for obj in objs[start:start + count]:
-                if obj.lease is lease:
+                if obj.lease is lease and not capped:
                     obj.lease = mark
                     closed += 1
                 else:

@@ -171,6 +171,24 @@ def test_a_lease_re_read_forever_ends_at_max_lease_s(clock):
     assert state.locate_columns([survivor]).lease_s == LEASE_S
 
 
+def test_leases_that_reach_their_cap_as_they_begin_pause_when_they_end(clock):
+    """max_lease_s == lease_ttl_s: a lookup's leases end at their cap, so when they come due
+    together each object pauses (no lease for lease_ttl_s: a put may evict it), as one
+    re-read up to its cap does; after the pause a read leases again."""
+    state = two_nodes(clock, max_lease_s=LEASE_S)
+    put(state, "hot", 40 * KiB)
+    put(state, "hot2", 40 * KiB)
+    assert state.locate_columns(["hot", "hot2"]).lease_s == LEASE_S
+    clock.advance(LEASE_S + 0.5)
+    state.tick()
+    assert state.locate_columns(["hot", "hot2"]).lease_s == 0   # paused, not leased again
+    put(state, "newcomer", 40 * KiB)
+    assert state.stats().evictions == 1
+    clock.advance(LEASE_S)
+    [survivor] = [k for k in ("hot", "hot2") if state.exists([k])[0]]
+    assert state.locate_columns([survivor]).lease_s == LEASE_S
+
+
 def test_a_pinned_object_read_is_held_by_its_pin(clock):
     state = two_nodes(clock)
     put(state, "p", 8 * KiB)
