@@ -23,8 +23,8 @@ import sys
 
 from kvpool.tools.argtypes import count_type, size_type
 
-QUICK = {"repeats": 3, "single_calls": 8, "master_objects": 1_000_000, "master_lookups": 100_000}
-FULL = {"repeats": 5, "single_calls": 32, "master_objects": 1_000_000, "master_lookups": 300_000}
+QUICK = {"repeats": 3, "single_calls": 64, "master_objects": 1_000_000, "master_lookups": 100_000}
+FULL = {"repeats": 5, "single_calls": 200, "master_objects": 1_000_000, "master_lookups": 300_000}
 DEFAULT_SIZES = "64KiB,1MiB,4MiB"
 
 
@@ -41,7 +41,7 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
                 "  kvpool bench --quick --compare-insecure --no-master-bench   (security's cost)")
     b.add_argument("--master", metavar="HOST:PORT", help="bench an existing cluster instead of "
                    "starting a local one (its master's memory is then not measured)")
-    b.add_argument("--quick", action="store_true", help="3 repeats, 8 calls per single-value "
+    b.add_argument("--quick", action="store_true", help="3 repeats, 64 calls per single-value "
                    "figure, 100k master lookups: under 5 minutes on a 2-core machine")
     b.add_argument("--json", metavar="FILE", help="write every figure, ratio and target as JSON")
     b.add_argument("--plots", metavar="DIR", help="write PNG plots here (default: beside --json)")
@@ -61,7 +61,7 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--repeats", type=count_type, metavar="N",
                    help="repeats per figure; the median is reported (default: 3 quick, 5 full)")
     b.add_argument("--single-calls", type=count_type, metavar="N",
-                   help="single-value calls per repeat (default: 8 quick, 32 full)")
+                   help="single-value calls per repeat (default: 64 quick, 200 full)")
     b.add_argument("--master-objects", type=count_type, metavar="N",
                    help="objects indexed for the master figures (default: 1000000)")
     b.add_argument("--master-batch", type=count_type, default=256, metavar="N",
