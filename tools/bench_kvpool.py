@@ -182,6 +182,44 @@ class PeerClient(_Rows):
         self.peer.close()
 
 
+class RedisClient(_Rows):
+    """Redis where :func:`kvpool_figures` takes a system's client (tools/bench_peers.py
+    RedisPeer, started where this lives): its single calls take turns with kvpool's over shm,
+    which the 64 KiB get target compares with Redis's."""
+
+    name, transport = "redis", "tcp"
+
+    def __init__(self, peer) -> None:
+        self.peer = peer
+
+    def load(self, src: np.ndarray) -> None:
+        self.src, self.dst = src, np.zeros_like(src)
+        self.rows = [memoryview(r) for r in src]
+
+    def put(self, keys: list[str]) -> float:
+        return _timed(self.peer.put, keys, self.rows)[0]
+
+    def get(self, keys: list[str]) -> float:
+        t, got = _timed(self.peer.get, keys)   # bytes, as redis-py returns them (untimed copy)
+        if any(v is None or len(v) != self.src.shape[1] for v in got):
+            raise BenchError("redis returned a wrong value")
+        for row, value in zip(self.dst, got):
+            row[:] = np.frombuffer(value, np.uint8)
+        return t
+
+    def remove(self, keys: list[str]) -> None:
+        self.peer.delete(keys)
+
+    def close(self) -> None:
+        self.peer.close()
+
+
+def redis_client() -> RedisClient:
+    """A started Redis's :class:`RedisClient` (for a :class:`SpawnedClient`)."""
+    from kvpool.tools.bench_peers import RedisPeer
+    return RedisClient(RedisPeer().__enter__())
+
+
 def mooncake_client(segment_bytes: int, local: bool) -> PeerClient:
     """A started Mooncake Store peer's :class:`PeerClient` (for a :class:`SpawnedClient`)."""
     from kvpool.tools.bench_mooncake import MooncakePeer

@@ -154,9 +154,11 @@ def _redis(config: BenchConfig, data: dict, figures: list, skipped: dict, run_id
         environment["redis_hiredis"] = redis.hiredis
         _say(f"baseline: redis (pipelined, hiredis={redis.hiredis})")
         for shape, src in data.items():
-            if shape.workload != "small":
-                figures.extend(w.redis_figures(redis, shape, config.repeats, src,
-                                               f"bench-{run_id}-{shape.workload}"))
+            if shape.workload == "small" or (shape.objects_per_call == 1
+                                             and _REDIS_BESIDE in config.transports):
+                continue   # (single calls: timed in turns with kvpool's, _single_call_peers)
+            figures.extend(w.redis_figures(redis, shape, config.repeats, src,
+                                           f"bench-{run_id}-{shape.workload}"))
 
 
 def _raw_tcp(config: BenchConfig, data: dict) -> dict:
@@ -285,29 +287,40 @@ def _kvpool_on(config: BenchConfig, data: dict, pairs: dict, skipped: dict,
 # kvpool's transport -> the Mooncake path its single calls take turns with: its same-host
 # path beside shm, its own tcp transport beside tcp (labels as in ``skipped``).
 _SINGLE_CALL_PEERS = {"shm": ("mooncake-local", True), "tcp": ("mooncake", False)}
+# The transport Redis's single calls take turns beside (its 64 KiB GET is shm's target).
+_REDIS_BESIDE = "shm"
 
 
 def _single_call_peers(config: BenchConfig, data: dict, transport: str, skipped: dict
                        ) -> dict:
-    """The ``--peers`` clients whose single calls take turns with kvpool's over ``transport``
-    (each in a process of its own), so that the single-call ratios are of calls made under
-    the same load: timed minutes apart, they swung with it."""
-    if "mooncake" not in config.peers or transport not in _SINGLE_CALL_PEERS \
-            or not any(shape.objects_per_call == 1 for shape in data):
+    """The clients whose single calls take turns with kvpool's over ``transport`` (each in a
+    process of its own): the ``--peers``' and, beside shm, Redis's; so that the single-call
+    ratios are of calls made under the same load: timed minutes apart, they swung with it."""
+    if not any(shape.objects_per_call == 1 for shape in data):
         return {}
+    peers = {}
+    if transport == _REDIS_BESIDE and config.redis and "redis" not in skipped:
+        _say("baseline: redis, its single calls in turns with kvpool's")
+        peers["redis"] = w.SpawnedClient("tcp", w.redis_client)
+    if "mooncake" not in config.peers or transport not in _SINGLE_CALL_PEERS:
+        return peers
     label, local = _SINGLE_CALL_PEERS[transport]
     if label in skipped:
-        return {}
+        return peers
     volume = max(s.value_bytes * s.objects_per_call * s.calls for s in data
                  if s.objects_per_call == 1)
     _say(f"peer: Mooncake Store ({label}), its single calls in turns with kvpool's")
     try:
-        return {"mooncake": w.SpawnedClient("local" if local else "tcp", w.mooncake_client,
-                                            max(1 << 30, 2 * volume), local)}
+        peers["mooncake"] = w.SpawnedClient("local" if local else "tcp", w.mooncake_client,
+                                            max(1 << 30, 2 * volume), local)
     except w.BenchError as e:
         skipped[label] = str(e)
         _say(f"peer: {label} skipped: {e}")
-        return {}
+    except BaseException:
+        for c in peers.values():   # Redis's, started above
+            c.close()
+        raise
+    return peers
 
 
 def _master(config: BenchConfig, master: str | None) -> dict:
