@@ -20,10 +20,10 @@ message size (8 MiB on soft-RoCE); up to ``max_outstanding`` are in flight at on
 
 Errors, per op: a descriptor the node's device refuses (wrong rkey, range outside the region)
 is asked a new region for once, then is a SegmentBoundsError; so is one the client can refuse
-before posting (segment not registered for RDMA, range outside ``rdma_length``). A queue pair that breaks (remote refusal, retries
-exhausted) is re-created, and the ops it did not finish run again on the new one; a second
-break in one call, a timeout, or the node's death fails the node's remaining ops with
-TransportError, so the client moves on to another replica.
+before posting (segment not registered for RDMA, range outside ``rdma_length``). A queue pair
+that breaks (remote refusal, retries exhausted) is re-created, and the ops it did not finish
+run again on the new one; a second break in one call, a timeout, or the node's death fails the
+node's remaining ops with TransportError, so the client moves on to another replica.
 """
 
 from __future__ import annotations

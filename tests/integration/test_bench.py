@@ -292,9 +292,9 @@ def test_raw_tcp_peer_moves_bytes_and_stops():
 @pytest.mark.parametrize("slots", [True, False])
 def test_put_phases_names_where_a_puts_time_goes(slots):
     """scripts/put_phases.py (the per-phase breakdown the issue-19 notes quote) runs, and each
-    phase of a put (of a get) it reports took time and less than the whole call; with slots, a put is the
-    copy and PutEnd (sealed on the node's seal board: no SEAL frame), the slots made apart,
-    ahead."""
+    phase of a put (of a get) it reports took time and less than the whole call; with slots, a
+    put is the copy and PutEnd (sealed on the node's seal board: no SEAL frame), the slots made
+    apart, ahead."""
     script = Path(__file__).resolve().parents[2] / "scripts" / "put_phases.py"
     out = subprocess.run([sys.executable, str(script), "--calls", "30", "--insecure",
                           *(() if slots else ("--no-slots",))],
