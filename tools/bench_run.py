@@ -156,7 +156,7 @@ def _redis(config: BenchConfig, data: dict, figures: list, skipped: dict, run_id
         for shape, src in data.items():
             if shape.workload == "small" or (shape.objects_per_call == 1
                                              and _REDIS_BESIDE in config.transports):
-                continue   # (single calls: timed in turns with kvpool's, _single_call_peers)
+                continue   # (single calls: timed in turns with kvpool's, _peers_in_turns)
             figures.extend(w.redis_figures(redis, shape, config.repeats, src,
                                            f"bench-{run_id}-{shape.workload}"))
 
@@ -265,11 +265,12 @@ def _kvpool_on(config: BenchConfig, data: dict, pairs: dict, skipped: dict,
                 if not all([c.prefaulted(_PREFAULT_S) for c in clients.values()]):
                     _say(f"kvpool shm: still faulting in after {_PREFAULT_S:.0f} s; "
                          "timing anyway")
-            peers = _single_call_peers(config, data, transport, skipped)
+            peers = _peers_in_turns(config, data, transport, skipped)
             for shape, src in data.items():
                 _say(f"{' and '.join(clients)} {transport}: {shape.workload} "
                      f"{shape.objects_per_call} x {format_size(shape.value_bytes)}")
-                beside = peers if shape.objects_per_call == 1 else {}
+                beside = {name: c for name, c in peers.items()
+                          if name != "redis" or shape.objects_per_call == 1}
                 pairs.setdefault((transport, shape), []).append(w.kvpool_figures(
                     {**clients, **beside}, shape, config.repeats, src,
                     f"bench-{run_id}-{transport}-{shape.workload}-{shape.value_bytes}",
@@ -284,32 +285,31 @@ def _kvpool_on(config: BenchConfig, data: dict, pairs: dict, skipped: dict,
                 c.close()
 
 
-# kvpool's transport -> the Mooncake path its single calls take turns with: its same-host
+# kvpool's transport -> the Mooncake path whose calls take turns with kvpool's: its same-host
 # path beside shm, its own tcp transport beside tcp (labels as in ``skipped``).
-_SINGLE_CALL_PEERS = {"shm": ("mooncake-local", True), "tcp": ("mooncake", False)}
+_PEERS_IN_TURNS = {"shm": ("mooncake-local", True), "tcp": ("mooncake", False)}
 # The transport Redis's single calls take turns beside (its 64 KiB GET is shm's target).
 _REDIS_BESIDE = "shm"
 
 
-def _single_call_peers(config: BenchConfig, data: dict, transport: str, skipped: dict
-                       ) -> dict:
-    """The clients whose single calls take turns with kvpool's over ``transport`` (each in a
-    process of its own): the ``--peers``' and, beside shm, Redis's; so that the single-call
-    ratios are of calls made under the same load: timed minutes apart, they swung with it."""
-    if not any(shape.objects_per_call == 1 for shape in data):
-        return {}
+def _peers_in_turns(config: BenchConfig, data: dict, transport: str, skipped: dict) -> dict:
+    """The clients whose calls take turns with kvpool's over ``transport`` (each in a process
+    of its own): Mooncake's path beside it (``--peers mooncake``), and beside shm Redis's
+    single calls; so that each ratio to a peer is of calls made under the same load: timed
+    minutes apart, they swung with it (shm prompt puts against Mooncake's same-host path:
+    0.75-1.05 in four runs, each system's three calls timed apart)."""
     peers = {}
-    if transport == _REDIS_BESIDE and config.redis and "redis" not in skipped:
+    if transport == _REDIS_BESIDE and config.redis and "redis" not in skipped \
+            and any(shape.objects_per_call == 1 for shape in data):
         _say("baseline: redis, its single calls in turns with kvpool's")
         peers["redis"] = w.SpawnedClient("tcp", w.redis_client)
-    if "mooncake" not in config.peers or transport not in _SINGLE_CALL_PEERS:
+    if "mooncake" not in config.peers or transport not in _PEERS_IN_TURNS:
         return peers
-    label, local = _SINGLE_CALL_PEERS[transport]
+    label, local = _PEERS_IN_TURNS[transport]
     if label in skipped:
         return peers
-    volume = max(s.value_bytes * s.objects_per_call * s.calls for s in data
-                 if s.objects_per_call == 1)
-    _say(f"peer: Mooncake Store ({label}), its single calls in turns with kvpool's")
+    volume = max(s.value_bytes * s.objects_per_call * s.calls for s in data)
+    _say(f"peer: Mooncake Store ({label}), its calls in turns with kvpool's")
     try:
         peers["mooncake"] = w.SpawnedClient("local" if local else "tcp", w.mooncake_client,
                                             max(1 << 30, 2 * volume), local)
@@ -351,21 +351,26 @@ def _master(config: BenchConfig, master: str | None) -> dict:
 
 def _peers(config: BenchConfig, data: dict, figures: list, skipped: dict, run_id: str) -> None:
     """The ``--peers`` systems' figures (before kvpool's: no gRPC channel is open yet when
-    they start their processes), or why each was skipped; their single calls beside a
-    transport kvpool is timed on are timed in turns with kvpool's instead."""
+    they start their processes), or why each was skipped; a path beside a transport kvpool
+    is timed on is timed in turns with kvpool's instead (_peers_in_turns)."""
     from kvpool.tools.bench_peers import PeerUnavailable
     for name in config.peers:
         if name != "mooncake":
             skipped[name] = "unknown peer (known: mooncake)"
             continue
-        from kvpool.tools.bench_mooncake import MooncakePeer
+        from kvpool.tools.bench_mooncake import MooncakePeer, why_unavailable
         volume = max(s.value_bytes * s.objects_per_call * s.calls for s in data)
-        in_turns = {label for t, (label, _) in _SINGLE_CALL_PEERS.items()
+        in_turns = {label for t, (label, _) in _PEERS_IN_TURNS.items()
                     if t in config.transports}
         # Its tcp transport (a holder process keeps the values), then its same-host path (the
         # bench's client keeps them: a local memcpy), one after the other.
         for local, label, what in ((False, name, "tcp, zero-copy batch calls"),
                                    (True, f"{name}-local", "same-host: local segment, memcpy")):
+            if label in in_turns:   # timed beside kvpool's (_peers_in_turns), if it can run
+                if why := why_unavailable():
+                    skipped[label] = why
+                    _say(f"peer: {label} skipped: {why}")
+                continue
             try:
                 peer = MooncakePeer(segment_bytes=max(1 << 30, 2 * volume),
                                     local=local).__enter__()
@@ -376,8 +381,6 @@ def _peers(config: BenchConfig, data: dict, figures: list, skipped: dict, run_id
             with peer:
                 _say(f"peer: Mooncake Store ({what})")
                 for shape, src in data.items():
-                    if shape.objects_per_call == 1 and label in in_turns:
-                        continue   # timed in turns with kvpool's (_single_call_peers)
                     figures.extend(w.mooncake_figures(
                         peer, shape, config.repeats, src,
                         f"bench-{run_id}-{peer.transport}-{shape.workload}"))

@@ -95,10 +95,12 @@ def test_quick_smoke_run_writes_a_valid_report(tmp_path):
             assert {r["workload"] for r in report["results"]
                     if r["system"] == "mooncake" and r["transport"] == transport} \
                 == {"single", "prompt", "small"}, transport
-        # Its single calls were made in turns with kvpool's, once per transport; no twice.
+        # Its calls were made in turns with kvpool's, once per transport; no twice.
         assert stderr.count("Mooncake Store (mooncake") == 2
+        assert stderr.count("its calls in turns with kvpool's") == 2
+        assert "zero-copy batch calls" not in stderr   # none timed apart
         assert stderr.count("its single calls in turns with kvpool's") \
-            == 2 + ("redis" not in report["skipped"])   # Redis's, beside shm
+            == ("redis" not in report["skipped"])   # Redis's, beside shm
         assert len([r for r in report["results"] if r["system"] == "mooncake"
                     and r["workload"] == "single"]) == 2 * 2   # put and get, per transport
     if "redis" not in report["skipped"]:   # its single calls once, in turns beside shm
