@@ -192,12 +192,12 @@ class Leases:
         closed or leased again since) are settled one by one."""
         lease, objs = batch.lease, batch.objs
         capped = lease[1] >= lease[0]   # they reached their cap at once: each pauses (settled)
-        mark = self._closed(lease[1])
+        mark = None if capped else self._closed(lease[1])
         start = closed_all = 0
         for seg, n, count in batch.runs:
             closed = 0
             for obj in objs[start:start + count]:
-                if obj.lease is lease and not capped:
+                if obj.lease is lease and mark is not None:
                     obj.lease = mark
                     closed += 1
                 else:

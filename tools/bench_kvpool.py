@@ -91,21 +91,9 @@ def raw_tcp_figures(shape: Shape, latencies: dict[str, list[list[float]]]) -> li
 
 def redis_figures(peer, shape: Shape, repeats: int, src: np.ndarray, prefix: str
                   ) -> list[Figure]:
-    rows = [memoryview(r) for r in src]
-    put, get = [], []
-    for r in range(repeats):
-        keys = _keys(prefix, r, shape)
-        put.append([_timed(peer.put, k, rows)[0] for k in keys])
-        lat = []
-        for k in keys:
-            t, got = _timed(peer.get, k)
-            lat.append(t)
-            if got[0] is None or len(got[0]) != shape.value_bytes:
-                raise BenchError("redis returned a wrong value")
-        get.append(lat)
-        peer.delete([x for ks in keys for x in ks])
-    return [summarize("redis", "tcp", shape.workload, op, shape.value_bytes,
-                      shape.objects_per_call, lat) for op, lat in (("put", put), ("get", get))]
+    """Redis's pipelined put and get of the same rows (:class:`RedisClient`), fresh keys per
+    repeat; checked byte for byte once."""
+    return kvpool_figures({"redis": RedisClient(peer)}, shape, repeats, src, prefix)
 
 
 def mooncake_figures(peer, shape: Shape, repeats: int, src: np.ndarray, prefix: str
