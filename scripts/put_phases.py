@@ -7,7 +7,11 @@ other end's framing; and the CPU each process spent per call (on two cores a sin
 them all busy). Secure (mutual TLS, grants) unless --insecure.
 
     python3 scripts/put_phases.py [--transport shm|tcp] [--size 64KiB] [--calls 1000]
-                                  [--insecure]
+                                  [--batch N] [--insecure]
+
+--batch N times batch_put and batch_get_into of N values (the rows of one array) per call
+instead: a batch of more than 4 keys is not sealed, so its phases are PutStart (answered once
+the node applied the reservations), the copy, PutEnd (once the node applied the commits).
 
 The phases are timed by wrapping the client's own methods (a diagnostic, not the bench: each
 wrapper adds ~1 us). Single puts fill slots reserved ahead (client/slots.py) unless
@@ -26,6 +30,8 @@ import sys
 import threading
 import time
 import urllib.request
+
+import numpy as np
 
 from kvpool.client import KVClient
 from kvpool.tools.argtypes import count_type, size_type
@@ -69,13 +75,16 @@ def main() -> int:
     p.add_argument("--transport", choices=("shm", "tcp"), default="shm")
     p.add_argument("--size", type=size_type, default=64 << 10, help="value size (64KiB)")
     p.add_argument("--calls", type=count_type, default=1000, help="puts, then as many gets")
+    p.add_argument("--batch", type=count_type, default=1,
+                   help="values per call (batch_put, batch_get_into); 1: put and get")
     p.add_argument("--insecure", action="store_true", help="a plain-text cluster")
     p.add_argument("--no-slots", action="store_true",
                    help="every put asks the master first (KVClient put_slots=False)")
     args = p.parse_args()
     times: dict[str, list[float]] = collections.defaultdict(list)
     value = os.urandom(args.size)
-    with LocalCluster(nodes=1, segment_size=str(max(256 << 20, 4 * args.size * args.calls)),
+    segment = max(256 << 20, 2 * args.size * args.batch * args.calls)
+    with LocalCluster(nodes=1, segment_size=str(segment),
                       secure=not args.insecure, metrics=True) as cluster, \
             KVClient(cluster.master, transports=[args.transport],
                      put_slots=not args.no_slots) as kv:
@@ -94,20 +103,33 @@ def main() -> int:
                 "WRITE+SEAL into a slot" if kw.get("reserved") else "RESERVE+WRITE+SEAL")
                 + " (node round trip, PutEnd overlapped)", times)
             _wrap(transport, "reserve", "RESERVE (node round trip)", times)
-        _wrap(kv._master, "locate_answer", "GetReplicas (master round trip)", times)
+        for name in ("locate_answer", "locate"):   # a single get's, a batch's
+            _wrap(kv._master, name, "GetReplicas (master round trip)", times)
         _wrap(transport, "read", "READ (node round trip)", times)
+        _wrap(transport, "read_at", "READ (node round trip)", times)   # a batch's, in place
         puts, gets = [], []
         pids = {"client": None, "master": cluster.master_proc.popen.pid,
                 "node": cluster.nodes[0].popen.pid}
         cpu = [_cpu_s(pids)]   # before the puts, after them, after the gets
+        # A batch's values are the rows of one array, as an engine's KV blocks are (a copy
+        # per run of adjacent rows, not per value).
+        rows = np.frombuffer(os.urandom(args.size * args.batch), np.uint8).reshape(args.batch, -1)
+        values, out = list(rows), list(np.zeros_like(rows))
         for i in range(args.calls):
+            keys = [f"k{i}.{j}" for j in range(args.batch)]
             t = time.perf_counter()
-            kv.put(f"k{i}", value)
+            errors = kv.batch_put(keys, values) if args.batch > 1 else [kv.put(keys[0], value)]
             puts.append(time.perf_counter() - t)
+            if any(errors):
+                raise SystemExit(f"put failed: {errors[0]}")
         cpu.append(_cpu_s(pids))
         for i in range(args.calls):
+            keys = [f"k{i}.{j}" for j in range(args.batch)]
             t = time.perf_counter()
-            kv.get(f"k{i}")
+            if args.batch > 1:
+                kv.batch_get_into(keys, out)
+            else:
+                kv.get(keys[0])
             gets.append(time.perf_counter() - t)
         cpu.append(_cpu_s(pids))
         master = _master_means(cluster.metrics_addresses["master"])
@@ -120,8 +142,9 @@ def main() -> int:
                                       and not k.startswith("READ")]),
                        ("get", ["GetReplicas (master round trip)", "READ (node round trip)"])):
         print(f"  {op} phases, client side:")
-        for label in labels:
-            print(f"    {label:58s} {statistics.median(times[label]) * ms:.3f}")
+        for label in (label for label in labels if times[label]):
+            print(f"    {label:58s} {statistics.median(times[label]) * ms:.3f}"
+                  f"   ({len(times[label])} calls)")
     print("  CPU per call by process (us; polling for answers included, $KVPOOL_SPIN_US):")
     for op, before, after in (("put", *cpu[:2]), ("get", *cpu[1:])):
         print(f"    {op}: " + ", ".join(
