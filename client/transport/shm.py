@@ -64,11 +64,15 @@ _REQUIRED_SEALS = fcntl.F_SEAL_SHRINK
 # still in L2), and the batch size from which a helper thread takes half of the copying
 # (read_at too).
 _SUM_CHUNK_BYTES = 512 << 10
-# write_summed: a value up to this size is checksummed whole, then copied, not a chunk at a
-# time. Alone (cold sources): 1 MiB 100-112 us against 141-158 in chunks, 4 MiB 390-400
-# against 570, 16 MiB 2.3 ms both ways; in a cluster (scripts/put_phases.py, three alternated
-# pairs) a 2 MiB put's copy and CRC 0.29-0.39 -> 0.20-0.22 ms, 1 MiB 0.145-0.152 -> 0.122-0.149.
+# write_summed: a value past _SUM_CHUNKED_MAX_BYTES and up to _SUM_WHOLE_MAX_BYTES is
+# checksummed whole, then copied, not a chunk at a time. Alone (cold sources): 1 MiB 100-112
+# us against 141-158 in chunks, 4 MiB 390-400 against 570, 16 MiB 2.3 ms both ways. In the
+# bench (single puts over shm, p50, alternated pairs) 2 MiB 0.68 / 0.71 / 0.71 / 0.62 ->
+# 0.61 / 0.55 / 0.61 / 0.57 ms, 4 MiB 1.47 / 1.44 -> 1.09 / 1.07; but 1 MiB 0.48 / 0.51 ->
+# 0.58 / 0.63 (with Redis's turns beside it; 0.48 / 0.43 -> 0.45 / 0.45 without), so values
+# up to 1 MiB (a core's L2 here) stay in chunks.
 _SUM_WHOLE_MAX_BYTES = 16 << 20
+_SUM_CHUNKED_MAX_BYTES = 1 << 20
 # Copies at least this large fault their pages in with one madvise first (_Mapping.populate).
 _POPULATE_MIN_BYTES = 1 << 20
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)     # Linux 5.14+; Python 3.12+
@@ -528,13 +532,14 @@ def _memcpy(dst: np.ndarray, src: np.ndarray) -> None:
 
 def _write_summed(link: _NodeLink, mapping: _Mapping, start: int, end: int,
                   buf: memoryview) -> int:
-    """Copy ``buf`` to ``[start, end)`` of ``mapping``; returns the CRC-32C of ``buf``. Up to
-    ``_SUM_WHOLE_MAX_BYTES``: checksummed, then copied (the copy reads it from cache); larger,
-    a cache-sized chunk at a time, each chunk checksummed right after its copy, from cache:
-    one pass over memory where a copy and a separate checksum would take two."""
+    """Copy ``buf`` to ``[start, end)`` of ``mapping``; returns the CRC-32C of ``buf``. Past
+    ``_SUM_CHUNKED_MAX_BYTES`` and up to ``_SUM_WHOLE_MAX_BYTES``: checksummed, then copied
+    (the copy reads it from cache); else a cache-sized chunk at a time, each chunk
+    checksummed right after its copy, from cache: one pass over memory where a copy and a
+    separate checksum would take two."""
     with _region(link, mapping, start, end) as region:
         theirs, ours = np.frombuffer(region, dtype=np.uint8), np.frombuffer(buf, dtype=np.uint8)
-        if len(ours) <= _SUM_WHOLE_MAX_BYTES:
+        if _SUM_CHUNKED_MAX_BYTES < len(ours) <= _SUM_WHOLE_MAX_BYTES:
             crc = checksum(ours)
             _memcpy(theirs, ours)
             return crc

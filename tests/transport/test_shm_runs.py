@@ -85,11 +85,10 @@ def test_read_at_moves_the_same_bytes_as_read(node, block):
 
 
 @pytest.mark.parametrize("blocks, block", [(3, BLOCK), (12, 1 << 20)])   # 12 MiB: two threads
-@pytest.mark.parametrize("whole", [True, False])   # False: values summed a chunk at a time
+@pytest.mark.parametrize("whole", [True, False])   # each value checksummed whole, or in chunks
 def test_write_summed_lands_the_bytes_and_returns_each_ops_crc(node, blocks, block, whole,
                                                                monkeypatch):
-    if not whole:   # (the path of values larger than _SUM_WHOLE_MAX_BYTES)
-        monkeypatch.setattr(shm, "_SUM_WHOLE_MAX_BYTES", 0)
+    monkeypatch.setattr(shm, "_SUM_CHUNKED_MAX_BYTES" if whole else "_SUM_WHOLE_MAX_BYTES", 0)
     transport = SHMTransport()
     try:
         rng = np.random.default_rng(5)
