@@ -18,6 +18,7 @@ from typing import Self
 
 import numpy as np
 from kvpool.client.buffers import address_of, byte_view, unfilled_bytes, writable_rows
+from kvpool.client.local_reads import LocalReads
 from kvpool.client.metrics import client_metrics
 from kvpool.client.slots import Slot, SlotPool
 from kvpool.client.transport.base import IoOp, Transport
@@ -95,7 +96,7 @@ class KVClient:
     def __init__(self, master: str, *, replicas: int = 0,
                  transports: Sequence[str | Transport] | None = None, timeout_s: float = 10.0,
                  metrics: CollectorRegistry | None = None, credentials: str | None = None,
-                 put_slots: bool = True):
+                 put_slots: bool = True, local_reads: bool = True):
         """``replicas``: copies per put (0 = the master's default). ``transports``: schemes
         (or Transport instances) to use; whatever the order given, the client prefers shm,
         then rdma, then tcp per replica (default: every transport available here).
@@ -128,6 +129,8 @@ class KVClient:
         # Single small puts fill slots reserved ahead (client/slots.py): one round trip.
         self._slots = SlotPool(self._master, self._transport_for, replicas) \
             if put_slots and self._fenced and any(t.slots for t in self._transports) else None
+        shm = [t for t in self._transports if t.scheme == "shm"]
+        self._local = LocalReads(shm[0], self._master) if local_reads and shm else None
         self._unreachable: dict[str, float] = {}   # node id -> until when it is tried last
         self._replicas = replicas
         self._closed = False
@@ -153,6 +156,8 @@ class KVClient:
             self._closed = True
         if self._slots is not None:
             self._slots.close()
+        if self._local is not None:
+            self._local.close()
         for t in self._transports:
             t.close()
         self._master.close()
@@ -517,7 +522,13 @@ class KVClient:
                 fast = [] if attempt or verify else \
                     self._read_fast(todo, located, buffer_for, bufs, rows)
             else:   # a single get: its one replica read without the columns' arrays
+                if self._local is not None:
+                    if (size := self._read_local(todo[0], keys, buffer_for, bufs)) is not None:
+                        out[todo[0]] = size
+                        return out
                 answer = self._master.locate_answer([keys[todo[0]]])
+                if self._local is not None:
+                    self._local.tenant = answer.tenant
                 size = self._read_one(todo[0], answer, buffer_for, bufs)
                 if size is not None and time.monotonic() <= sent + answer.lease_ttl_s:
                     out[todo[0]] = size
@@ -564,6 +575,22 @@ class KVClient:
         for i in todo:
             out[i] = TransportError(f"{keys[i]!r}: the object kept changing during the read")
         return out
+
+    def _read_local(self, i: int, keys: Sequence[str],
+                    buffer_for: Callable[[int, int], memoryview], bufs: dict[int, memoryview]
+                    ) -> int | None:
+        """Key ``i`` read from a same-host node's shm index (client/local_reads.py): its
+        size, or None (the master is asked)."""
+        def alloc(size: int) -> memoryview:
+            bufs[i] = buffer_for(i, size)
+            return bufs[i]
+
+        size = self._local.read(keys[i], alloc)
+        if size is None:
+            bufs.pop(i, None)   # sized for what the index said: the master's may differ
+        elif self._metrics is not None:
+            self._metrics.moved("get", "shm", size)
+        return size
 
     def _read_one(self, i: int, answer, buffer_for: Callable[[int, int], memoryview],
                   bufs: dict[int, memoryview]) -> int | None:
@@ -643,6 +670,8 @@ class KVClient:
     def stats(self):
         """The master's cluster statistics (protobuf StatsResponse)."""
         self._check_open()
+        if self._local is not None:   # the hits read locally are counted first
+            self._local.flush()
         return self._master.stats()
 
     def register_buffer(self, buffer) -> None:

@@ -148,12 +148,12 @@ def _rescope(field, keys: list[str] | None) -> None:
 
 
 def scope_answer(method: str, identity: Identity | None, response) -> None:
-    """A PutStart answer names the tenant whose namespace its keys were put in; a client's
-    Stats tell of its own tenant only."""
+    """A PutStart answer names the tenant whose namespace its keys were put in, a GetReplicas
+    answer the one they are looked up in; a client's Stats tell of its own tenant only."""
     name = tenant(identity)
     if not name:
         return
-    if method == "PutStart":
+    if method in ("PutStart", "GetReplicas"):
         response.tenant = name
     elif method == "Stats":
         own = [t for t in response.tenants if t.tenant == name]

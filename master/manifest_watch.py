@@ -31,6 +31,10 @@ from kvpool.master.state import MasterState
 
 # Changes nobody waits for (evictions by the master's tick) go out at least this often.
 PUSH_INTERVAL_S = 0.5
+# Changes that only confirm what a node holds (a fenced or sealed put's commit) go out this soon,
+# one message for all made meanwhile: the node's shm index (net/shm_index.py) serves an object
+# to same-host readers only once its commit arrived.
+PUSH_SOON_S = 0.005
 # A put is never held longer than this by a node that is slow to take its changes: the
 # changes stay queued for the node, the put answers, and only that window is at risk.
 MAX_WAIT_S = 3.0
@@ -39,6 +43,7 @@ MAX_WAIT_S = 3.0
 class _Watch:
     def __init__(self, waiters: list[asyncio.Future]) -> None:
         self.wake = asyncio.Event()
+        self.soon = False   # a push_soon is due
         self.waiters = waiters   # for the changes queued now: released by the next ack
         # seq -> the message sent and who waits for the node to apply it
         self.unacked: dict[int, tuple[ManifestDelta, list[asyncio.Future]]] = {}
@@ -171,6 +176,14 @@ class ManifestWatchers:
             if watch is not None:
                 watch.wake.set()
 
+    def push_soon(self, node_ids: Iterable[str]) -> None:
+        """:meth:`push` in ``PUSH_SOON_S``, once for every call that asks meanwhile."""
+        for node_id in node_ids:
+            watch = self._watches.get(node_id)
+            if watch is not None and not watch.soon:
+                watch.soon = True
+                asyncio.get_running_loop().call_later(PUSH_SOON_S, _push_now, watch)
+
     async def flush(self, node_ids: Iterable[str]) -> None:
         """Wait until the changes queued for these nodes were applied by their watchers, on
         the open stream or the next one (MAX_WAIT_S at most: a node slow to take its changes
@@ -202,3 +215,8 @@ def _release(waiters: list[asyncio.Future]) -> None:
     for f in waiters:
         if not f.done():
             f.set_result(None)
+
+
+def _push_now(watch: _Watch) -> None:
+    watch.soon = False
+    watch.wake.set()

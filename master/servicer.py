@@ -253,12 +253,14 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     async def apply_effects(self, mark: int, wait: bool | None = True) -> None:
         """Apply what a call changed since ``mark`` (``manifest_mark()`` before it): push the
         manifest changes queued for the nodes, and (``wait``) wait until they applied them.
-        ``wait=None``: leave them queued for the streams' next message (within
-        PUSH_INTERVAL_S): they only confirm what the nodes hold already (a fenced or sealed
-        put's), and a message per put would take the CPU from the next puts."""
-        if wait is not None and self._state.manifest_mark() != mark:
+        ``wait=None``: push them within PUSH_SOON_S, one message for every call meanwhile:
+        they only confirm what the nodes hold already (a fenced or sealed put's), and a
+        message per put would take the CPU from the next puts."""
+        if self._state.manifest_mark() != mark:
             nodes = self._state.nodes_with_changes()
-            if wait:
+            if wait is None:
+                self._watchers.push_soon(nodes)
+            elif wait:
                 await self._watchers.flush(nodes)
             else:
                 self._watchers.push(nodes)

@@ -32,7 +32,9 @@ offset, length), the ``RECORD`` body, the segment id, the key and the parent. Th
 writer may ask for its connection's seal board (``HANDOFF_BOARD`` in place of a length;
 answered as a segment's hand-off) and name a cell of it in a slot's RESERVE (flag
 ``RECORD_HAS_CELL``, the cell's index in the CRC field): it then seals that slot's put by
-filling the cell, with no SEAL frame (net/seal_board.py).
+filling the cell, with no SEAL frame (net/seal_board.py). Any trusted peer may ask for the
+node's index of its committed objects (``HANDOFF_INDEX``; net/shm_index.py), to read them
+without asking the master where they are.
 
 Grants (common/capabilities.py): a request whose magic is ``MAGIC_GRANTED`` (b"KVP2") carries
 the master's grant for its extent (``capabilities.GRANT``: version, expiry, MAC; 32 bytes)
@@ -100,6 +102,9 @@ HANDOFF_SEAL = 0xFFF2
 # And this one asks for the connection's seal board (net/seal_board.py): answered OK with its
 # size as the length and its fd attached, as a segment's hand-off is.
 HANDOFF_BOARD = 0xFFF3
+# And this one (any trusted peer, reader or writer) asks for the node's index of its committed
+# objects (net/shm_index.py): answered OK with its size and a read-only fd, or UNSUPPORTED.
+HANDOFF_INDEX = 0xFFF4
 HANDOFF_RECORD = struct.Struct("!HQQ")
 # Or'ed into a hand-off request's segment id length: the writable fd (trusted writers only);
 # without it the node hands a read-only fd, which the client maps PROT_READ.

@@ -57,6 +57,7 @@ from kvpool.common.types import ObjectRecord, Reservation
 from kvpool.net.data_port import (
     GRANT_BYTES,
     HANDOFF_BOARD,
+    HANDOFF_INDEX,
     HANDOFF_RECORD,
     HANDOFF_REQUEST,
     HANDOFF_RESERVE,
@@ -811,6 +812,8 @@ class DataServer:
             return False
         (sid_len,) = HANDOFF_REQUEST.unpack(length_buf)
         c.poll_next = sid_len in _POLL_AFTER_HANDOFF
+        if sid_len == HANDOFF_INDEX:
+            return self._hand_index(c)
         if sid_len in (HANDOFF_RESERVE, HANDOFF_SEAL, HANDOFF_BOARD):
             if c.trust != _ShmTrust.WRITE:
                 self._refuse_handoff(conn, peer, FrameStatus.DENIED, "only a trusted writer "
@@ -870,6 +873,19 @@ class DataServer:
             c.board = Board(*seal_board.create())
         header = encode_response(FrameStatus.OK, seal_board.BOARD_BYTES)
         sent = socket.send_fds(c.sock, [header], [c.board.fd])
+        if sent < len(header):
+            c.sock.sendall(header[sent:])
+        return True
+
+    def _hand_index(self, c: _Conn) -> bool:
+        """The node's index of its committed objects (net/shm_index.py), read-only."""
+        index = None if self._manifest is None else self._manifest.index
+        if index is None:
+            self._refuse_handoff(c.sock, c.peer, FrameStatus.UNSUPPORTED,
+                                 "this node keeps no shm index")
+            return True
+        header = encode_response(FrameStatus.OK, index.size)
+        sent = socket.send_fds(c.sock, [header], [index.readonly_fd])
         if sent < len(header):
             c.sock.sendall(header[sent:])
         return True

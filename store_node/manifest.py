@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 from kvpool.common.types import ObjectRecord, Reservation
 from kvpool.net import seal_board
+from kvpool.net.shm_index import IndexWriter
 
 PRUNE_EVERY_S = 1.0
 
@@ -87,8 +88,12 @@ class _Cell:
 class Manifest:
     """Thread-safe ``key -> ObjectRecord`` of one node, one record per (segment, offset)."""
 
-    def __init__(self, clock=time.monotonic) -> None:
+    def __init__(self, clock=time.monotonic, index: IndexWriter | None = None) -> None:
         self._lock = threading.Lock()
+        # The committed records in shared memory, for same-host gets (net/shm_index.py):
+        # kept here, under this lock, so that an entry is void before the node acknowledges
+        # or answers anything that lets its space be written.
+        self.index = index
         self._by_key: dict[str, ObjectRecord] = {}
         self._by_place: dict[tuple[str, int], str] = {}
         self._bytes: dict[str, int] = {}   # segment id -> bytes of its committed objects
@@ -131,6 +136,8 @@ class Manifest:
             self._check_epoch(epoch)
             place = (res.segment_id, res.offset)
             self._reserved[place] = res
+            if self.index is not None:
+                self.index.overwritten(res.segment_id, res.offset, res.size)
             stale = self._by_place.get(place)
             if stale is not None and stale != res.key:
                 self._drop(stale)
@@ -211,8 +218,9 @@ class Manifest:
         """A master indexed these records (announced): sealed ones are committed now."""
         with self._lock:
             for r in records:
-                if self._by_key.get(r.key) == r:
+                if self._by_key.get(r.key) == r and r.key in self._sealed:
                     self._unseal(r.key)
+                    self._indexed(r)
 
     def sealed(self) -> list[ObjectRecord]:
         """The sealed records the master has not confirmed (yet)."""
@@ -255,6 +263,8 @@ class Manifest:
         with self._lock:
             for res in reserved:
                 self._reserved[(res.segment_id, res.offset)] = res
+                if self.index is not None:
+                    self.index.overwritten(res.segment_id, res.offset, res.size)
                 if self._sealed:
                     self._drop_sealed_overlapping(res.segment_id, res.offset, res.size, res.key)
                 if self._cells:
@@ -267,10 +277,22 @@ class Manifest:
                 if res is not None and res.key == r.key:
                     del self._reserved[(r.segment_id, r.offset)]
                 self._add(r)   # the master's word: a sealed record is confirmed
+                self._indexed(r)
             for key, version in removed:
                 r = self._by_key.get(key)
                 if r is not None and r.version == version:
                     self._drop(key)
+
+    def _indexed(self, r: ObjectRecord) -> None:
+        if self.index is not None:
+            self.index.put(r.key, r.segment_id, r.offset, r.size, r.version, r.checksum)
+
+    def overwriting(self, segment_id: str, offset: int, size: int) -> None:
+        """The node itself is about to write this range (a move's destination): no index entry
+        may stand there."""
+        if self.index is not None:
+            with self._lock:
+                self.index.overwritten(segment_id, offset, size)
 
     def _add(self, r: ObjectRecord) -> None:
         self._drop(r.key)
@@ -349,6 +371,8 @@ class Manifest:
 
     def _drop(self, key: str) -> None:
         self._unseal(key)
+        if self.index is not None:
+            self.index.remove(key)
         r = self._by_key.pop(key, None)
         if r is not None:
             self._by_place.pop((r.segment_id, r.offset), None)

@@ -28,6 +28,7 @@ from kvpool.common.logging import get_logger
 from kvpool.common.loops import RESTART, OnCrash, Supervisor
 from kvpool.common.types import Move, NodeEndpoints, SegmentInfo
 from kvpool.net.data_tls import server_context as data_tls_context
+from kvpool.net.shm_index import IndexWriter, buckets_for
 from kvpool.rpc.master_client import MasterClient
 from kvpool.store_node.data_server import DataLimits, DataServer
 from kvpool.store_node.disk import DiskTier
@@ -200,6 +201,13 @@ class StoreNode:
                     # HBM through a dma-buf where it can be (see hbm.py), else not at all.
                     if seg.info.tier in ("dram", "hbm"):
                         self._published[sid] = self._rdma.register(seg)
+            if self._shm:   # same-host peers read committed objects without the master
+                dram = [seg for seg in self.segments.values() if seg.info.tier == "dram"]
+                if dram:
+                    index = IndexWriter(buckets_for(sum(seg.info.size_bytes for seg in dram)))
+                    for seg in dram:
+                        index.add_segment(seg.info.segment_id)
+                    self.manifest.index = index
             self._server = DataServer(self.segments, self._host, self._port, shm=self._shm,
                                       rdma=self._rdma, supervisor=self._supervisor,
                                       manifest=self.manifest, limits=self._data_limits,
@@ -326,6 +334,7 @@ class StoreNode:
         if src is None or dst is None:
             log.warning("move_refused", key=m.key, src=m.src.segment_id, dst=m.dst.segment_id)
             return False
+        self.manifest.overwriting(m.dst.segment_id, m.dst.offset, m.dst.length)
         try:
             # The disk or HBM side does the I/O, in one call: into it a pwrite or a device
             # copy from the DRAM mapping, out of it a preadv or a device copy into it.
@@ -470,6 +479,8 @@ class StoreNode:
         if self._server:
             self._server.stop()
             self._server = None
+        if self.manifest.index is not None:   # no peer trusts an entry from here on
+            self.manifest.index.close()
         if self._rdma is not None:   # deregister before the memory goes
             self._rdma.close()
             self._rdma = None

@@ -126,6 +126,13 @@ class Transport(ABC):
                in zip(which.tolist(), offsets.tolist(), lengths.tolist(), views, grants)]
         return {k: e for k, e in enumerate(self.read(ops)) if e is not None}
 
+    def read_local(self, key: str, buffer_for: Callable[[int], memoryview]) -> int | None:
+        """The value stored under ``key`` (a stored key, common/tenants.py) read with no master
+        call, into ``buffer_for(size)``: its size, or None where this transport cannot prove it
+        has the object's bytes (the caller asks the master). This default: None; shm reads
+        its nodes' indexes (net/shm_index.py)."""
+        return None
+
     def register_buffer(self, buffer) -> None:
         """Let ops on ``buffer`` (bytearray, numpy array, CPU tensor, writable memoryview) or
         on slices of it move bytes in place where this transport can (rdma: a memory

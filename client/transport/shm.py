@@ -40,9 +40,10 @@ from kvpool.common.host import advise, local_boot_id
 from kvpool.common.logging import get_logger
 from kvpool.common.loops import RESTART, Supervisor
 from kvpool.common.types import NodeEndpoints, Replica
-from kvpool.net import seal_board
+from kvpool.net import seal_board, shm_index
 from kvpool.net.data_port import (
     HANDOFF_BOARD,
+    HANDOFF_INDEX,
     HANDOFF_REQUEST,
     MAX_SEGMENT_ID_BYTES,
     RESPONSE,
@@ -266,6 +267,9 @@ class _NodeLink:
         self._free_cells = list(range(seal_board.CELLS))
         self._cells: dict[tuple[str, int], tuple[int, float]] = {}
         self._seals = 0   # filled on the board so far: each cell's ``seq``
+        # The node's index of its committed objects (net/shm_index.py), asked for once.
+        self._index: shm_index.IndexReader | None = None
+        self._index_asked = False
 
     def alive(self) -> bool:
         """False once the node hung up (closed its end, or its process died)."""
@@ -367,6 +371,22 @@ class _NodeLink:
                     return
                 self._board = mm
 
+    def index(self, timeout_s: float) -> shm_index.IndexReader | None:
+        """The node's shm index, asked for on first use; None if it has none to give."""
+        if not self._index_asked:
+            with self.lock:
+                if not self._index_asked and not self.closed:
+                    self._index_asked = True
+                    with contextlib.suppress(TransportError, OSError, ValueError):
+                        mm, _ = self._mapped_fd(HANDOFF_REQUEST.pack(HANDOFF_INDEX), timeout_s,
+                                                writable=False)
+                        try:
+                            self._index = shm_index.IndexReader(mm)
+                        except ValueError:
+                            mm.close()
+                            raise
+        return self._index
+
     def cell_at(self, place: tuple[str, int]) -> int | None:
         """The cell taken for the slot at ``place``, if any."""
         got = self._cells.get(place)
@@ -446,6 +466,8 @@ class _NodeLink:
                 m.close()
             if self._board is not None:
                 self._board.close()
+            if self._index is not None:
+                self._index.close()
             self.sock.close()
 
 
@@ -703,6 +725,39 @@ class SHMTransport(Transport):
         except TransportError as exc:
             self._drop(link, str(exc))
             raise
+
+    def read_local(self, key: str, buffer_for: Callable[[int], memoryview]) -> int | None:
+        """Read the object stored under ``key`` (a stored key) from a same-host node's shm
+        index (net/shm_index.py) with no master call: its size once copied into
+        ``buffer_for(size)``, or None (not indexed on a node this client has a link to, or
+        changed during the copy: ask the master). A reader's own bug (a buffer too small:
+        InvalidArgument) is raised."""
+        if self._closed:
+            return None
+        found = None
+        for link in list(self._links.values()):
+            index = link.index(self._timeout_s)
+            if index is not None and (entry := index.find(shm_index.digest(key))) is not None:
+                found = link, index, entry
+                break
+        if found is None:
+            return None
+        link, index, entry = found
+        if not index.open or not link.alive():   # its node stopped: every entry is void
+            self._drop(link, "node hung up")
+            return None
+        segment_id = index.segment_id(entry.segment)
+        if segment_id is None:
+            return None
+        try:
+            mapping = link.mapping(segment_id, self._timeout_s, writable=False)
+            if entry.offset + entry.length > mapping.size:
+                return None
+            buf = buffer_for(entry.length)
+            _copy(link, mapping, entry.offset, entry.offset + entry.length, buf, write=False)
+        except (TransportError, OSError):
+            return None
+        return entry.length if index.still(entry) else None
 
     def close(self) -> None:
         with self._lock:

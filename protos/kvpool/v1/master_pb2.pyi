@@ -360,7 +360,7 @@ class StatusesResponse(_message.Message):
     def __init__(self, statuses: _Optional[_Iterable[_Union[Status, str]]] = ...) -> None: ...
 
 class GetReplicasResponse(_message.Message):
-    __slots__ = ("lease_ttl_s", "statuses", "sizes", "versions", "replicas", "checksums", "lookup_port", "packed")
+    __slots__ = ("lease_ttl_s", "statuses", "sizes", "versions", "replicas", "checksums", "lookup_port", "packed", "tenant")
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     STATUSES_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
@@ -369,6 +369,7 @@ class GetReplicasResponse(_message.Message):
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_PORT_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     lease_ttl_s: float
     statuses: _containers.RepeatedScalarFieldContainer[Status]
     sizes: _containers.RepeatedScalarFieldContainer[int]
@@ -377,7 +378,8 @@ class GetReplicasResponse(_message.Message):
     checksums: _containers.RepeatedScalarFieldContainer[int]
     lookup_port: int
     packed: bytes
-    def __init__(self, lease_ttl_s: _Optional[float] = ..., statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., sizes: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Union[ReplicaColumns, _Mapping]] = ..., checksums: _Optional[_Iterable[int]] = ..., lookup_port: _Optional[int] = ..., packed: _Optional[bytes] = ...) -> None: ...
+    tenant: str
+    def __init__(self, lease_ttl_s: _Optional[float] = ..., statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., sizes: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Union[ReplicaColumns, _Mapping]] = ..., checksums: _Optional[_Iterable[int]] = ..., lookup_port: _Optional[int] = ..., packed: _Optional[bytes] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("keys", "ttl_s", "unpin")

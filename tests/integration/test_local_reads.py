@@ -1,0 +1,138 @@
+"""Same-host gets from the nodes' shm indexes (net/shm_index.py, client/local_reads.py) against a
+real secure master and store nodes: served with no master call, never another object's bytes,
+never a removed object's, never from a stopped node, and counted by the master."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+from kvpool.client import KVClient
+from kvpool.common.errors import KVPoolError, ObjectNotFound
+
+from .conftest import run_cluster
+
+VALUE = 64 << 10
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    yield from run_cluster(tmp_path_factory.mktemp("local-reads"), nodes=1,
+                           segment_size="16MiB")
+
+
+def value_of(key: str, size: int = VALUE) -> bytes:
+    seed = key.encode().ljust(64, b".")
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+def served_locally(client: KVClient, key: str, timeout_s: float = 5.0) -> bytes:
+    """Get ``key`` until the index serves it (its commit reaches the node within ms)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        before = client._local.served
+        got = client.get(key)
+        if client._local.served > before:
+            return got
+        assert time.monotonic() < deadline, f"{key!r} was never served from the index"
+        time.sleep(0.01)
+
+
+def test_a_committed_object_is_read_with_the_master_stopped(cluster):
+    with KVClient(cluster.master, timeout_s=2.0) as c:
+        c.put("still", value_of("still"))
+        assert served_locally(c, "still") == value_of("still")
+        master = cluster.master_proc.popen
+        master.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert c.get("still") == value_of("still")
+            assert time.monotonic() - started < 1.0
+        finally:
+            master.send_signal(signal.SIGCONT)
+    with KVClient(cluster.master, local_reads=False) as plain:
+        assert plain.get("still") == value_of("still")
+        assert plain._local is None
+
+
+def test_a_removed_key_is_never_read_from_the_index(cluster):
+    with KVClient(cluster.master) as c:
+        c.put("gone", value_of("gone"))
+        served_locally(c, "gone")
+        c.remove("gone")
+        with pytest.raises(ObjectNotFound):
+            c.get("gone")
+
+
+def test_space_given_again_is_never_read_as_the_old_object(cluster):
+    """A 16 MiB segment filled four times over: the reader reads keys old and new while the
+    writer's puts evict the old ones and reuse their space (extents overlapping old ones at
+    other offsets: sizes vary). Each read is the key's own bytes, or not found."""
+    with KVClient(cluster.master) as writer, KVClient(cluster.master) as reader:
+        keys = []
+        local = 0
+        for i in range(4 * (16 << 20) // VALUE):
+            key = f"reuse-{i}"
+            size = VALUE + (i % 7) * 4096
+            writer.put(key, value_of(key, size))
+            keys.append((key, size))
+            if i % 20:   # (a read leases its object for a second: not too many)
+                continue
+            for old, old_size in (keys[-2], keys[-300]) if i >= 300 else keys[-2:-1]:
+                before = reader._local.served
+                try:
+                    got = reader.get(old)
+                except ObjectNotFound:
+                    continue
+                assert got == value_of(old, old_size), old
+                local += reader._local.served > before
+        assert local > 0
+
+
+def test_the_same_key_of_two_tenants_is_read_locally_as_each_ones_own(cluster):
+    def client(tenant: str) -> KVClient:
+        return KVClient(cluster.master, credentials=str(cluster.credentials("client", tenant)))
+
+    with client("tenant-a") as a, client("tenant-b") as b:
+        a.put("same", b"A" * 4096)
+        b.put("same", b"B" * 4096)
+        assert served_locally(a, "same") == b"A" * 4096
+        assert served_locally(b, "same") == b"B" * 4096
+        assert a._local.tenant == "tenant-a"
+
+
+def test_gets_served_locally_are_counted_by_the_master(cluster):
+    with KVClient(cluster.master) as c:
+        c.put("counted", value_of("counted"))
+        served_locally(c, "counted")
+        before, served = c.stats().hits, c._local.served
+        for _ in range(10):
+            c.get("counted")
+        assert c._local.served - served == 10
+        assert c.stats().hits - before == 10
+
+
+def test_a_stopped_nodes_index_is_not_read(cluster):
+    proc = cluster.add_node("short-lived")
+    try:
+        with KVClient(cluster.master) as c:
+            keys = [f"doomed-{i}" for i in range(8)]
+            for k in keys:   # placed on both nodes
+                c.put(k, value_of(k))
+            for k in keys:
+                served_locally(c, k)
+            proc.kill()   # a crash: its index is left as it was, and must not be read
+            cluster.nodes.remove(proc)
+            lost = 0
+            for k in keys:
+                before = c._local.served
+                try:
+                    assert c.get(k) == value_of(k)   # from the node still running
+                except KVPoolError:
+                    lost += 1
+                    assert c._local.served == before
+            assert lost > 0   # some keys were on the stopped node, and none read from it
+    finally:
+        if proc.alive():
+            proc.kill()
