@@ -33,8 +33,8 @@ from kvpool.master.state import MasterState
 PUSH_INTERVAL_S = 0.5
 # Changes that only confirm what a node holds (a fenced or sealed put's commit) go out this soon,
 # one message for all made meanwhile: the node's shm index (net/shm_index.py) serves an object
-# to same-host readers only once its commit arrived.
-PUSH_SOON_S = 0.005
+# to same-host readers only once its commit arrived (a get before that asks the master).
+PUSH_SOON_S = 0.05
 # A put is never held longer than this by a node that is slow to take its changes: the
 # changes stay queued for the node, the put answers, and only that window is at risk.
 MAX_WAIT_S = 3.0

@@ -1,13 +1,14 @@
 """Where a single put's (and get's) time goes: one local cluster (one node), one client, values
 of one size put one at a time, each phase of the client's put timed on the way (PutStart, the
 node's RESERVE, the copy, SEAL with PutEnd overlapped inside it, PutEnd alone), then of its
-get (GetReplicas, the node's READ: each key read once, so each lookup opens a lease), the master's
+get (over shm, a read from the node's shm index with no master call, unless --no-local-reads;
+else GetReplicas, the node's READ: each key read once, so each lookup opens a lease), the master's
 own time per call (its /metrics), so that what is left of a phase is wire, wake-ups and the
 other end's framing; and the CPU each process spent per call (on two cores a single put keeps
 them all busy). Secure (mutual TLS, grants) unless --insecure.
 
     python3 scripts/put_phases.py [--transport shm|tcp] [--size 64KiB] [--calls 1000]
-                                  [--batch N] [--insecure]
+                                  [--batch N] [--insecure] [--no-slots] [--no-local-reads]
 
 --batch N times batch_put and batch_get_into of N values (the rows of one array) per call
 instead: a batch of more than 4 keys is not sealed, so its phases are PutStart (answered once
@@ -39,6 +40,8 @@ from kvpool.tools.cluster import LocalCluster
 
 
 HELPER = " [slot helper, ahead of puts]"
+LOCAL = "read from the node's shm index (no master call)"
+HITS = " [hits, background]"
 
 
 def _wrap(cls_or_obj, name: str, label, times: dict[str, list[float]]) -> None:
@@ -54,6 +57,8 @@ def _wrap(cls_or_obj, name: str, label, times: dict[str, list[float]]) -> None:
             what = label(args, kwargs) if callable(label) else label
             if threading.current_thread().name == "kvpool-slots":
                 what += HELPER   # making slots ahead (client/slots.py), outside any put
+            elif threading.current_thread().name == "kvpool-local-hits":
+                what += HITS     # local reads' hits told to the master, outside any get
             times[what].append(time.perf_counter() - t)
     setattr(cls_or_obj, name, timed)
 
@@ -80,6 +85,8 @@ def main() -> int:
     p.add_argument("--insecure", action="store_true", help="a plain-text cluster")
     p.add_argument("--no-slots", action="store_true",
                    help="every put asks the master first (KVClient put_slots=False)")
+    p.add_argument("--no-local-reads", action="store_true",
+                   help="every single get asks the master (KVClient local_reads=False)")
     args = p.parse_args()
     times: dict[str, list[float]] = collections.defaultdict(list)
     value = os.urandom(args.size)
@@ -87,7 +94,7 @@ def main() -> int:
     with LocalCluster(nodes=1, segment_size=str(segment),
                       secure=not args.insecure, metrics=True) as cluster, \
             KVClient(cluster.master, transports=[args.transport],
-                     put_slots=not args.no_slots) as kv:
+                     put_slots=not args.no_slots, local_reads=not args.no_local_reads) as kv:
         for i in range(min(200, args.calls)):   # warm: connections, mappings
             kv.put(f"warm{i}", value)
         time.sleep(0.5)   # the slots asked for by the warm puts are made
@@ -106,6 +113,7 @@ def main() -> int:
         for name in ("locate_answer", "locate"):   # a single get's, a batch's
             _wrap(kv._master, name, "GetReplicas (master round trip)", times)
         _wrap(transport, "read", "READ (node round trip)", times)
+        _wrap(transport, "read_local", LOCAL, times)
         _wrap(transport, "read_at", "READ (node round trip)", times)   # a batch's, in place
         puts, gets = [], []
         pids = {"client": None, "master": cluster.master_proc.popen.pid,
@@ -139,11 +147,13 @@ def main() -> int:
           f"{args.size} B values, {args.calls} calls (p50, ms)")
     print(f"  put {statistics.median(puts) * ms:.3f}   get {statistics.median(gets) * ms:.3f}")
     for op, labels in (("put", [k for k in times if "GetReplicas" not in k
-                                      and not k.startswith("READ")]),
-                       ("get", ["GetReplicas (master round trip)", "READ (node round trip)"])):
+                                      and not k.startswith("READ") and k != LOCAL]),
+                       ("get", [LOCAL, "GetReplicas (master round trip)",
+                                "READ (node round trip)",
+                                "GetReplicas (master round trip)" + HITS])):
         print(f"  {op} phases, client side:")
         for label in (label for label in labels if times[label]):
-            print(f"    {label:58s} {statistics.median(times[label]) * ms:.3f}"
+            print(f"    {label:58.58s} {statistics.median(times[label]) * ms:.3f}"
                   f"   ({len(times[label])} calls)")
     print("  CPU per call by process (us; polling for answers included, $KVPOOL_SPIN_US):")
     for op, before, after in (("put", *cpu[:2]), ("get", *cpu[1:])):

@@ -299,15 +299,23 @@ def test_put_phases_names_where_a_puts_time_goes(slots):
     apart, ahead."""
     script = Path(__file__).resolve().parents[2] / "scripts" / "put_phases.py"
     out = subprocess.run([sys.executable, str(script), "--calls", "30", "--insecure",
-                          *(() if slots else ("--no-slots",))],
+                          *(() if slots else ("--no-slots", "--no-local-reads"))],
                          capture_output=True, text=True, timeout=120, check=True).stdout
     put, get = map(float, re.search(r"put (\d+\.\d+)\s+get (\d+\.\d+)", out).groups())
     found = re.findall(r"^    (\S.*?)\s+(\d+\.\d+)(?:\s+\((\d+) calls\))?$", out, re.M)
     phases = {k: v for k, v, _ in found}
     calls = {k: int(n) for k, _, n in found if n}
-    in_gets = {k: float(phases.pop(k)) for k in ("GetReplicas (master round trip)",
-                                                 "READ (node round trip)")}
-    assert all(0 < v <= get for v in in_gets.values()), out
+    master_path = ("GetReplicas (master round trip)", "READ (node round trip)")
+    if slots:   # and local reads: a get is a read from the node's shm index, the master's
+        # only the first (the client learns its tenant) and any the index could not prove
+        local = "read from the node's shm index (no master call)"
+        assert 0 < float(phases.pop(local)) <= get, out
+        assert calls[local] >= 30 - 30 // 3 >= calls.get(master_path[0], 0), out
+        for k in master_path:
+            phases.pop(k, None)
+    else:
+        in_gets = {k: float(phases.pop(k)) for k in master_path}
+        assert all(0 < v <= get for v in in_gets.values()), out
     # With slots a put is the copy and PutEnd: the master's PutStart calls and the RESERVEs
     # are the helper's (a slot batch each), and a put that found no slot is not typical.
     in_puts = {k: float(v) for k, v in phases.items() if "slot helper" not in k} if not slots \
