@@ -139,7 +139,7 @@ class IndexWriter:
         overlaps, is voided first)."""
         self.remove(key)
         number = self._segments.get(segment_id)
-        if number is None:
+        if number is None or self._buf.closed:
             return
         self.overwritten(segment_id, offset, length)
         d = digest(key)
@@ -183,13 +183,16 @@ class IndexWriter:
     def _void(self, key: str) -> None:
         position, segment_id, offset, end = self._where.pop(key)
         self._extents[segment_id].discard((offset, end, key))
+        if self._buf.closed:   # (the node stopped: nobody reads it any more)
+            return
         (seq,) = SEQ.unpack_from(self._buf, position)
         SEQ.pack_into(self._buf, position, seq + 1)
         self._buf[position + 8:position + 24] = _FREE
         SEQ.pack_into(self._buf, position, seq + 2)
 
     def close(self) -> None:
-        """No reader may trust an entry from now on (the node stops)."""
+        """No reader may trust an entry from now on (the node stops); later changes are not
+        written."""
         if self._buf.closed:
             return
         HEAD.pack_into(self._buf, 0, 0, self.buckets)

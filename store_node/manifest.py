@@ -283,6 +283,13 @@ class Manifest:
                 if r is not None and r.version == version:
                     self._drop(key)
 
+    def close_index(self) -> None:
+        """The node stops: its shm index is closed (between two changes), and no reader
+        trusts it any more."""
+        if self.index is not None:
+            with self._lock:
+                self.index.close()
+
     def _indexed(self, r: ObjectRecord) -> None:
         if self.index is not None:
             self.index.put(r.key, r.segment_id, r.offset, r.size, r.version, r.checksum)

@@ -479,8 +479,6 @@ class StoreNode:
         if self._server:
             self._server.stop()
             self._server = None
-        if self.manifest.index is not None:   # no peer trusts an entry from here on
-            self.manifest.index.close()
         if self._rdma is not None:   # deregister before the memory goes
             self._rdma.close()
             self._rdma = None
@@ -493,6 +491,7 @@ class StoreNode:
         if self._watcher:
             self._watcher.join(timeout=5.0)
             self._watcher = None
+        self.manifest.close_index()   # no peer trusts an entry from here on
         log.info("store_node_stopped", node=self.node_id)
 
 
