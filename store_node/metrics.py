@@ -57,7 +57,10 @@ class NodeCollector:
                 ("scrub_checked_bytes", "Bytes the scrubber read to re-check checksums",
                  f.scrubbed_bytes),
                 ("scrub_mismatches", "Replicas the scrubber found damaged (reported, dropped)",
-                 f.corrupt_found)):
+                 f.corrupt_found),
+                ("shm_index_left_out", ("Commits left out of the shm index: their bucket was "
+                                        "full (those objects' gets ask the master)"),
+                 index.full if (index := node.manifest.index) is not None else 0)):
             c = CounterMetricFamily(f"kvpool_node_{name}", doc, labels=["node"])
             c.add_metric([node.node_id], value)
             yield c
@@ -65,6 +68,9 @@ class NodeCollector:
                 ("manifest_objects", ("Committed objects in this node's manifest (what it "
                                       "re-announces to a restarted master)"), len(node.manifest)),
                 ("moves_queued", "Tier moves asked for and not made yet", node.moves_queued),
+                ("shm_index_objects", ("Objects same-host clients find in this node's shm "
+                                       "index (read with no master call)"),
+                 len(index) if (index := node.manifest.index) is not None else 0),
                 ("ready", "1 when the node takes traffic (mounted, manifest stream open)",
                  int(node.not_ready() is None))):
             g = GaugeMetricFamily(f"kvpool_node_{name}", doc, labels=["node"])

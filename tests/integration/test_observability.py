@@ -137,6 +137,9 @@ def _check_figures(address: str, mm: str, nm: str) -> None:
     assert n["kvpool_node_manifest_objects", frozenset({("node", "node0")})] == 2
     assert n["kvpool_node_ready", frozenset({("node", "node0")})] == 1
     assert n["kvpool_node_moves_queued", frozenset({("node", "node0")})] == 0
+    # (the commits reach the node's shm index within PUSH_SOON_S of the puts)
+    assert 0 <= n["kvpool_node_shm_index_objects", frozenset({("node", "node0")})] <= 2
+    assert n["kvpool_node_shm_index_left_out_total", frozenset({("node", "node0")})] == 0
     def node(**labels: str) -> frozenset:
         return frozenset({("node", "node0"), *labels.items()})
     assert n["kvpool_node_requests_total", node(transport="shm", op="HANDOFF")] >= 1
