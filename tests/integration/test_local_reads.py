@@ -10,6 +10,7 @@ import time
 import pytest
 from kvpool.client import KVClient
 from kvpool.common.errors import KVPoolError, ObjectNotFound
+from kvpool.store_node.node import StoreNode
 
 from .conftest import run_cluster
 
@@ -136,3 +137,35 @@ def test_a_stopped_nodes_index_is_not_read(cluster):
     finally:
         if proc.alive():
             proc.kill()
+
+
+@pytest.fixture
+def master(tmp_path):
+    """A real master (subprocess), no nodes: the test runs its node in this process."""
+    yield from run_cluster(tmp_path, nodes=0)
+
+
+def test_an_entry_changed_during_the_copy_is_not_trusted(master):
+    """The seqlock: between the client's lookup and its copy, the node voids the entry (as a
+    writer's RESERVE of that space would) and the bytes change: the read is not trusted."""
+    node = StoreNode(master.master, [8 << 20], node_id="inproc", rdma_device=False,
+                     scrub_bytes_per_s=0)
+    node.start()
+    try:
+        with KVClient(master.master) as c:
+            c.put("raced", value_of("raced"))
+            served_locally(c, "raced")
+            rec = node.manifest.get("raced")
+            shm = c._local._transport
+
+            def overwritten_meanwhile(size: int) -> memoryview:
+                node.manifest.overwriting(rec.segment_id, rec.offset, rec.size)
+                node.segments[rec.segment_id].buffer[rec.offset:rec.offset + rec.size] = \
+                    value_of("other", rec.size)
+                return memoryview(bytearray(size))
+
+            assert shm.read_local("raced", lambda size: memoryview(bytearray(size))) == rec.size
+            assert shm.read_local("raced", overwritten_meanwhile) is None
+            assert shm.read_local("raced", lambda size: memoryview(bytearray(size))) is None
+    finally:
+        node.stop()
