@@ -856,10 +856,7 @@ class DataServer:
                                  f"segment {segment_id!r} cannot be shared by fd")
             return True
         self._count("HANDOFF")
-        header = encode_response(FrameStatus.OK, segment.info.size_bytes)
-        sent = socket.send_fds(conn, [header], [fd])
-        if sent < len(header):
-            conn.sendall(header[sent:])
+        _hand_fd(conn, segment.info.size_bytes, fd)
         log.debug("segment_fd_handed_off", peer=peer, segment=segment_id)
         return True
 
@@ -871,10 +868,7 @@ class DataServer:
             return True
         if c.board is None:
             c.board = Board(*seal_board.create())
-        header = encode_response(FrameStatus.OK, seal_board.BOARD_BYTES)
-        sent = socket.send_fds(c.sock, [header], [c.board.fd])
-        if sent < len(header):
-            c.sock.sendall(header[sent:])
+        _hand_fd(c.sock, seal_board.BOARD_BYTES, c.board.fd)
         return True
 
     def _hand_index(self, c: _Conn) -> bool:
@@ -884,10 +878,7 @@ class DataServer:
             self._refuse_handoff(c.sock, c.peer, FrameStatus.UNSUPPORTED,
                                  "this node keeps no shm index")
             return True
-        header = encode_response(FrameStatus.OK, index.size)
-        sent = socket.send_fds(c.sock, [header], [index.readonly_fd])
-        if sent < len(header):
-            c.sock.sendall(header[sent:])
+        _hand_fd(c.sock, index.size, index.readonly_fd)
         return True
 
     def _serve_shm_record(self, c: _Conn, marker: int) -> bool:
@@ -1012,3 +1003,12 @@ def _write_wake(fd: int) -> None:
         os.write(fd, b"x")
     except OSError:
         pass
+
+
+def _hand_fd(sock: socket.socket, length: int, fd: int) -> None:
+    """Answer a hand-off OK with ``length`` and ``fd`` attached (a segment, a seal board, the
+    shm index)."""
+    header = encode_response(FrameStatus.OK, length)
+    sent = socket.send_fds(sock, [header], [fd])
+    if sent < len(header):
+        sock.sendall(header[sent:])
