@@ -734,10 +734,10 @@ class SHMTransport(Transport):
         InvalidArgument) is raised."""
         if self._closed:
             return None
-        found = None
+        found, digest = None, shm_index.digest(key)
         for link in list(self._links.values()):
             index = link.index(self._timeout_s)
-            if index is not None and (entry := index.find(shm_index.digest(key))) is not None:
+            if index is not None and (entry := index.find(digest)) is not None:
                 found = link, index, entry
                 break
         if found is None:
