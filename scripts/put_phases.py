@@ -130,6 +130,10 @@ def main() -> int:
             puts.append(time.perf_counter() - t)
             if any(errors):
                 raise SystemExit(f"put failed: {errors[0]}")
+        # Each get reads a committed object: a sealed put's commit reaches its node within
+        # PUSH_SOON_S (master/manifest_watch.py), and only then its shm index (the node's
+        # work on it counted as the puts').
+        time.sleep(0.5)
         cpu.append(_cpu_s(pids))
         for i in range(args.calls):
             keys = [f"k{i}.{j}" for j in range(args.batch)]
