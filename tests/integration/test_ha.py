@@ -230,7 +230,8 @@ def test_masters_elect_over_etcd_with_tls_and_clients_follow(tmp_path):
             for c in run_cluster(tmp_path, masters=2, ha=f"{url}/tls-test",
                                  credentials_dir=creds,
                                  master_args=["--ha-lease-ttl", f"{HA_LEASE_TTL_S}s"]):
-                with KVClient(c.master) as kv:
+                # local_reads=False: the get must find the new leader, not the node's index
+                with KVClient(c.master, local_reads=False) as kv:
                     kv.put("over-tls", b"t" * 4096)
                     c.kill_leader()
                     first_success(lambda: kv.get("over-tls"))
@@ -265,7 +266,8 @@ def test_token_clients_follow_the_leaders_token_port(tmp_path, etcd):
     for c in run_cluster(tmp_path, masters=2, ha=f"{etcd}/tokens-test", credentials_dir=creds,
                          master_args=["--ha-lease-ttl", f"{HA_LEASE_TTL_S}s", "--tokens",
                                       str(creds / "tokens.yaml")]):
-        with KVClient(c.master, timeout_s=5.0, credentials=str(token)) as kv:
+        with KVClient(c.master, timeout_s=5.0, credentials=str(token),
+                      local_reads=False) as kv:   # the get must reach the new leader
             kv.put("by-token", b"t" * 4096)
             first = kv._master.address
             assert first != c.leader()          # the leader's token port, not its own
