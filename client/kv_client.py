@@ -18,7 +18,7 @@ from typing import Self
 
 import numpy as np
 from kvpool.client.buffers import address_of, byte_view, unfilled_bytes, writable_rows
-from kvpool.client.local_reads import LocalReads
+from kvpool.client.local_reads import HeldReads, Hits, LocalReads
 from kvpool.client.metrics import client_metrics
 from kvpool.client.slots import Slot, SlotPool
 from kvpool.client.transport.base import IoOp, Transport
@@ -129,8 +129,13 @@ class KVClient:
         # Single small puts fill slots reserved ahead (client/slots.py): one round trip.
         self._slots = SlotPool(self._master, self._transport_for, replicas) \
             if put_slots and self._fenced and any(t.slots for t in self._transports) else None
+        # Single gets with no master call (client/local_reads.py): from a same-host node's
+        # shm index, or at a place this client put or got before, over tcp (READ_HELD).
         shm = [t for t in self._transports if t.scheme == "shm"]
-        self._local = LocalReads(shm[0], self._master) if local_reads and shm else None
+        self._hits = Hits(self._master) if local_reads else None
+        self._local = LocalReads(shm[0], self._hits) if local_reads and shm else None
+        self._held = HeldReads(self._hits) \
+            if local_reads and any(t.reads_held for t in self._transports) else None
         self._unreachable: dict[str, float] = {}   # node id -> until when it is tried last
         self._replicas = replicas
         self._closed = False
@@ -156,8 +161,8 @@ class KVClient:
             self._closed = True
         if self._slots is not None:
             self._slots.close()
-        if self._local is not None:
-            self._local.close()
+        if self._hits is not None:
+            self._hits.close()
         for t in self._transports:
             t.close()
         self._master.close()
@@ -239,6 +244,9 @@ class KVClient:
     def batch_remove(self, keys: Sequence[str]) -> list[KVPoolError | None]:
         self._check_open()
         results, valid = _validate_keys(keys)
+        if self._held is not None:
+            for i in valid:
+                self._held.forget(keys[i])
         if valid:
             for i, err in zip(valid, self._master.remove([keys[i] for i in valid])):
                 results[i] = err
@@ -347,7 +355,7 @@ class KVClient:
 
         def commit(crc: int) -> None:
             if time.monotonic() <= deadline:   # else the master may be reclaiming it
-                [err] = self._master.put_end([key], [crc], sealed=True)
+                [err] = self._put_end_held(t, key, op.replica, [key], [crc])
                 ended.append(TransportError(f"{key!r}: put timed out")
                              if isinstance(err, NotPending) else err)
 
@@ -365,6 +373,17 @@ class KVClient:
             self._metrics.moved("put", t.scheme, op.buffer.nbytes)
         return None
 
+    def _put_end_held(self, t: Transport, key: str, replica, keys: list[str], crcs: list[int],
+                      **slot) -> list[KVPoolError | None]:
+        """A single sealed put's PutEnd; where ``t`` reads held places (tcp), with a READ_HELD
+        grant for ``replica``, kept for this client's next get of ``key``."""
+        if self._held is None or not t.reads_held:
+            return self._master.put_end(keys, crcs, sealed=True, **slot)
+        errors, grants = self._master.put_end_held(keys, crcs, sealed=True, **slot)
+        if errors[0] is None:
+            self._held.learn(key, replica, grants[0])
+        return errors
+
     def _put_in_slot(self, key: str, view: memoryview, parent: str | None, slot: Slot):
         """A single put into a slot (client/slots.py): the copy, then the SEAL at the node and
         the master's commit of the slot as ``key``, overlapped. Its error, None, or
@@ -381,8 +400,8 @@ class KVClient:
 
         def commit(crc: int) -> None:
             if time.monotonic() <= slot.deadline:   # else the master may be reclaiming it
-                ended.extend(self._master.put_end(
-                    [slot.key], [crc], sealed=True, as_keys=[key], sizes=[view.nbytes],
+                ended.extend(self._put_end_held(
+                    t, key, op.replica, [slot.key], [crc], as_keys=[key], sizes=[view.nbytes],
                     parents=[parent] if parent else None))
 
         if view.nbytes >= SPIN_MIN_BYTES and t.scheme == "shm":
@@ -526,10 +545,15 @@ class KVClient:
                     if (size := self._read_local(todo[0], keys, buffer_for, bufs)) is not None:
                         out[todo[0]] = size
                         return out
-                answer = self._master.locate_answer([keys[todo[0]]])
+                if self._held is not None:
+                    if (size := self._read_held(todo[0], keys, buffer_for, bufs)) is not None:
+                        out[todo[0]] = size
+                        return out
+                answer = self._master.locate_answer([keys[todo[0]]],
+                                                    held=self._held is not None)
                 if self._local is not None:
                     self._local.tenant = answer.tenant
-                size = self._read_one(todo[0], answer, buffer_for, bufs)
+                size = self._read_one(todo[0], answer, buffer_for, bufs, keys[todo[0]])
                 if size is not None and time.monotonic() <= sent + answer.lease_ttl_s:
                     out[todo[0]] = size
                     return out
@@ -592,11 +616,35 @@ class KVClient:
             self._metrics.moved("get", "shm", size)
         return size
 
+    def _read_held(self, i: int, keys: Sequence[str],
+                   buffer_for: Callable[[int, int], memoryview], bufs: dict[int, memoryview]
+                   ) -> int | None:
+        """Key ``i`` read at the place this client last put or got it, if the node still
+        holds it there (client/local_reads.py): its size, or None (the master is asked)."""
+        replica = self._held.place(keys[i])
+        t = None if replica is None else self._transport_for(replica)
+        if t is None or not t.reads_held:
+            return None
+        size = replica.extent.length
+        try:
+            bufs[i] = buffer_for(i, size)
+        except InvalidArgument:
+            return None
+        if not t.read_held(IoOp(replica, bufs[i])):
+            self._held.forget(keys[i])
+            bufs.pop(i, None)   # sized for the place held: the master's answer may differ
+            return None
+        self._held.served_one(keys[i])
+        if self._metrics is not None:
+            self._metrics.moved("get", t.scheme, size)
+        return size
+
     def _read_one(self, i: int, answer, buffer_for: Callable[[int, int], memoryview],
-                  bufs: dict[int, memoryview]) -> int | None:
+                  bufs: dict[int, memoryview], key: str = "") -> int | None:
         """Key ``i``'s read when ``answer`` (GetReplicas of that key alone) found it with one
         replica on a node a transport reaches and not just failed: its size once read, else
-        None (the generic path finds the error, or falls back)."""
+        None (the generic path finds the error, or falls back). ``key``: kept at its place
+        for READ_HELD where the answer carries a grant for it."""
         replica = only_replica(answer)
         if replica is None:
             return None
@@ -614,6 +662,8 @@ class KVClient:
         if error is not None:
             self._read_failed(node_id, error)
             return None
+        if self._held is not None and t.reads_held and answer.held_grants:
+            self._held.learn(key, replica, answer.held_grants)
         if self._metrics is not None:
             self._metrics.moved("get", t.scheme, size)
         return size
@@ -670,8 +720,8 @@ class KVClient:
     def stats(self):
         """The master's cluster statistics (protobuf StatsResponse)."""
         self._check_open()
-        if self._local is not None:   # the hits read locally are counted first
-            self._local.flush()
+        if self._hits is not None:   # the hits read with no master call are counted first
+            self._hits.flush()
         return self._master.stats()
 
     def register_buffer(self, buffer) -> None:

@@ -8,7 +8,10 @@ opaque to it, with each tcp READ or WRITE (net/data_port.py); the node checks th
 touches a byte (:func:`check`). So a client reaches only the extents the master placed or
 located for it, only for the operation granted, and only until the grant expires; a WRITE
 grant is spent by its first WRITE (store_node/data_server.py), so a committed object is never
-writable again.
+writable again. A READ_HELD grant (asked for with a single get's GetReplicas, or a single put's
+PutEnd) lets its holder read that object again with no master call for ``HELD_GRANT_S``: the
+node serves it only while its manifest holds the grant's version at that extent, so it reads
+nothing but the object it was minted for, whatever the space holds later.
 
 A write grant (PutStart's) also carries a record tag: a MAC over the same extent, version and
 expiry under the operation ``RECORD`` and the object's stored key (common/tenants.py). A writer
@@ -41,11 +44,14 @@ import time
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-# The operations a grant names (equal to net.data_port.Op's READ and WRITE), and a put's
-# record (RESERVE, SEAL) of one key.
+# The operations a grant names (equal to net.data_port.Op's READ, WRITE and READ_HELD), and a
+# put's record (RESERVE, SEAL) of one key.
 READ = 1
 WRITE = 2
 RECORD = 3
+#: A read the node serves only while its manifest holds the grant's version at the extent
+#: (net/data_port.py READ_HELD): no lease protects it, so it may live long.
+READ_HELD = 8
 KEY_BYTES = 32
 TAG_BYTES = 16
 #: A grant on the wire: version, expiry (unix ms), MAC.
@@ -61,6 +67,9 @@ _BATCH_MIN = 8
 #: A read grant lives at least this long (a lease may be shorter): a client reads right after
 #: it locates, and a clock skew smaller than this does not refuse it.
 READ_GRANT_MIN_S = 30.0
+#: A READ_HELD grant's life: the node checks the object is still there, so the grant only
+#: bounds how long a client may keep reading an object it was once shown.
+HELD_GRANT_S = 600.0
 _MAX_CACHED_SEGMENTS = 1 << 16
 
 

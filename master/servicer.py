@@ -343,11 +343,27 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         if sums is not None and len(sums) != len(request.keys):
             raise InvalidArgument(f"{len(request.keys)} keys but {len(sums)} checksums")
         if not request.as_keys:
-            return pb.StatusesResponse(statuses=map(_status, self._state.put_end(
-                list(request.keys), sums)))
-        return pb.StatusesResponse(statuses=map(_status, self._state.put_end(
-            list(request.keys), sums, list(request.as_keys), list(request.sizes),
-            list(request.parents) if request.parents else None)))
+            results = self._state.put_end(list(request.keys), sums)
+        else:
+            results = self._state.put_end(
+                list(request.keys), sums, list(request.as_keys), list(request.sizes),
+                list(request.parents) if request.parents else None)
+        if not request.held:
+            return pb.StatusesResponse(statuses=map(_status, results))
+        committed = [k for k, r in zip(request.as_keys or request.keys, results) if r is None]
+        return pb.StatusesResponse(statuses=map(_status, results),
+                                   held_grants=self._held_grants(committed))
+
+    def _held_grants(self, keys: list[str]) -> bytes:
+        """READ_HELD grants (common/capabilities.py) of each key's first replica, joined
+        (PutEnd ``held``); a key that vanished since its commit gets an unusable one."""
+        places = self._state.first_places(keys)
+        found = [p for p in places if p is not None]
+        minted = iter(self._grants.mint(capabilities.READ_HELD, [1] * len(found),
+                                        *(list(c) for c in zip(*found)),
+                                        capabilities.HELD_GRANT_S) if found else ())
+        return b"".join(bytes(capabilities.GRANT.size) if p is None else next(minted)
+                        for p in places)
 
     @mutation
     async def PutRevoke(self, request, context):
@@ -414,10 +430,14 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                 packed=wire.pack_columns(statuses, sizes, versions, located.checksums))
         grants = self._grants.mint(capabilities.READ, located.counts, located.segment_ids,
                                    located.offsets, located.sizes, located.versions, grant_s)
+        held = self._grants.mint(capabilities.READ_HELD, located.counts, located.segment_ids,
+                                 located.offsets, located.sizes, located.versions,
+                                 capabilities.HELD_GRANT_S, joined=True) \
+            if request.held else b""
         return pb.GetReplicasResponse(lease_ttl_s=lease_s,
                                       statuses=statuses, sizes=located.sizes,
                                       versions=located.versions, replicas=columns.to_pb(grants),
-                                      checksums=located.checksums)
+                                      checksums=located.checksums, held_grants=held)
 
     async def OpenLookupSession(self, request, context):
         sessions, identity = self.lookup_sessions, CALLER.get()

@@ -44,6 +44,14 @@ that extent, unexpired, refusing DENIED otherwise (a refused WRITE closes the co
 always); a WRITE spends its grant. A node without a key (no master, or one that mints none)
 takes requests with or without grants alike.
 
+READ_HELD: a READ of a committed object the client located before (its own single put, or a
+single get), under a READ_HELD grant (common/capabilities.py) whose version names the object.
+The node serves it only while its manifest holds that version of some key at exactly that
+extent (committed, in a segment its index covers: store_node/manifest.py), else refuses it
+NOT_HELD (the client asks the master). Answered OK with ``length + HELD_TRAILER.size`` as the
+payload length: the bytes, then ``HELD_TRAILER``, 1 if the node still held the object after
+sending them (the bytes are the object's), 0 if it was dropped meanwhile (discard them).
+
 CONNECT_QP (the RDMA queue-pair handshake): segment id empty, offset 0, length =
 ``QP_INFO.size``, followed by the client's ``QP_INFO`` (``!II16sB3x``: QP number, starting PSN,
 GID as 16 raw bytes, path MTU as the verbs enum 1..5 = 256..4096 bytes). The node creates an RC
@@ -119,6 +127,7 @@ class Op(IntEnum):
     SEAL = 5
     RKEY_READ = 6
     RKEY_WRITE = 7
+    READ_HELD = 8
 
 
 class FrameStatus(IntEnum):
@@ -131,7 +140,12 @@ class FrameStatus(IntEnum):
     CHECKSUM_MISMATCH = 6  # SEAL: the extent's bytes do not match the record's CRC-32C
     DENIED = 7             # the peer may not do this: an shm peer the node does not trust
     CONFLICT = 8           # SEAL: the space was released, or a slot's key is held in another record
+    NOT_HELD = 9           # READ_HELD: the node does not hold that object there (any more)
 
+
+# After a READ_HELD's bytes: 1 if the node held the object from before it sent them until
+# after, else 0 (the client discards what it read and asks the master).
+HELD_TRAILER = struct.Struct("!Q")
 
 QP_INFO = struct.Struct("!II16sB3x")
 RKEY = struct.Struct("!QI4x")
@@ -261,7 +275,8 @@ def malformed_request(magic: bytes, op: int, sid_len: int, offset: int, length: 
     if op == Op.CONNECT_QP:
         ok = magic == MAGIC and not sid_len and not offset and length == QP_INFO.size
         return "" if ok else "malformed CONNECT_QP"
-    if op not in (Op.READ, Op.WRITE, Op.RESERVE, Op.SEAL, Op.RKEY_READ, Op.RKEY_WRITE):
+    if op not in (Op.READ, Op.WRITE, Op.RESERVE, Op.SEAL, Op.RKEY_READ, Op.RKEY_WRITE,
+                  Op.READ_HELD):
         return f"unknown op {op}"
     return check_segment_id_length(sid_len)
 

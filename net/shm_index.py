@@ -190,6 +190,27 @@ class IndexWriter:
         self._buf[position + 8:position + 24] = _FREE
         SEQ.pack_into(self._buf, position, seq + 2)
 
+    def holding(self, key: str, segment_id: str, offset: int, length: int, version: int
+                ) -> tuple[int, int] | None:
+        """The node's own check of a READ_HELD (net/data_port.py), under the manifest's lock:
+        ``(position, seq)`` if ``key``'s entry stands at exactly this extent with this
+        version, else None. :meth:`unchanged` tells later whether it stood all along."""
+        where = self._where.get(key)
+        if where is None or where[1:] != (segment_id, offset, offset + length) \
+                or self._buf.closed:
+            return None
+        seq, _, _, _, stored = ENTRY.unpack_from(self._buf, where[0])[:5]
+        return (where[0], seq) if stored == version else None
+
+    def unchanged(self, held: tuple[int, int]) -> bool:
+        """Whether the entry :meth:`holding` found still stands, unchanged since (any
+        thread, no lock: the number is bumped before the entry changes)."""
+        position, seq = held
+        try:
+            return SEQ.unpack_from(self._buf, position)[0] == seq
+        except ValueError:   # closed: the node stops
+            return False
+
     def close(self) -> None:
         """No reader may trust an entry from now on (the node stops); later changes are not
         written."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
-from kvpool.common import checksum
+from kvpool.common import capabilities, checksum
 from kvpool.common.errors import (
     ClientClosed,
     KVPoolError,
@@ -288,12 +288,26 @@ class MasterClient(GrpcClient):
         ``sealed``: every replica was sealed at its node (the answer waits for no node).
         ``as_keys`` (with ``sizes``, ``parents``): ``keys`` are slots, each filled with the
         value of ``as_keys[i]`` (of ``sizes[i]`` bytes): errors then name ``as_keys``."""
+        return self.put_end_held(keys, checksums, sealed=sealed, as_keys=as_keys,
+                                 sizes=sizes, parents=parents, held=False)[0]
+
+    def put_end_held(self, keys: Sequence[str], checksums: Sequence[int | None] | None = None,
+                     *, sealed: bool = False, as_keys: Sequence[str] = (),
+                     sizes: Sequence[int] = (), parents: Sequence[str | None] | None = None,
+                     held: bool = True) -> tuple[list[KVPoolError | None], list[bytes]]:
+        """:meth:`put_end`, and (``held``) a READ_HELD grant of each key committed, for its
+        first replica (common/capabilities.py; b"" for the others)."""
         r = self._lookup(lookup_port.PUT_END, "PutEnd", pb.PutEndRequest(
             keys=keys, checksums=[checksum.encode(c) for c in checksums] if checksums else (),
             sealed=sealed, as_keys=as_keys, sizes=sizes,
-            parents=[p or "" for p in parents] if parents and any(parents) else ()),
-            pb.StatusesResponse)
-        return [error_for_status(s, k) for k, s in zip(as_keys or keys, r.statuses)]
+            parents=[p or "" for p in parents] if parents and any(parents) else (),
+            held=held), pb.StatusesResponse)
+        errors = [error_for_status(s, k) for k, s in zip(as_keys or keys, r.statuses)]
+        size, joined, grants, at = capabilities.GRANT.size, r.held_grants, [], 0
+        for e in errors:   # one grant per key committed, in key order
+            grants.append(b"" if e is not None else joined[at:at + size])
+            at += 0 if e is not None else size
+        return errors, grants
 
     def put_revoke(self, keys: Sequence[str]) -> list[KVPoolError | None]:
         r = self._lookup(lookup_port.PUT_REVOKE, "PutRevoke", pb.KeysRequest(keys=keys),
@@ -315,11 +329,13 @@ class MasterClient(GrpcClient):
             lookup_port.GET_REPLICAS, "GetReplicas", pb.KeysRequest(keys=keys, packed=True),
             pb.GetReplicasResponse))
 
-    def locate_answer(self, keys: Sequence[str]) -> pb.GetReplicasResponse:
+    def locate_answer(self, keys: Sequence[str], held: bool = False
+                      ) -> pb.GetReplicasResponse:
         """:meth:`locate`'s answer as it came (``located(keys, answer)`` makes the columns):
-        a single get reads its one replica from it directly (rpc/located.py only_replica)."""
-        return self._lookup(lookup_port.GET_REPLICAS, "GetReplicas", pb.KeysRequest(keys=keys),
-                            pb.GetReplicasResponse)
+        a single get reads its one replica from it directly (rpc/located.py only_replica).
+        ``held``: with READ_HELD grants too (``held_grants``, one per replica)."""
+        return self._lookup(lookup_port.GET_REPLICAS, "GetReplicas",
+                            pb.KeysRequest(keys=keys, held=held), pb.GetReplicasResponse)
 
     def _lookup_channel(self):
         """The lookup port's channel, learning the port first (an empty GetReplicas) when

@@ -63,6 +63,7 @@ from kvpool.net.data_port import (
     HANDOFF_RESERVE,
     HANDOFF_SEAL,
     HANDOFF_WRITABLE,
+    HELD_TRAILER,
     MAGIC_GRANTED,
     MAX_SEGMENT_ID_BYTES,
     QP_INFO,
@@ -206,7 +207,7 @@ class _GrantChecker:
             return ""
         if not grant:
             return "this node serves only extents the master granted: the request has no grant"
-        if op is Op.READ or op is Op.WRITE:
+        if op is Op.READ or op is Op.WRITE or op is Op.READ_HELD:
             _version, why = signer.check(grant, op.value, segment_id, offset, length)
         else:
             _version, why = signer.check(grant, capabilities.RECORD, segment_id, offset,
@@ -602,6 +603,9 @@ class DataServer:
         if op is Op.RKEY_READ or op is Op.RKEY_WRITE:
             self._grant_region(c, op, segment_id, sid_bytes, offset, length, grant)
             return True
+        if op is Op.READ_HELD:
+            self._read_held(conn, segment_id, sid_bytes, offset, length, grant)
+            return True
         if op in (Op.RESERVE, Op.SEAL):
             got = recv_record(lambda n: _recv_bytes(conn, n))
             if isinstance(got, str):
@@ -651,6 +655,31 @@ class DataServer:
             _linger_close(conn)
             return False
         return True
+
+    def _read_held(self, conn: socket.socket, segment_id: str, sid_bytes: bytes, offset: int,
+                   length: int, grant: bytes) -> None:
+        """A READ_HELD (net/data_port.py): served only while the manifest holds the grant's
+        version at exactly this extent; the bytes, then whether it held it all along."""
+        why = self._grants.denied(Op.READ_HELD, grant, sid_bytes, offset, length)
+        if why:
+            self._count(Op.READ_HELD.name)
+            return send_refusal(conn, FrameStatus.DENIED, why)
+        version = capabilities.GRANT.unpack(grant)[0] if len(grant) == GRANT_BYTES else 0
+        segment = self._segments.get(segment_id)
+        held = None if self._manifest is None or not version or segment is None else \
+            self._manifest.held(segment_id, offset, length, version)
+        try:
+            if held is not None:
+                segment.send_to(conn, offset, length,
+                                encode_response(FrameStatus.OK, length + HELD_TRAILER.size))
+        except ValueError:   # closed by an unmount since the lookup: nothing was sent
+            held = None
+        self._count(Op.READ_HELD.name, length if held is not None else 0)
+        if held is None:
+            return send_refusal(conn, FrameStatus.NOT_HELD,
+                                f"this node does not hold version {version} at [{offset}, "
+                                f"{offset + length}) of segment {segment_id!r}")
+        conn.sendall(HELD_TRAILER.pack(1 if self._manifest.still_held(held) else 0))
 
     def _slot_denied(self, op: Op, grant: bytes, segment_id: str, sid_bytes: bytes,
                      offset: int, length: int, key: str = "") -> str | None:

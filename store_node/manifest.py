@@ -294,6 +294,22 @@ class Manifest:
         if self.index is not None:
             self.index.put(r.key, r.segment_id, r.offset, r.size, r.version, r.checksum)
 
+    def held(self, segment_id: str, offset: int, size: int, version: int
+             ) -> tuple[int, int] | None:
+        """A READ_HELD's check (net/data_port.py): a token if this node holds ``version`` of
+        a key committed at exactly this extent, in a segment its index covers (the index's
+        entries are the records no reservation has overlapped since), else None;
+        :meth:`still_held` tells after the read whether it stood all along."""
+        if self.index is None:
+            return None
+        with self._lock:
+            key = self._by_place.get((segment_id, offset))
+            return None if key is None else \
+                self.index.holding(key, segment_id, offset, size, version)
+
+    def still_held(self, token: tuple[int, int]) -> bool:
+        return self.index is not None and self.index.unchanged(token)
+
     def overwriting(self, segment_id: str, offset: int, size: int) -> None:
         """The node itself is about to write this range (a move's destination): no index entry
         may stand there."""

@@ -201,13 +201,14 @@ class StoreNode:
                     # HBM through a dma-buf where it can be (see hbm.py), else not at all.
                     if seg.info.tier in ("dram", "hbm"):
                         self._published[sid] = self._rdma.register(seg)
-            if self._shm:   # same-host peers read committed objects without the master
-                dram = [seg for seg in self.segments.values() if seg.info.tier == "dram"]
-                if dram:
-                    index = IndexWriter(buckets_for(sum(seg.info.size_bytes for seg in dram)))
-                    for seg in dram:
-                        index.add_segment(seg.info.segment_id)
-                    self.manifest.index = index
+            # The committed objects' index: same-host peers read it without the master (shm),
+            # and the data port checks a READ_HELD against it (tcp).
+            dram = [seg for seg in self.segments.values() if seg.info.tier == "dram"]
+            if dram:
+                index = IndexWriter(buckets_for(sum(seg.info.size_bytes for seg in dram)))
+                for seg in dram:
+                    index.add_segment(seg.info.segment_id)
+                self.manifest.index = index
             self._server = DataServer(self.segments, self._host, self._port, shm=self._shm,
                                       rdma=self._rdma, supervisor=self._supervisor,
                                       manifest=self.manifest, limits=self._data_limits,

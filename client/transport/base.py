@@ -133,6 +133,16 @@ class Transport(ABC):
         its nodes' indexes (net/shm_index.py)."""
         return None
 
+    #: Whether :meth:`read_held` can succeed (tcp).
+    reads_held: bool = False
+
+    def read_held(self, op: IoOp) -> bool:
+        """A READ_HELD of ``op`` (net/data_port.py; its replica's grant a READ_HELD grant):
+        True once ``op.buffer`` holds the object's bytes, False where the node no longer
+        holds that object there or anything failed (the caller asks the master). This
+        default: False."""
+        return False
+
     def register_buffer(self, buffer) -> None:
         """Let ops on ``buffer`` (bytearray, numpy array, CPU tensor, writable memoryview) or
         on slices of it move bytes in place where this transport can (rdma: a memory

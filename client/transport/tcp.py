@@ -41,6 +41,7 @@ from kvpool.common.security import Credentials
 from kvpool.common.types import NodeEndpoints
 from kvpool.net import data_tls
 from kvpool.net.data_port import (
+    HELD_TRAILER,
     MAX_SEGMENT_ID_BYTES,
     RESPONSE,
     FrameStatus,
@@ -101,6 +102,7 @@ class TCPTransport(Transport):
         self._spinners: weakref.WeakKeyDictionary[socket.socket, Spinner] = \
             weakref.WeakKeyDictionary()
         self._executor: ThreadPoolExecutor | None = None
+        self._no_held: set[str] = set()   # nodes that do not serve READ_HELD
         self._closed = False
 
     def can_reach(self, node: NodeEndpoints) -> bool:
@@ -111,6 +113,48 @@ class TCPTransport(Transport):
 
     def write(self, ops: Sequence[IoOp]) -> list[TransportError | None]:
         return self._run(ops, byte_views(ops, writable=False), Op.WRITE)
+
+    reads_held = True
+
+    def read_held(self, op: IoOp) -> bool:
+        """:meth:`Transport.read_held`: one READ_HELD on a pooled connection. A node that
+        does not know the op (an older one: it closes the connection) is not asked again."""
+        if self._closed:
+            raise ClientClosed("transport is closed")
+        node, extent = op.replica.node, op.replica.extent
+        endpoint = node.tcp_endpoint
+        if endpoint in self._no_held or _local_refusal(op) is not None:
+            return False
+        sock = None
+        try:
+            sock = self._acquire(endpoint, node.tcp_tls)
+            sock.sendall(encode_request(Op.READ_HELD, extent.segment_id, extent.offset,
+                                        extent.length, op.replica.grant))
+            self._spinner(sock).wait()
+            header = bytearray(RESPONSE.size)
+            recv_exact_into(sock, memoryview(header))
+            status, length = RESPONSE.unpack(header)
+            if status != FrameStatus.OK:
+                recv_refusal(sock, status, length)
+                if status == FrameStatus.BAD_REQUEST:   # it closes the connection
+                    self._no_held.add(endpoint)
+                    sock.close()
+                else:
+                    self._release(endpoint, sock)
+                return False
+            if length != extent.length + HELD_TRAILER.size:
+                raise TransportError(f"malformed reply: {length} bytes for a "
+                                     f"{extent.length}-byte READ_HELD")
+            recv_exact_into(sock, byte_views([op], writable=True)[0])
+            trailer = bytearray(HELD_TRAILER.size)
+            recv_exact_into(sock, memoryview(trailer))
+        except OSError as exc:   # the caller asks the master, which finds what is wrong
+            if sock is not None:
+                sock.close()
+            log.debug("tcp_read_held_failed", endpoint=endpoint, error=str(exc))
+            return False
+        self._release(endpoint, sock)
+        return HELD_TRAILER.unpack(trailer)[0] == 1
 
     def close(self) -> None:
         with self._lock:

@@ -274,20 +274,22 @@ class ReportCorruptRequest(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[str]] = ..., versions: _Optional[_Iterable[int]] = ..., segment_ids: _Optional[_Iterable[str]] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class PutEndRequest(_message.Message):
-    __slots__ = ("keys", "checksums", "sealed", "as_keys", "sizes", "parents")
+    __slots__ = ("keys", "checksums", "sealed", "as_keys", "sizes", "parents", "held")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     SEALED_FIELD_NUMBER: _ClassVar[int]
     AS_KEYS_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[str]
     checksums: _containers.RepeatedScalarFieldContainer[int]
     sealed: bool
     as_keys: _containers.RepeatedScalarFieldContainer[str]
     sizes: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, keys: _Optional[_Iterable[str]] = ..., checksums: _Optional[_Iterable[int]] = ..., sealed: _Optional[bool] = ..., as_keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[str]] = ...) -> None: ...
+    held: bool
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., checksums: _Optional[_Iterable[int]] = ..., sealed: _Optional[bool] = ..., as_keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[str]] = ..., held: _Optional[bool] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
     __slots__ = ("keys", "sizes", "replicas", "parents", "fenced", "slots")
@@ -346,21 +348,25 @@ class PutStartResponse(_message.Message):
     def __init__(self, put_timeout_s: _Optional[float] = ..., statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., replicas: _Optional[_Union[ReplicaColumns, _Mapping]] = ..., space_summary: _Optional[str] = ..., epoch: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., hold_s: _Optional[float] = ..., tenant: _Optional[str] = ..., quota_summary: _Optional[str] = ...) -> None: ...
 
 class KeysRequest(_message.Message):
-    __slots__ = ("keys", "packed")
+    __slots__ = ("keys", "packed", "held")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[str]
     packed: bool
-    def __init__(self, keys: _Optional[_Iterable[str]] = ..., packed: _Optional[bool] = ...) -> None: ...
+    held: bool
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., packed: _Optional[bool] = ..., held: _Optional[bool] = ...) -> None: ...
 
 class StatusesResponse(_message.Message):
-    __slots__ = ("statuses",)
+    __slots__ = ("statuses", "held_grants")
     STATUSES_FIELD_NUMBER: _ClassVar[int]
+    HELD_GRANTS_FIELD_NUMBER: _ClassVar[int]
     statuses: _containers.RepeatedScalarFieldContainer[Status]
-    def __init__(self, statuses: _Optional[_Iterable[_Union[Status, str]]] = ...) -> None: ...
+    held_grants: bytes
+    def __init__(self, statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., held_grants: _Optional[bytes] = ...) -> None: ...
 
 class GetReplicasResponse(_message.Message):
-    __slots__ = ("lease_ttl_s", "statuses", "sizes", "versions", "replicas", "checksums", "lookup_port", "packed", "tenant")
+    __slots__ = ("lease_ttl_s", "statuses", "sizes", "versions", "replicas", "checksums", "lookup_port", "packed", "tenant", "held_grants")
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     STATUSES_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
@@ -370,6 +376,7 @@ class GetReplicasResponse(_message.Message):
     LOOKUP_PORT_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    HELD_GRANTS_FIELD_NUMBER: _ClassVar[int]
     lease_ttl_s: float
     statuses: _containers.RepeatedScalarFieldContainer[Status]
     sizes: _containers.RepeatedScalarFieldContainer[int]
@@ -379,7 +386,8 @@ class GetReplicasResponse(_message.Message):
     lookup_port: int
     packed: bytes
     tenant: str
-    def __init__(self, lease_ttl_s: _Optional[float] = ..., statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., sizes: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Union[ReplicaColumns, _Mapping]] = ..., checksums: _Optional[_Iterable[int]] = ..., lookup_port: _Optional[int] = ..., packed: _Optional[bytes] = ..., tenant: _Optional[str] = ...) -> None: ...
+    held_grants: bytes
+    def __init__(self, lease_ttl_s: _Optional[float] = ..., statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., sizes: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Union[ReplicaColumns, _Mapping]] = ..., checksums: _Optional[_Iterable[int]] = ..., lookup_port: _Optional[int] = ..., packed: _Optional[bytes] = ..., tenant: _Optional[str] = ..., held_grants: _Optional[bytes] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("keys", "ttl_s", "unpin")
