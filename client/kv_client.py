@@ -631,7 +631,7 @@ class KVClient:
         except InvalidArgument:
             return None
         if not t.read_held(IoOp(replica, bufs[i])):
-            self._held.forget(keys[i])
+            self._held.forget(keys[i], refused=True)
             bufs.pop(i, None)   # sized for the place held: the master's answer may differ
             return None
         self._held.served_one(keys[i])

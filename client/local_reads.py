@@ -150,6 +150,7 @@ class HeldReads:
         self._lock = threading.Lock()
         self._places: OrderedDict[str, tuple[Replica, float]] = OrderedDict()
         self.served = 0   # gets served at a held place
+        self.refused = 0  # held places the node no longer held (the master was asked)
 
     def learn(self, key: str, replica: Replica, grant: bytes) -> None:
         """``key`` is at ``replica`` (its extent the object's), readable with ``grant``."""
@@ -162,9 +163,11 @@ class HeldReads:
             if len(self._places) > self._capacity:
                 self._places.popitem(last=False)
 
-    def forget(self, key: str) -> None:
+    def forget(self, key: str, refused: bool = False) -> None:
+        """Drop ``key``'s place (``refused``: its node no longer held it there)."""
         with self._lock:
             self._places.pop(key, None)
+            self.refused += refused
 
     def place(self, key: str) -> Replica | None:
         """Where ``key`` was last seen, while its grant lasts; None: ask the master."""

@@ -120,6 +120,28 @@ def test_the_manifest_voids_entries_before_space_is_written_again(index):
     assert all(find(r, k) is None for k in "abcd")
 
 
+def test_a_held_read_is_served_only_for_its_version_at_its_exact_extent(index):
+    """The node's check of a READ_HELD (net/data_port.py): the committed version at exactly
+    that extent, never a seal, another version at the same place, nor part of an extent;
+    and a token held across a reservation over it is not unchanged."""
+    m = Manifest(index=index)
+    m.set_epoch(EPOCH)
+    m.apply([ObjectRecord("a", "s0", 0, 4096, None, 5)], [])
+    token = m.held("s0", 0, 4096, 5)
+    assert token is not None and m.still_held(token)
+    assert m.held("s0", 0, 4096, 4) is None      # another version
+    assert m.held("s0", 0, 2048, 5) is None      # part of it
+    assert m.held("s1", 0, 4096, 5) is None      # another segment
+    m.reserve(EPOCH, Reservation("w", "s0", 1024, 64, 1e9))   # its space is written again
+    assert not m.still_held(token) and m.held("s0", 0, 4096, 5) is None
+    m.apply([ObjectRecord("b", "s0", 0, 4096, None, 9)], [("a", 5)])   # another object there
+    assert m.held("s0", 0, 4096, 5) is None and m.held("s0", 0, 4096, 9) is not None
+    m.reserve(EPOCH, Reservation("s", "s0", 8192, 100, 1e9))
+    m.seal(EPOCH, ObjectRecord("s", "s0", 8192, 100, 2, 11))
+    assert m.held("s0", 8192, 100, 11) is None   # a seal the master may still refuse
+    assert Manifest().held("s0", 0, 4096, 9) is None   # no index: nothing held
+
+
 _OPS = st.lists(st.tuples(st.sampled_from(["commit", "remove", "reserve", "stream", "seal"]),
                           st.integers(0, 5), st.integers(0, 15), st.integers(1, 4)),
                 max_size=60)

@@ -1,0 +1,199 @@
+"""Single gets over tcp at a place the client put or got before (READ_HELD: net/data_port.py,
+client/local_reads.py) against a real secure master and store nodes: served with no master
+call, never another object's bytes, never a removed object's, only under a READ_HELD grant,
+and counted by the master."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+
+import pytest
+from kvpool.client import KVClient
+from kvpool.common.errors import ObjectNotFound
+from kvpool.net.data_port import HELD_TRAILER, RESPONSE, FrameStatus, Op, encode_request
+from kvpool.net.sockets import recv_exact
+from kvpool.rpc.master_client import MasterClient
+
+from .conftest import run_cluster
+
+VALUE = 64 << 10
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    yield from run_cluster(tmp_path_factory.mktemp("held-reads"), nodes=1,
+                           segment_size="16MiB")
+
+
+def tcp_client(cluster, **kw) -> KVClient:
+    return KVClient(cluster.master, transports=["tcp"], **kw)
+
+
+def value_of(key: str, size: int = VALUE) -> bytes:
+    seed = key.encode().ljust(64, b".")
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+def served_held(client: KVClient, key: str, timeout_s: float = 5.0) -> bytes:
+    """Get ``key`` until it is read at its held place (a sealed put's commit reaches the node
+    within ms of the put)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        before = client._held.served
+        got = client.get(key)
+        if client._held.served > before:
+            return got
+        assert time.monotonic() < deadline, f"{key!r} was never read at its held place"
+        time.sleep(0.01)
+
+
+def test_an_object_put_is_read_again_with_the_master_stopped(cluster):
+    with tcp_client(cluster, timeout_s=2.0) as c:
+        c.put("still", value_of("still"))
+        assert len(c._held) == 1   # the put's PutEnd gave its place
+        assert served_held(c, "still") == value_of("still")
+        master = cluster.master_proc.popen
+        master.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert c.get("still") == value_of("still")
+            assert time.monotonic() - started < 1.0
+        finally:
+            master.send_signal(signal.SIGCONT)
+    with tcp_client(cluster, local_reads=False) as plain:
+        assert plain.get("still") == value_of("still")
+        assert plain._held is None
+
+
+def test_a_get_keeps_the_place_for_the_next_one(cluster):
+    with tcp_client(cluster) as writer, tcp_client(cluster) as reader:
+        writer.put("shared", value_of("shared"))
+        assert reader.get("shared") == value_of("shared")   # asks the master
+        assert reader._held.served == 0 and len(reader._held) == 1
+        assert served_held(reader, "shared") == value_of("shared")
+
+
+def test_a_key_removed_by_another_client_is_not_read_at_its_old_place(cluster):
+    with tcp_client(cluster) as owner, tcp_client(cluster) as reader:
+        owner.put("gone", value_of("gone"))
+        served_held(reader, "gone")
+        owner.remove("gone")   # answered once the node dropped it
+        with pytest.raises(ObjectNotFound):
+            reader.get("gone")
+        assert len(reader._held) == 0
+
+
+def test_space_given_again_is_never_read_as_the_old_object(cluster):
+    """A 16 MiB segment filled four times over while a reader re-reads keys at the places it
+    learned: the writer's puts evict them and reuse their space (extents overlapping old ones
+    at other offsets: sizes vary). Each read is the key's own bytes, or not found; some are
+    read at their place, and some places are refused by the node (the check at work)."""
+    with tcp_client(cluster) as writer, tcp_client(cluster) as reader:
+        keys: list[tuple[str, int]] = []
+        held = 0
+        for i in range(4 * (16 << 20) // VALUE):
+            key = f"reuse-{i}"
+            size = VALUE + (i % 7) * 4096
+            writer.put(key, value_of(key, size))
+            keys.append((key, size))
+            if i % 10 == 5:   # learn the place of a recent key (a read leases it for a second)
+                reader.get(keys[-3][0])
+            if i % 10 or i < 250:
+                continue
+            for old, old_size in (keys[-8], keys[-88], keys[-248]):   # places it learned
+                before = reader._held.served
+                try:
+                    got = reader.get(old)
+                except ObjectNotFound:
+                    continue
+                assert got == value_of(old, old_size), old
+                held += reader._held.served > before
+        refused = reader._held.refused
+        assert held > 0 and refused > 0, (held, refused)
+
+
+def test_gets_at_held_places_are_counted_by_the_master(cluster):
+    with tcp_client(cluster) as c:
+        c.put("counted", value_of("counted"))
+        served_held(c, "counted")
+        before, served = c.stats().hits, c._held.served
+        for _ in range(10):
+            c.get("counted")
+        assert c._held.served - served == 10
+        assert c.stats().hits - before == 10
+
+
+def _read_held(replica, grant: bytes, op: Op = Op.READ_HELD) -> tuple[int, bytes]:
+    e = replica.extent
+    host, _, port = replica.node.tcp_endpoint.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(encode_request(op, e.segment_id, e.offset, e.length, grant))
+        status, n = RESPONSE.unpack(recv_exact(s, RESPONSE.size))
+        return status, recv_exact(s, n) if n else b""
+
+
+def test_a_held_read_needs_a_read_held_grant_for_its_object(cluster):
+    """The data port: READ_HELD with a plain READ grant, or READ with a READ_HELD grant, is
+    DENIED (the MAC names the operation); with its own grant it is the object's bytes and the
+    trailer 1; once the object is removed, NOT_HELD."""
+    with tcp_client(cluster) as c:
+        c.put("guarded", value_of("guarded", 4096))
+        served_held(c, "guarded")   # its commit reached the node
+        with MasterClient(cluster.master) as mc:
+            answer = mc.locate_answer(["guarded"], held=True)
+        from kvpool.rpc.located import only_replica
+        replica = only_replica(answer)
+        held = answer.held_grants
+        assert len(held) == 32 and held != replica.grant
+        assert _read_held(replica, replica.grant)[0] == FrameStatus.DENIED
+        assert _read_held(replica, held, Op.READ)[0] == FrameStatus.DENIED
+        assert _read_held(replica, b"")[0] == FrameStatus.DENIED
+        status, data = _read_held(replica, held)
+        assert status == FrameStatus.OK
+        assert data[:-HELD_TRAILER.size] == value_of("guarded", 4096)
+        assert HELD_TRAILER.unpack(data[-HELD_TRAILER.size:]) == (1,)
+        c.remove("guarded")
+        status, message = _read_held(replica, held)
+        assert status == FrameStatus.NOT_HELD, message
+
+
+@pytest.fixture
+def master(tmp_path):
+    """A real master (subprocess), no nodes: the test runs its node in this process."""
+    yield from run_cluster(tmp_path, nodes=0)
+
+
+def test_bytes_sent_while_the_object_was_dropped_are_not_trusted(master):
+    """The trailer: while the node sends a READ_HELD's bytes, it voids the object (as a
+    writer's RESERVE of that space would) and the bytes change: the read is not trusted."""
+    from kvpool.client.transport.base import IoOp
+    from kvpool.store_node.node import StoreNode
+
+    node = StoreNode(master.master, [8 << 20], node_id="inproc", rdma_device=False,
+                     scrub_bytes_per_s=0, shm=False)
+    node.start()
+    try:
+        with tcp_client(master) as c:
+            c.put("raced", value_of("raced"))
+            served_held(c, "raced")
+            rec = node.manifest.get("raced")
+            segment = node.segments[rec.segment_id]
+            replica = c._held.place("raced")
+            tcp = c._transport_for(replica)
+            buf = memoryview(bytearray(rec.size))
+            assert tcp.read_held(IoOp(replica, buf)) and bytes(buf) == value_of("raced")
+            send_to = segment.send_to
+
+            def overwritten_meanwhile(sock, offset, length, header=b""):
+                send_to(sock, offset, length, header)
+                node.manifest.overwriting(rec.segment_id, rec.offset, rec.size)
+                segment.buffer[rec.offset:rec.offset + rec.size] = value_of("other", rec.size)
+
+            segment.send_to = overwritten_meanwhile
+            assert not tcp.read_held(IoOp(replica, buf))
+            segment.send_to = send_to
+            assert not tcp.read_held(IoOp(replica, buf))   # refused from now on
+    finally:
+        node.stop()
