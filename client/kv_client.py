@@ -126,9 +126,6 @@ class KVClient:
         # Every transport hands its nodes the put itself (RESERVE, SEAL): the master then
         # answers PutStart and PutEnd without waiting for the nodes (DESIGN.md, Put).
         self._fenced = all(t.seals for t in self._transports)
-        # Single small puts fill slots reserved ahead (client/slots.py): one round trip.
-        self._slots = SlotPool(self._master, self._transport_for, replicas) \
-            if put_slots and self._fenced and any(t.slots for t in self._transports) else None
         # Single gets with no master call (client/local_reads.py): from a same-host node's
         # shm index, or at a place this client put or got before, over tcp (READ_HELD).
         shm = [t for t in self._transports if t.scheme == "shm"]
@@ -136,6 +133,10 @@ class KVClient:
         self._local = LocalReads(shm[0], self._hits) if local_reads and shm else None
         self._held = HeldReads(self._hits) \
             if local_reads and any(t.reads_held for t in self._transports) else None
+        # Single small puts fill slots reserved ahead (client/slots.py): one round trip.
+        self._slots = SlotPool(self._master, self._transport_for, replicas,
+                               held=self._held is not None) \
+            if put_slots and self._fenced and any(t.slots for t in self._transports) else None
         self._unreachable: dict[str, float] = {}   # node id -> until when it is tried last
         self._replicas = replicas
         self._closed = False
@@ -305,7 +306,8 @@ class KVClient:
         placed, put_timeout_s, grant = self._master.put_start_grant(
             [keys[i] for i in idx], [views[i].nbytes for i in idx],
             self._replicas if replicas is None else replicas,
-            [parents[i] for i in idx] if parents is not None else None, fenced=fenced)
+            [parents[i] for i in idx] if parents is not None else None, fenced=fenced,
+            held=self._held is not None and len(idx) == 1)
         records = None
         if fenced and grant.epoch:
             hold_s = grant.hold_s - (time.monotonic() - sent)
@@ -320,7 +322,7 @@ class KVClient:
                 and len(placed[0]) == 1:
             i = idx[0]
             results[i] = self._put_one_sealed(keys[i], IoOp(placed[0][0], views[i]),
-                                              records[i], deadline)
+                                              records[i], deadline, grant.held[0])
             return results
         written, sums = self._write_placed(keys, idx, views, placed, results, deadline,
                                            records)
@@ -337,8 +339,8 @@ class KVClient:
                     if isinstance(err, NotPending) else err
         return results
 
-    def _put_one_sealed(self, key: str, op: IoOp, record: PutRecord, deadline: float
-                        ) -> KVPoolError | None:
+    def _put_one_sealed(self, key: str, op: IoOp, record: PutRecord, deadline: float,
+                        held: bytes = b"") -> KVPoolError | None:
         """A single put of one replica, sealed: PutEnd is sent as soon as the bytes are
         written, while the node checks the seal (shm overlaps the two round trips). The put
         is done only when both hold: a commit whose seal the node refused is removed again,
@@ -355,7 +357,7 @@ class KVClient:
 
         def commit(crc: int) -> None:
             if time.monotonic() <= deadline:   # else the master may be reclaiming it
-                [err] = self._put_end_held(t, key, op.replica, [key], [crc])
+                [err] = self._master.put_end([key], [crc], sealed=True)
                 ended.append(TransportError(f"{key!r}: put timed out")
                              if isinstance(err, NotPending) else err)
 
@@ -369,20 +371,16 @@ class KVClient:
             with contextlib.suppress(KVPoolError):
                 self._master.remove([key])
             return error
+        self._put_held(t, key, op.replica, held, op.buffer.nbytes)
         if self._metrics is not None:
             self._metrics.moved("put", t.scheme, op.buffer.nbytes)
         return None
 
-    def _put_end_held(self, t: Transport, key: str, replica, keys: list[str], crcs: list[int],
-                      **slot) -> list[KVPoolError | None]:
-        """A single sealed put's PutEnd; where ``t`` reads held places (tcp), with a READ_HELD
-        grant for ``replica``, kept for this client's next get of ``key``."""
-        if self._held is None or not t.reads_held:
-            return self._master.put_end(keys, crcs, sealed=True, **slot)
-        errors, grants = self._master.put_end_held(keys, crcs, sealed=True, **slot)
-        if errors[0] is None:
-            self._held.learn(key, replica, grants[0])
-        return errors
+    def _put_held(self, t: Transport, key: str, replica, grant: bytes, size: int) -> None:
+        """A single put done: where ``t`` reads held places (tcp), ``key`` is read there next
+        (client/local_reads.py HeldReads), under ``grant`` (PutStart's READ_HELD grant)."""
+        if self._held is not None and t.reads_held:
+            self._held.learn(key, replica, grant, size)
 
     def _put_in_slot(self, key: str, view: memoryview, parent: str | None, slot: Slot):
         """A single put into a slot (client/slots.py): the copy, then the SEAL at the node and
@@ -400,8 +398,8 @@ class KVClient:
 
         def commit(crc: int) -> None:
             if time.monotonic() <= slot.deadline:   # else the master may be reclaiming it
-                ended.extend(self._put_end_held(
-                    t, key, op.replica, [slot.key], [crc], as_keys=[key], sizes=[view.nbytes],
+                ended.extend(self._master.put_end(
+                    [slot.key], [crc], sealed=True, as_keys=[key], sizes=[view.nbytes],
                     parents=[parent] if parent else None))
 
         if view.nbytes >= SPIN_MIN_BYTES and t.scheme == "shm":
@@ -426,6 +424,7 @@ class KVClient:
                 self._master.remove([key])
             self._slots.reset()
             return unsure
+        self._put_held(t, key, slot.replica, slot.held, view.nbytes)
         if self._metrics is not None:
             self._metrics.moved("put", t.scheme, view.nbytes)
         return None
@@ -621,16 +620,16 @@ class KVClient:
                    ) -> int | None:
         """Key ``i`` read at the place this client last put or got it, if the node still
         holds it there (client/local_reads.py): its size, or None (the master is asked)."""
-        replica = self._held.place(keys[i])
-        t = None if replica is None else self._transport_for(replica)
+        place = self._held.place(keys[i])
+        t = None if place is None else self._transport_for(place[0])
         if t is None or not t.reads_held:
             return None
-        size = replica.extent.length
+        replica, size = place
         try:
             bufs[i] = buffer_for(i, size)
         except InvalidArgument:
             return None
-        if not t.read_held(IoOp(replica, bufs[i])):
+        if not t.read_held(replica, bufs[i]):
             self._held.forget(keys[i], refused=True)
             bufs.pop(i, None)   # sized for the place held: the master's answer may differ
             return None
@@ -663,7 +662,7 @@ class KVClient:
             self._read_failed(node_id, error)
             return None
         if self._held is not None and t.reads_held and answer.held_grants:
-            self._held.learn(key, replica, answer.held_grants)
+            self._held.learn(key, replica, answer.held_grants, size)
         if self._metrics is not None:
             self._metrics.moved("get", t.scheme, size)
         return size

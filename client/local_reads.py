@@ -148,17 +148,18 @@ class HeldReads:
     def __init__(self, hits: Hits, capacity: int = MAX_HELD) -> None:
         self._hits, self._capacity = hits, capacity
         self._lock = threading.Lock()
-        self._places: OrderedDict[str, tuple[Replica, float]] = OrderedDict()
+        self._places: OrderedDict[str, tuple[Replica, int, float]] = OrderedDict()
         self.served = 0   # gets served at a held place
         self.refused = 0  # held places the node no longer held (the master was asked)
 
-    def learn(self, key: str, replica: Replica, grant: bytes) -> None:
-        """``key`` is at ``replica`` (its extent the object's), readable with ``grant``."""
+    def learn(self, key: str, replica: Replica, grant: bytes, size: int) -> None:
+        """``key``'s object, of ``size`` bytes, is at the start of ``replica``'s extent, which
+        ``grant`` (READ_HELD, of that extent) reads."""
         if len(grant) != capabilities.GRANT.size or not any(grant):
             return
         until = time.monotonic() + capabilities.HELD_GRANT_S - HELD_MARGIN_S
         with self._lock:
-            self._places[key] = (dataclasses.replace(replica, grant=grant), until)
+            self._places[key] = (dataclasses.replace(replica, grant=grant), size, until)
             self._places.move_to_end(key)
             if len(self._places) > self._capacity:
                 self._places.popitem(last=False)
@@ -169,17 +170,18 @@ class HeldReads:
             self._places.pop(key, None)
             self.refused += refused
 
-    def place(self, key: str) -> Replica | None:
-        """Where ``key`` was last seen, while its grant lasts; None: ask the master."""
+    def place(self, key: str) -> tuple[Replica, int] | None:
+        """Where ``key`` was last seen and its size, while the grant lasts; None: ask the
+        master."""
         with self._lock:
             got = self._places.get(key)
             if got is None:
                 return None
-            if got[1] < time.monotonic():
+            if got[2] < time.monotonic():
                 del self._places[key]
                 return None
             self._places.move_to_end(key)
-            return got[0]
+            return got[0], got[1]
 
     def served_one(self, key: str) -> None:
         self.served += 1

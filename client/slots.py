@@ -74,6 +74,7 @@ class Slot:
     record: PutRecord   # the stored placeholder, its version, the master's epoch, hold_s
     tenant: str
     deadline: float     # monotonic: nothing is written into it after this
+    held: bytes = b""   # its READ_HELD grant (tcp): the object put in it is read again there
 
     def op(self, buffer: memoryview) -> IoOp:
         """The write of ``buffer`` at the slot's start."""
@@ -94,8 +95,10 @@ class SlotPool:
     them. Thread-safe."""
 
     def __init__(self, master: MasterClient, transport_for: Callable[[Replica], Transport | None],
-                 replicas: int) -> None:
+                 replicas: int, held: bool = False) -> None:
+        """``held``: ask each slot's READ_HELD grant too (client/local_reads.py HeldReads)."""
         self._master = master
+        self._held = held
         self._transport_for = transport_for
         self._replicas = replicas
         self._prefix = f"kvpool.slot.{uuid.uuid4().hex}."
@@ -217,12 +220,13 @@ class SlotPool:
         keys = [f"{self._prefix}{base + i}" for i in range(n)]
         sent = time.monotonic()
         placed, put_timeout_s, grant = self._master.put_start_grant(
-            keys, [size] * n, self._replicas, slots=True)
+            keys, [size] * n, self._replicas, slots=True, held=self._held)
         deadline = sent + put_timeout_s - 2 * DEADLINE_MARGIN_S
         hold_s = max(grant.hold_s - (time.monotonic() - sent), 0.0)
         by_transport: dict[Transport, list[Slot]] = {}
         refused: list[str] = []
-        for key, where, version in zip(keys, placed, grant.versions):
+        for key, where, version, held in zip(keys, placed, grant.versions,
+                                             grant.held or [b""] * n):
             if isinstance(where, KVPoolError):
                 continue
             t = self._transport_for(where[0]) if len(where) == 1 else None
@@ -231,7 +235,7 @@ class SlotPool:
                 continue
             by_transport.setdefault(t, []).append(Slot(
                 key, where[0], PutRecord(tenants.scoped(grant.tenant, key), version,
-                                         grant.epoch, hold_s), grant.tenant, deadline))
+                                         grant.epoch, hold_s), grant.tenant, deadline, held))
         ready: list[Slot] = []
         for t, slots in by_transport.items():
             errors = t.reserve([IoOp(s.replica, memoryview(b"")) for s in slots],

@@ -325,12 +325,17 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         grants = self._grants.mint(capabilities.WRITE, counts, segment_ids, offsets,
                                    request.sizes, versions, config.put_timeout_s,
                                    request.keys)
+        # READ_HELD grants over the same extents: the writer reads its objects again at them.
+        held = self._grants.mint(capabilities.READ_HELD, counts, segment_ids, offsets,
+                                 request.sizes, versions, capabilities.HELD_GRANT_S,
+                                 joined=True) if request.held and segment_ids else b""
         return pb.PutStartResponse(put_timeout_s=config.put_timeout_s,
                                    statuses=statuses, replicas=columns.to_pb(grants),
                                    space_summary=summary, quota_summary=quota,
                                    epoch=self.epoch,
                                    versions=versions,
-                                   hold_s=config.put_timeout_s + config.quarantine_s)
+                                   hold_s=config.put_timeout_s + config.quarantine_s,
+                                   held_grants=held)
 
     @mutation(wait="put")   # unsealed: the nodes holding the new objects were told first
     async def PutEnd(self, request, context):
@@ -343,27 +348,11 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         if sums is not None and len(sums) != len(request.keys):
             raise InvalidArgument(f"{len(request.keys)} keys but {len(sums)} checksums")
         if not request.as_keys:
-            results = self._state.put_end(list(request.keys), sums)
-        else:
-            results = self._state.put_end(
-                list(request.keys), sums, list(request.as_keys), list(request.sizes),
-                list(request.parents) if request.parents else None)
-        if not request.held:
-            return pb.StatusesResponse(statuses=map(_status, results))
-        committed = [k for k, r in zip(request.as_keys or request.keys, results) if r is None]
-        return pb.StatusesResponse(statuses=map(_status, results),
-                                   held_grants=self._held_grants(committed))
-
-    def _held_grants(self, keys: list[str]) -> bytes:
-        """READ_HELD grants (common/capabilities.py) of each key's first replica, joined
-        (PutEnd ``held``); a key that vanished since its commit gets an unusable one."""
-        places = self._state.first_places(keys)
-        found = [p for p in places if p is not None]
-        minted = iter(self._grants.mint(capabilities.READ_HELD, [1] * len(found),
-                                        *(list(c) for c in zip(*found)),
-                                        capabilities.HELD_GRANT_S) if found else ())
-        return b"".join(bytes(capabilities.GRANT.size) if p is None else next(minted)
-                        for p in places)
+            return pb.StatusesResponse(statuses=map(_status, self._state.put_end(
+                list(request.keys), sums)))
+        return pb.StatusesResponse(statuses=map(_status, self._state.put_end(
+            list(request.keys), sums, list(request.as_keys), list(request.sizes),
+            list(request.parents) if request.parents else None)))
 
     @mutation
     async def PutRevoke(self, request, context):

@@ -437,13 +437,6 @@ class MasterState:
         """Whether each key is a complete object (no lease, no LRU touch, no hit counted)."""
         return self._index.exists(keys)
 
-    def first_places(self, keys: Sequence[str]) -> list[tuple[str, int, int, int] | None]:
-        """Each complete object's first replica as (segment id, offset, size, version), None
-        for any other key (no lease, no LRU touch, no hit counted)."""
-        get = self._objects.get
-        return [None if (o := get(k)) is None or o.seal is PENDING or not o.segment_id
-                else (o.segment_id, o.offset, o.size, o.version) for k in keys]
-
     def remove(self, keys: Sequence[str]) -> list[KVPoolError | None]:
         """Remove complete objects; a leased one vanishes now but its space waits for the lease."""
         now = self._clock()

@@ -44,12 +44,13 @@ that extent, unexpired, refusing DENIED otherwise (a refused WRITE closes the co
 always); a WRITE spends its grant. A node without a key (no master, or one that mints none)
 takes requests with or without grants alike.
 
-READ_HELD: a READ of a committed object the client located before (its own single put, or a
-single get), under a READ_HELD grant (common/capabilities.py) whose version names the object.
-The node serves it only while its manifest holds that version of some key at exactly that
-extent (committed, in a segment its index covers: store_node/manifest.py), else refuses it
-NOT_HELD (the client asks the master). Answered OK with ``length + HELD_TRAILER.size`` as the
-payload length: the bytes, then ``HELD_TRAILER``, 1 if the node still held the object after
+READ_HELD: a READ of a committed object the client placed or located before (its own single
+put, or a single get), under a READ_HELD grant (common/capabilities.py) of the extent the master
+placed it in (the object, or the slot it filled) and of its version. The node serves the
+object its manifest holds at the extent's start with that version, at most the extent long
+(committed, in a segment its index covers: store_node/manifest.py), else refuses it NOT_HELD
+(the client asks the master). Answered OK with the object's size plus ``HELD_TRAILER.size`` as
+the payload length: the bytes, then ``HELD_TRAILER``, 1 if the node still held the object after
 sending them (the bytes are the object's), 0 if it was dropped meanwhile (discard them).
 
 CONNECT_QP (the RDMA queue-pair handshake): segment id empty, offset 0, length =

@@ -190,17 +190,18 @@ class IndexWriter:
         self._buf[position + 8:position + 24] = _FREE
         SEQ.pack_into(self._buf, position, seq + 2)
 
-    def holding(self, key: str, segment_id: str, offset: int, length: int, version: int
-                ) -> tuple[int, int] | None:
+    def holding(self, key: str, segment_id: str, offset: int, within: int, version: int
+                ) -> tuple[tuple[int, int], int] | None:
         """The node's own check of a READ_HELD (net/data_port.py), under the manifest's lock:
-        ``(position, seq)`` if ``key``'s entry stands at exactly this extent with this
-        version, else None. :meth:`unchanged` tells later whether it stood all along."""
+        ``((position, seq), length)`` if ``key``'s entry stands at ``offset`` with this
+        version and at most ``within`` bytes long, else None. :meth:`unchanged` tells later,
+        given ``(position, seq)``, whether it stood all along."""
         where = self._where.get(key)
-        if where is None or where[1:] != (segment_id, offset, offset + length) \
-                or self._buf.closed:
+        if where is None or where[1] != segment_id or where[2] != offset \
+                or where[3] - offset > within or self._buf.closed:
             return None
-        seq, _, _, _, stored = ENTRY.unpack_from(self._buf, where[0])[:5]
-        return (where[0], seq) if stored == version else None
+        seq, _, _, length, stored = ENTRY.unpack_from(self._buf, where[0])[:5]
+        return ((where[0], seq), length) if stored == version else None
 
     def unchanged(self, held: tuple[int, int]) -> bool:
         """Whether the entry :meth:`holding` found still stands, unchanged since (any

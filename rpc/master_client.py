@@ -10,7 +10,7 @@ import contextlib
 import socket
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
@@ -53,6 +53,9 @@ class PutGrant:
     versions: list[int]
     hold_s: float
     tenant: str = ""
+    # Asked for (``held``): each key's READ_HELD grant over its first replica's extent
+    # (common/capabilities.py), parallel to the keys; b"" where none was minted.
+    held: list[bytes] = field(default_factory=list)
 
 
 class MasterClient(GrpcClient):
@@ -258,7 +261,7 @@ class MasterClient(GrpcClient):
 
     def put_start_grant(self, keys: Sequence[str], sizes: Sequence[int], replicas: int = 0,
                         parents: Sequence[str | None] | None = None, *, fenced: bool = False,
-                        slots: bool = False
+                        slots: bool = False, held: bool = False
                         ) -> tuple[list[tuple[Replica, ...] | KVPoolError], float, PutGrant]:
         """:meth:`put_start`, with the grant a writer hands its nodes (RESERVE, SEAL:
         net/data_port.py). ``fenced``: the writer will reserve each extent at its node before
@@ -267,7 +270,7 @@ class MasterClient(GrpcClient):
         r = self._lookup(lookup_port.PUT_START, "PutStart", pb.PutStartRequest(
             keys=keys, sizes=sizes, replicas=replicas,
             parents=[p or "" for p in parents] if parents and any(parents) else (),
-            fenced=fenced or slots, slots=slots), pb.PutStartResponse)
+            fenced=fenced or slots, slots=slots, held=held), pb.PutStartResponse)
         placed = wire.replicas_from_columns(r.replicas, sizes)
         out = [error_for_status(s, k) or p for k, s, p in zip(keys, r.statuses, placed)]
         if r.space_summary:   # say how much was asked, and how much room there is
@@ -278,7 +281,8 @@ class MasterClient(GrpcClient):
             out = [QuotaExceeded(f"{k!r}: {size} bytes more would pass the quota: "
                                  f"{r.quota_summary}")
                    if type(o) is QuotaExceeded else o for k, size, o in zip(keys, sizes, out)]
-        return out, r.put_timeout_s, PutGrant(r.epoch, list(r.versions), r.hold_s, r.tenant)
+        return out, r.put_timeout_s, PutGrant(r.epoch, list(r.versions), r.hold_s, r.tenant,
+                                              _first_held(out, r.held_grants))
 
     def put_end(self, keys: Sequence[str], checksums: Sequence[int | None] | None = None,
                 *, sealed: bool = False, as_keys: Sequence[str] = (),
@@ -288,26 +292,12 @@ class MasterClient(GrpcClient):
         ``sealed``: every replica was sealed at its node (the answer waits for no node).
         ``as_keys`` (with ``sizes``, ``parents``): ``keys`` are slots, each filled with the
         value of ``as_keys[i]`` (of ``sizes[i]`` bytes): errors then name ``as_keys``."""
-        return self.put_end_held(keys, checksums, sealed=sealed, as_keys=as_keys,
-                                 sizes=sizes, parents=parents, held=False)[0]
-
-    def put_end_held(self, keys: Sequence[str], checksums: Sequence[int | None] | None = None,
-                     *, sealed: bool = False, as_keys: Sequence[str] = (),
-                     sizes: Sequence[int] = (), parents: Sequence[str | None] | None = None,
-                     held: bool = True) -> tuple[list[KVPoolError | None], list[bytes]]:
-        """:meth:`put_end`, and (``held``) a READ_HELD grant of each key committed, for its
-        first replica (common/capabilities.py; b"" for the others)."""
         r = self._lookup(lookup_port.PUT_END, "PutEnd", pb.PutEndRequest(
             keys=keys, checksums=[checksum.encode(c) for c in checksums] if checksums else (),
             sealed=sealed, as_keys=as_keys, sizes=sizes,
-            parents=[p or "" for p in parents] if parents and any(parents) else (),
-            held=held), pb.StatusesResponse)
-        errors = [error_for_status(s, k) for k, s in zip(as_keys or keys, r.statuses)]
-        size, joined, grants, at = capabilities.GRANT.size, r.held_grants, [], 0
-        for e in errors:   # one grant per key committed, in key order
-            grants.append(b"" if e is not None else joined[at:at + size])
-            at += 0 if e is not None else size
-        return errors, grants
+            parents=[p or "" for p in parents] if parents and any(parents) else ()),
+            pb.StatusesResponse)
+        return [error_for_status(s, k) for k, s in zip(as_keys or keys, r.statuses)]
 
     def put_revoke(self, keys: Sequence[str]) -> list[KVPoolError | None]:
         r = self._lookup(lookup_port.PUT_REVOKE, "PutRevoke", pb.KeysRequest(keys=keys),
@@ -408,3 +398,14 @@ def located(keys: Sequence[str], r: pb.GetReplicasResponse) -> Located:
     return Located(keys=keys, statuses=statuses, sizes=sizes, versions=versions, checksums=sums,
                    replicas=wire.replica_arrays(r.replicas, len(keys)),
                    lease_ttl_s=r.lease_ttl_s)
+
+
+def _first_held(placed: list, joined: bytes) -> list[bytes]:
+    """Each key's READ_HELD grant over its first replica, from ``joined`` (one per replica,
+    in order); b"" for a key refused, or where none came."""
+    size, out, at = capabilities.GRANT.size, [], 0
+    for p in placed:
+        n = 0 if isinstance(p, KVPoolError) else len(p)
+        out.append(joined[at:at + size] if n and len(joined) >= at + size else b"")
+        at += n * size
+    return out

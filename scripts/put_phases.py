@@ -1,8 +1,9 @@
 """Where a single put's (and get's) time goes: one local cluster (one node), one client, values
 of one size put one at a time, each phase of the client's put timed on the way (PutStart, the
 node's RESERVE, the copy, SEAL with PutEnd overlapped inside it, PutEnd alone), then of its
-get (over shm, a read from the node's shm index with no master call, unless --no-local-reads;
-else GetReplicas, the node's READ: each key read once, so each lookup opens a lease), the master's
+get (with no master call unless --no-local-reads: over shm a read from the node's shm index,
+over tcp a READ_HELD at the place the put's PutEnd named; else GetReplicas, the node's READ:
+each key read once, so each lookup opens a lease), the master's
 own time per call (its /metrics), so that what is left of a phase is wire, wake-ups and the
 other end's framing; and the CPU each process spent per call (on two cores a single put keeps
 them all busy). Secure (mutual TLS, grants) unless --insecure.
@@ -41,6 +42,7 @@ from kvpool.tools.cluster import LocalCluster
 
 HELPER = " [slot helper, ahead of puts]"
 LOCAL = "read from the node's shm index (no master call)"
+HELD = "READ_HELD where the put was (node round trip, no master call)"
 HITS = " [hits, background]"
 
 
@@ -114,6 +116,7 @@ def main() -> int:
             _wrap(kv._master, name, "GetReplicas (master round trip)", times)
         _wrap(transport, "read", "READ (node round trip)", times)
         _wrap(transport, "read_local", LOCAL, times)
+        _wrap(transport, "read_held", HELD, times)
         _wrap(transport, "read_at", "READ (node round trip)", times)   # a batch's, in place
         puts, gets = [], []
         pids = {"client": None, "master": cluster.master_proc.popen.pid,
@@ -152,7 +155,7 @@ def main() -> int:
     print(f"  put {statistics.median(puts) * ms:.3f}   get {statistics.median(gets) * ms:.3f}")
     for op, labels in (("put", [k for k in times if "GetReplicas" not in k
                                       and not k.startswith("READ") and k != LOCAL]),
-                       ("get", [LOCAL, "GetReplicas (master round trip)",
+                       ("get", [LOCAL, HELD, "GetReplicas (master round trip)",
                                 "READ (node round trip)",
                                 "GetReplicas (master round trip)" + HITS])):
         print(f"  {op} phases, client side:")

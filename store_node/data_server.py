@@ -658,8 +658,9 @@ class DataServer:
 
     def _read_held(self, conn: socket.socket, segment_id: str, sid_bytes: bytes, offset: int,
                    length: int, grant: bytes) -> None:
-        """A READ_HELD (net/data_port.py): served only while the manifest holds the grant's
-        version at exactly this extent; the bytes, then whether it held it all along."""
+        """A READ_HELD (net/data_port.py): the object the manifest holds at ``offset`` with the
+        grant's version, within the granted extent; its bytes, then whether it stood all
+        along."""
         why = self._grants.denied(Op.READ_HELD, grant, sid_bytes, offset, length)
         if why:
             self._count(Op.READ_HELD.name)
@@ -670,16 +671,16 @@ class DataServer:
             self._manifest.held(segment_id, offset, length, version)
         try:
             if held is not None:
-                segment.send_to(conn, offset, length,
-                                encode_response(FrameStatus.OK, length + HELD_TRAILER.size))
+                segment.send_to(conn, offset, held[1],
+                                encode_response(FrameStatus.OK, held[1] + HELD_TRAILER.size))
         except ValueError:   # closed by an unmount since the lookup: nothing was sent
             held = None
-        self._count(Op.READ_HELD.name, length if held is not None else 0)
+        self._count(Op.READ_HELD.name, 0 if held is None else held[1])
         if held is None:
             return send_refusal(conn, FrameStatus.NOT_HELD,
-                                f"this node does not hold version {version} at [{offset}, "
-                                f"{offset + length}) of segment {segment_id!r}")
-        conn.sendall(HELD_TRAILER.pack(1 if self._manifest.still_held(held) else 0))
+                                f"this node holds no object of version {version} at {offset} "
+                                f"of segment {segment_id!r}")
+        conn.sendall(HELD_TRAILER.pack(1 if self._manifest.still_held(held[0]) else 0))
 
     def _slot_denied(self, op: Op, grant: bytes, segment_id: str, sid_bytes: bytes,
                      offset: int, length: int, key: str = "") -> str | None:

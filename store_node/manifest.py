@@ -294,18 +294,19 @@ class Manifest:
         if self.index is not None:
             self.index.put(r.key, r.segment_id, r.offset, r.size, r.version, r.checksum)
 
-    def held(self, segment_id: str, offset: int, size: int, version: int
-             ) -> tuple[int, int] | None:
-        """A READ_HELD's check (net/data_port.py): a token if this node holds ``version`` of
-        a key committed at exactly this extent, in a segment its index covers (the index's
-        entries are the records no reservation has overlapped since), else None;
-        :meth:`still_held` tells after the read whether it stood all along."""
+    def held(self, segment_id: str, offset: int, within: int, version: int
+             ) -> tuple[tuple[int, int], int] | None:
+        """A READ_HELD's check (net/data_port.py): ``(token, size)`` if this node holds
+        ``version`` of a key committed at ``offset`` of this segment, at most ``within`` bytes
+        long, in a segment its index covers (the index's entries are the records no
+        reservation has overlapped since), else None; :meth:`still_held` tells, given the
+        token, whether it stood all along."""
         if self.index is None:
             return None
         with self._lock:
             key = self._by_place.get((segment_id, offset))
             return None if key is None else \
-                self.index.holding(key, segment_id, offset, size, version)
+                self.index.holding(key, segment_id, offset, within, version)
 
     def still_held(self, token: tuple[int, int]) -> bool:
         return self.index is not None and self.index.unchanged(token)

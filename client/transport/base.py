@@ -136,11 +136,11 @@ class Transport(ABC):
     #: Whether :meth:`read_held` can succeed (tcp).
     reads_held: bool = False
 
-    def read_held(self, op: IoOp) -> bool:
-        """A READ_HELD of ``op`` (net/data_port.py; its replica's grant a READ_HELD grant):
-        True once ``op.buffer`` holds the object's bytes, False where the node no longer
-        holds that object there or anything failed (the caller asks the master). This
-        default: False."""
+    def read_held(self, replica: Replica, buffer: memoryview) -> bool:
+        """A READ_HELD (net/data_port.py) at ``replica`` (its extent and grant the READ_HELD
+        grant's) of the object of ``buffer.nbytes`` bytes at its start: True once ``buffer``
+        holds the object's bytes, False where the node no longer holds it there, it has
+        another size, or anything failed (the caller asks the master). This default: False."""
         return False
 
     def register_buffer(self, buffer) -> None:

@@ -38,7 +38,7 @@ from kvpool.common.errors import (
 )
 from kvpool.common.logging import get_logger
 from kvpool.common.security import Credentials
-from kvpool.common.types import NodeEndpoints
+from kvpool.common.types import NodeEndpoints, Replica
 from kvpool.net import data_tls
 from kvpool.net.data_port import (
     HELD_TRAILER,
@@ -116,20 +116,20 @@ class TCPTransport(Transport):
 
     reads_held = True
 
-    def read_held(self, op: IoOp) -> bool:
+    def read_held(self, replica: Replica, buffer: memoryview) -> bool:
         """:meth:`Transport.read_held`: one READ_HELD on a pooled connection. A node that
         does not know the op (an older one: it closes the connection) is not asked again."""
         if self._closed:
             raise ClientClosed("transport is closed")
-        node, extent = op.replica.node, op.replica.extent
+        node, extent = replica.node, replica.extent
         endpoint = node.tcp_endpoint
-        if endpoint in self._no_held or _local_refusal(op) is not None:
+        if endpoint in self._no_held or _local_refusal(IoOp(replica, buffer)) is not None:
             return False
         sock = None
         try:
             sock = self._acquire(endpoint, node.tcp_tls)
             sock.sendall(encode_request(Op.READ_HELD, extent.segment_id, extent.offset,
-                                        extent.length, op.replica.grant))
+                                        extent.length, replica.grant))
             self._spinner(sock).wait()
             header = bytearray(RESPONSE.size)
             recv_exact_into(sock, memoryview(header))
@@ -142,10 +142,10 @@ class TCPTransport(Transport):
                 else:
                     self._release(endpoint, sock)
                 return False
-            if length != extent.length + HELD_TRAILER.size:
-                raise TransportError(f"malformed reply: {length} bytes for a "
-                                     f"{extent.length}-byte READ_HELD")
-            recv_exact_into(sock, byte_views([op], writable=True)[0])
+            if length != buffer.nbytes + HELD_TRAILER.size:   # another object, or malformed
+                raise TransportError(f"a {length - HELD_TRAILER.size}-byte READ_HELD answer "
+                                     f"for {buffer.nbytes} bytes")
+            recv_exact_into(sock, buffer)
             trailer = bytearray(HELD_TRAILER.size)
             recv_exact_into(sock, memoryview(trailer))
         except OSError as exc:   # the caller asks the master, which finds what is wrong

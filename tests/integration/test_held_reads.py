@@ -49,21 +49,23 @@ def served_held(client: KVClient, key: str, timeout_s: float = 5.0) -> bytes:
         time.sleep(0.01)
 
 
-def test_an_object_put_is_read_again_with_the_master_stopped(cluster):
-    with tcp_client(cluster, timeout_s=2.0) as c:
-        c.put("still", value_of("still"))
-        assert len(c._held) == 1   # the put's PutEnd gave its place
-        assert served_held(c, "still") == value_of("still")
+@pytest.mark.parametrize("slots", [True, False])
+def test_an_object_put_is_read_again_with_the_master_stopped(cluster, slots):
+    key = f"still-{slots}"
+    with tcp_client(cluster, timeout_s=2.0, put_slots=slots) as c:
+        c.put(key, value_of(key))
+        assert len(c._held) == 1   # the put's PutStart (its slot's) gave its place
+        assert served_held(c, key) == value_of(key)
         master = cluster.master_proc.popen
         master.send_signal(signal.SIGSTOP)
         try:
             started = time.monotonic()
-            assert c.get("still") == value_of("still")
+            assert c.get(key) == value_of(key)
             assert time.monotonic() - started < 1.0
         finally:
             master.send_signal(signal.SIGCONT)
     with tcp_client(cluster, local_reads=False) as plain:
-        assert plain.get("still") == value_of("still")
+        assert plain.get(key) == value_of(key)
         assert plain._held is None
 
 
@@ -168,7 +170,6 @@ def master(tmp_path):
 def test_bytes_sent_while_the_object_was_dropped_are_not_trusted(master):
     """The trailer: while the node sends a READ_HELD's bytes, it voids the object (as a
     writer's RESERVE of that space would) and the bytes change: the read is not trusted."""
-    from kvpool.client.transport.base import IoOp
     from kvpool.store_node.node import StoreNode
 
     node = StoreNode(master.master, [8 << 20], node_id="inproc", rdma_device=False,
@@ -180,10 +181,10 @@ def test_bytes_sent_while_the_object_was_dropped_are_not_trusted(master):
             served_held(c, "raced")
             rec = node.manifest.get("raced")
             segment = node.segments[rec.segment_id]
-            replica = c._held.place("raced")
+            replica, size = c._held.place("raced")
             tcp = c._transport_for(replica)
-            buf = memoryview(bytearray(rec.size))
-            assert tcp.read_held(IoOp(replica, buf)) and bytes(buf) == value_of("raced")
+            buf = memoryview(bytearray(size))
+            assert tcp.read_held(replica, buf) and bytes(buf) == value_of("raced")
             send_to = segment.send_to
 
             def overwritten_meanwhile(sock, offset, length, header=b""):
@@ -192,8 +193,8 @@ def test_bytes_sent_while_the_object_was_dropped_are_not_trusted(master):
                 segment.buffer[rec.offset:rec.offset + rec.size] = value_of("other", rec.size)
 
             segment.send_to = overwritten_meanwhile
-            assert not tcp.read_held(IoOp(replica, buf))
+            assert not tcp.read_held(replica, buf)
             segment.send_to = send_to
-            assert not tcp.read_held(IoOp(replica, buf))   # refused from now on
+            assert not tcp.read_held(replica, buf)   # refused from now on
     finally:
         node.stop()

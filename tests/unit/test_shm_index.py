@@ -120,17 +120,18 @@ def test_the_manifest_voids_entries_before_space_is_written_again(index):
     assert all(find(r, k) is None for k in "abcd")
 
 
-def test_a_held_read_is_served_only_for_its_version_at_its_exact_extent(index):
-    """The node's check of a READ_HELD (net/data_port.py): the committed version at exactly
-    that extent, never a seal, another version at the same place, nor part of an extent;
+def test_a_held_read_is_served_only_for_its_version_at_its_place(index):
+    """The node's check of a READ_HELD (net/data_port.py): the committed version at that
+    offset, within the granted extent, never a seal nor another version at the same place;
     and a token held across a reservation over it is not unchanged."""
     m = Manifest(index=index)
     m.set_epoch(EPOCH)
-    m.apply([ObjectRecord("a", "s0", 0, 4096, None, 5)], [])
-    token = m.held("s0", 0, 4096, 5)
-    assert token is not None and m.still_held(token)
+    m.apply([ObjectRecord("a", "s0", 0, 3000, None, 5)], [])
+    token, size = m.held("s0", 0, 4096, 5)   # granted a 4 KiB slot: the object is 3000 B
+    assert size == 3000 and m.still_held(token)
+    assert m.held("s0", 0, 3000, 5) is not None
     assert m.held("s0", 0, 4096, 4) is None      # another version
-    assert m.held("s0", 0, 2048, 5) is None      # part of it
+    assert m.held("s0", 0, 2048, 5) is None      # longer than the grant
     assert m.held("s1", 0, 4096, 5) is None      # another segment
     m.reserve(EPOCH, Reservation("w", "s0", 1024, 64, 1e9))   # its space is written again
     assert not m.still_held(token) and m.held("s0", 0, 4096, 5) is None

@@ -274,38 +274,38 @@ class ReportCorruptRequest(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[str]] = ..., versions: _Optional[_Iterable[int]] = ..., segment_ids: _Optional[_Iterable[str]] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class PutEndRequest(_message.Message):
-    __slots__ = ("keys", "checksums", "sealed", "as_keys", "sizes", "parents", "held")
+    __slots__ = ("keys", "checksums", "sealed", "as_keys", "sizes", "parents")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     SEALED_FIELD_NUMBER: _ClassVar[int]
     AS_KEYS_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
-    HELD_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[str]
     checksums: _containers.RepeatedScalarFieldContainer[int]
     sealed: bool
     as_keys: _containers.RepeatedScalarFieldContainer[str]
     sizes: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[str]
-    held: bool
-    def __init__(self, keys: _Optional[_Iterable[str]] = ..., checksums: _Optional[_Iterable[int]] = ..., sealed: _Optional[bool] = ..., as_keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[str]] = ..., held: _Optional[bool] = ...) -> None: ...
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., checksums: _Optional[_Iterable[int]] = ..., sealed: _Optional[bool] = ..., as_keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
-    __slots__ = ("keys", "sizes", "replicas", "parents", "fenced", "slots")
+    __slots__ = ("keys", "sizes", "replicas", "parents", "fenced", "slots", "held")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     FENCED_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[str]
     sizes: _containers.RepeatedScalarFieldContainer[int]
     replicas: int
     parents: _containers.RepeatedScalarFieldContainer[str]
     fenced: bool
     slots: bool
-    def __init__(self, keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., replicas: _Optional[int] = ..., parents: _Optional[_Iterable[str]] = ..., fenced: _Optional[bool] = ..., slots: _Optional[bool] = ...) -> None: ...
+    held: bool
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ..., replicas: _Optional[int] = ..., parents: _Optional[_Iterable[str]] = ..., fenced: _Optional[bool] = ..., slots: _Optional[bool] = ..., held: _Optional[bool] = ...) -> None: ...
 
 class ReplicaColumns(_message.Message):
     __slots__ = ("locations", "counts", "location", "offsets", "grants", "packed", "packed_grants")
@@ -326,7 +326,7 @@ class ReplicaColumns(_message.Message):
     def __init__(self, locations: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., counts: _Optional[_Iterable[int]] = ..., location: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., grants: _Optional[_Iterable[bytes]] = ..., packed: _Optional[bytes] = ..., packed_grants: _Optional[bytes] = ...) -> None: ...
 
 class PutStartResponse(_message.Message):
-    __slots__ = ("put_timeout_s", "statuses", "replicas", "space_summary", "epoch", "versions", "hold_s", "tenant", "quota_summary")
+    __slots__ = ("put_timeout_s", "statuses", "replicas", "space_summary", "epoch", "versions", "hold_s", "tenant", "quota_summary", "held_grants")
     PUT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     STATUSES_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -336,6 +336,7 @@ class PutStartResponse(_message.Message):
     HOLD_S_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     QUOTA_SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    HELD_GRANTS_FIELD_NUMBER: _ClassVar[int]
     put_timeout_s: float
     statuses: _containers.RepeatedScalarFieldContainer[Status]
     replicas: ReplicaColumns
@@ -345,7 +346,8 @@ class PutStartResponse(_message.Message):
     hold_s: float
     tenant: str
     quota_summary: str
-    def __init__(self, put_timeout_s: _Optional[float] = ..., statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., replicas: _Optional[_Union[ReplicaColumns, _Mapping]] = ..., space_summary: _Optional[str] = ..., epoch: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., hold_s: _Optional[float] = ..., tenant: _Optional[str] = ..., quota_summary: _Optional[str] = ...) -> None: ...
+    held_grants: bytes
+    def __init__(self, put_timeout_s: _Optional[float] = ..., statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., replicas: _Optional[_Union[ReplicaColumns, _Mapping]] = ..., space_summary: _Optional[str] = ..., epoch: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., hold_s: _Optional[float] = ..., tenant: _Optional[str] = ..., quota_summary: _Optional[str] = ..., held_grants: _Optional[bytes] = ...) -> None: ...
 
 class KeysRequest(_message.Message):
     __slots__ = ("keys", "packed", "held")
@@ -358,12 +360,10 @@ class KeysRequest(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[str]] = ..., packed: _Optional[bool] = ..., held: _Optional[bool] = ...) -> None: ...
 
 class StatusesResponse(_message.Message):
-    __slots__ = ("statuses", "held_grants")
+    __slots__ = ("statuses",)
     STATUSES_FIELD_NUMBER: _ClassVar[int]
-    HELD_GRANTS_FIELD_NUMBER: _ClassVar[int]
     statuses: _containers.RepeatedScalarFieldContainer[Status]
-    held_grants: bytes
-    def __init__(self, statuses: _Optional[_Iterable[_Union[Status, str]]] = ..., held_grants: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, statuses: _Optional[_Iterable[_Union[Status, str]]] = ...) -> None: ...
 
 class GetReplicasResponse(_message.Message):
     __slots__ = ("lease_ttl_s", "statuses", "sizes", "versions", "replicas", "checksums", "lookup_port", "packed", "tenant", "held_grants")
