@@ -19,6 +19,8 @@ reader takes an entry whose key digest matches and whose number is even, copies 
 of its own mapping of the segment, and reads the number again; unchanged, the bytes are the
 object's (the node bumped it before anyone could write there). Anything else (no entry, a
 changed number, an unknown segment, an index its node closed) sends the get to the master.
+The node checks a tcp READ_HELD against it the same way (net/data_port.py; ``holding``, then
+``unchanged`` after the bytes are sent), so every node with DRAM segments keeps one.
 
 Layout (little-endian): a header of ``HEADER_BYTES``: ``magic`` (u64; zeroed when the node
 closes the index), ``buckets`` (u32, a power of two), then at ``SEGMENTS_AT`` one slot of
