@@ -104,6 +104,12 @@ def cluster(tmp_path):
 
 
 @pytest.fixture
+def bare_master(tmp_path):
+    """A real master (subprocess), no nodes: the test runs its node in this process."""
+    yield from run_cluster(tmp_path, nodes=0)
+
+
+@pytest.fixture
 def timeouts():
     """The master timeouts the ``cluster`` fixture runs with."""
     return SimpleNamespace(node_ttl_s=NODE_TTL_S, put_timeout_s=PUT_TIMEOUT_S,

@@ -17,6 +17,7 @@ from kvpool.net.sockets import recv_exact
 from kvpool.rpc.master_client import MasterClient
 
 from .conftest import run_cluster
+from .test_local_reads import served_locally, value_of
 
 VALUE = 64 << 10
 
@@ -31,22 +32,8 @@ def tcp_client(cluster, **kw) -> KVClient:
     return KVClient(cluster.master, transports=["tcp"], **kw)
 
 
-def value_of(key: str, size: int = VALUE) -> bytes:
-    seed = key.encode().ljust(64, b".")
-    return (seed * (size // len(seed) + 1))[:size]
-
-
-def served_held(client: KVClient, key: str, timeout_s: float = 5.0) -> bytes:
-    """Get ``key`` until it is read at its held place (a sealed put's commit reaches the node
-    within ms of the put)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        before = client._held.served
-        got = client.get(key)
-        if client._held.served > before:
-            return got
-        assert time.monotonic() < deadline, f"{key!r} was never read at its held place"
-        time.sleep(0.01)
+def served_held(client: KVClient, key: str) -> bytes:
+    return served_locally(client, key, reads="_held")
 
 
 @pytest.mark.parametrize("slots", [True, False])
@@ -87,46 +74,6 @@ def test_a_key_removed_by_another_client_is_not_read_at_its_old_place(cluster):
         assert len(reader._held) == 0
 
 
-def test_space_given_again_is_never_read_as_the_old_object(cluster):
-    """A 16 MiB segment filled four times over while a reader re-reads keys at the places it
-    learned: the writer's puts evict them and reuse their space (extents overlapping old ones
-    at other offsets: sizes vary). Each read is the key's own bytes, or not found; some are
-    read at their place, and some places are refused by the node (the check at work)."""
-    with tcp_client(cluster) as writer, tcp_client(cluster) as reader:
-        keys: list[tuple[str, int]] = []
-        held = 0
-        for i in range(4 * (16 << 20) // VALUE):
-            key = f"reuse-{i}"
-            size = VALUE + (i % 7) * 4096
-            writer.put(key, value_of(key, size))
-            keys.append((key, size))
-            if i % 10 == 5:   # learn the place of a recent key (a read leases it for a second)
-                reader.get(keys[-3][0])
-            if i % 10 or i < 250:
-                continue
-            for old, old_size in (keys[-8], keys[-88], keys[-248]):   # places it learned
-                before = reader._held.served
-                try:
-                    got = reader.get(old)
-                except ObjectNotFound:
-                    continue
-                assert got == value_of(old, old_size), old
-                held += reader._held.served > before
-        refused = reader._held.refused
-        assert held > 0 and refused > 0, (held, refused)
-
-
-def test_gets_at_held_places_are_counted_by_the_master(cluster):
-    with tcp_client(cluster) as c:
-        c.put("counted", value_of("counted"))
-        served_held(c, "counted")
-        before, served = c.stats().hits, c._held.served
-        for _ in range(10):
-            c.get("counted")
-        assert c._held.served - served == 10
-        assert c.stats().hits - before == 10
-
-
 def _read_held(replica, grant: bytes, op: Op = Op.READ_HELD) -> tuple[int, bytes]:
     e = replica.extent
     host, _, port = replica.node.tcp_endpoint.rpartition(":")
@@ -161,22 +108,16 @@ def test_a_held_read_needs_a_read_held_grant_for_its_object(cluster):
         assert status == FrameStatus.NOT_HELD, message
 
 
-@pytest.fixture
-def master(tmp_path):
-    """A real master (subprocess), no nodes: the test runs its node in this process."""
-    yield from run_cluster(tmp_path, nodes=0)
-
-
-def test_bytes_sent_while_the_object_was_dropped_are_not_trusted(master):
+def test_bytes_sent_while_the_object_was_dropped_are_not_trusted(bare_master):
     """The trailer: while the node sends a READ_HELD's bytes, it voids the object (as a
     writer's RESERVE of that space would) and the bytes change: the read is not trusted."""
     from kvpool.store_node.node import StoreNode
 
-    node = StoreNode(master.master, [8 << 20], node_id="inproc", rdma_device=False,
+    node = StoreNode(bare_master.master, [8 << 20], node_id="inproc", rdma_device=False,
                      scrub_bytes_per_s=0, shm=False)
     node.start()
     try:
-        with tcp_client(master) as c:
+        with tcp_client(bare_master) as c:
             c.put("raced", value_of("raced"))
             served_held(c, "raced")
             rec = node.manifest.get("raced")

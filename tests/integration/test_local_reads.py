@@ -28,15 +28,17 @@ def value_of(key: str, size: int = VALUE) -> bytes:
     return (seed * (size // len(seed) + 1))[:size]
 
 
-def served_locally(client: KVClient, key: str, timeout_s: float = 5.0) -> bytes:
-    """Get ``key`` until the index serves it (its commit reaches the node within ms)."""
+def served_locally(client: KVClient, key: str, timeout_s: float = 5.0,
+                   reads: str = "_local") -> bytes:
+    """Get ``key`` until it is served with no master call: from the index (``reads``
+    "_local"), or at its held place ("_held"); its commit reaches the node within ms."""
     deadline = time.monotonic() + timeout_s
     while True:
-        before = client._local.served
+        before = getattr(client, reads).served
         got = client.get(key)
-        if client._local.served > before:
+        if getattr(client, reads).served > before:
             return got
-        assert time.monotonic() < deadline, f"{key!r} was never served from the index"
+        assert time.monotonic() < deadline, f"{key!r} was never served with no master call"
         time.sleep(0.01)
 
 
@@ -66,29 +68,41 @@ def test_a_removed_key_is_never_read_from_the_index(cluster):
             c.get("gone")
 
 
-def test_space_given_again_is_never_read_as_the_old_object(cluster):
+#: Where each transport's gets with no master call are counted (client/local_reads.py).
+READS = {"shm": "_local", "tcp": "_held"}
+
+
+@pytest.mark.parametrize("scheme", ["shm", "tcp"])
+def test_space_given_again_is_never_read_as_the_old_object(cluster, scheme):
     """A 16 MiB segment filled four times over: the reader reads keys old and new while the
     writer's puts evict the old ones and reuse their space (extents overlapping old ones at
-    other offsets: sizes vary). Each read is the key's own bytes, or not found."""
-    with KVClient(cluster.master) as writer, KVClient(cluster.master) as reader:
-        keys = []
-        local = 0
+    other offsets: sizes vary). Each read is the key's own bytes, or not found; some are
+    served with no master call (tcp: at places the reader learned by reading them before,
+    some of which the node refuses: the check at work)."""
+    with KVClient(cluster.master, transports=[scheme]) as writer, \
+            KVClient(cluster.master, transports=[scheme]) as reader:
+        reads = getattr(reader, READS[scheme])
+        keys: list[tuple[str, int]] = []
+        served = 0
         for i in range(4 * (16 << 20) // VALUE):
-            key = f"reuse-{i}"
+            key = f"reuse-{scheme}-{i}"
             size = VALUE + (i % 7) * 4096
             writer.put(key, value_of(key, size))
             keys.append((key, size))
-            if i % 20:   # (a read leases its object for a second: not too many)
+            if i % 10 == 5:   # read a recent key (a read leases it for a second)
+                reader.get(keys[-3][0])
+            if i % 10 or i < 250:
                 continue
-            for old, old_size in (keys[-2], keys[-300]) if i >= 300 else keys[-2:-1]:
-                before = reader._local.served
+            for old, old_size in (keys[-8], keys[-88], keys[-248]):   # keys read before
+                before = reads.served
                 try:
                     got = reader.get(old)
                 except ObjectNotFound:
                     continue
                 assert got == value_of(old, old_size), old
-                local += reader._local.served > before
-        assert local > 0
+                served += reads.served > before
+        assert served > 0
+        assert scheme == "shm" or reads.refused > 0
 
 
 def test_the_same_key_of_two_tenants_is_read_locally_as_each_ones_own(cluster):
@@ -103,14 +117,16 @@ def test_the_same_key_of_two_tenants_is_read_locally_as_each_ones_own(cluster):
         assert a._local.tenant == "tenant-a"
 
 
-def test_gets_served_locally_are_counted_by_the_master(cluster):
-    with KVClient(cluster.master) as c:
-        c.put("counted", value_of("counted"))
-        served_locally(c, "counted")
-        before, served = c.stats().hits, c._local.served
+@pytest.mark.parametrize("scheme", ["shm", "tcp"])
+def test_gets_served_with_no_master_call_are_counted_by_the_master(cluster, scheme):
+    with KVClient(cluster.master, transports=[scheme]) as c:
+        reads = getattr(c, READS[scheme])
+        c.put(f"counted-{scheme}", value_of("counted"))
+        served_locally(c, f"counted-{scheme}", reads=READS[scheme])
+        before, served = c.stats().hits, reads.served
         for _ in range(10):
-            c.get("counted")
-        assert c._local.served - served == 10
+            c.get(f"counted-{scheme}")
+        assert reads.served - served == 10
         assert c.stats().hits - before == 10
 
 
@@ -139,20 +155,14 @@ def test_a_stopped_nodes_index_is_not_read(cluster):
             proc.kill()
 
 
-@pytest.fixture
-def master(tmp_path):
-    """A real master (subprocess), no nodes: the test runs its node in this process."""
-    yield from run_cluster(tmp_path, nodes=0)
-
-
-def test_an_entry_changed_during_the_copy_is_not_trusted(master):
+def test_an_entry_changed_during_the_copy_is_not_trusted(bare_master):
     """The seqlock: between the client's lookup and its copy, the node voids the entry (as a
     writer's RESERVE of that space would) and the bytes change: the read is not trusted."""
-    node = StoreNode(master.master, [8 << 20], node_id="inproc", rdma_device=False,
+    node = StoreNode(bare_master.master, [8 << 20], node_id="inproc", rdma_device=False,
                      scrub_bytes_per_s=0)
     node.start()
     try:
-        with KVClient(master.master) as c:
+        with KVClient(bare_master.master) as c:
             c.put("raced", value_of("raced"))
             served_locally(c, "raced")
             rec = node.manifest.get("raced")
