@@ -106,7 +106,10 @@ class KVClient:
         else those a local cluster of this user registered for ``master``, else none.
         ``put_slots``: single puts of up to 4 MiB over shm fill space reserved ahead
         (client/slots.py: one round trip a put; a few slots of each size held as puts
-        started); False: every put asks the master first."""
+        started); False: every put asks the master first. ``local_reads``: a single get
+        with no master call where the node can prove the bytes (client/local_reads.py: a
+        same-host node's shm index; over tcp, a key this client put or got before, at its
+        place); False: every get asks the master."""
         self._metrics = None if metrics is None else client_metrics(metrics)
         self._master = MasterClient(master, timeout_s=timeout_s, credentials=credentials)
         given = [t for t in transports or () if isinstance(t, Transport)]
