@@ -332,6 +332,21 @@ def test_put_phases_names_where_a_puts_time_goes(slots):
     assert all(0 < v <= put for v in in_puts.values()), out
 
 
+def test_put_phases_times_tcp_gets_at_the_held_place():
+    """Over tcp, a get of a key the client put is a READ_HELD at the place its PutStart named
+    (no master call): most of the 30 gets (a few, within ~50 ms of their put's commit, ask the
+    master), each shorter than the whole get."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "put_phases.py"
+    out = subprocess.run([sys.executable, str(script), "--transport", "tcp", "--calls", "30",
+                          "--insecure"], capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    get = float(re.search(r"put \d+\.\d+\s+get (\d+\.\d+)", out).group(1))
+    held = re.search(r"^    READ_HELD where the put was .*?\s+(\d+\.\d+)\s+\((\d+) calls\)$",
+                     out, re.M)
+    assert held is not None, out
+    assert 0 < float(held.group(1)) <= get and int(held.group(2)) >= 20, out
+
+
 def test_put_phases_splits_a_batch_too():
     """scripts/put_phases.py --batch: a batch put (not sealed: more than 4 keys) is PutStart,
     the copy and PutEnd, each shorter than the whole call, and a batch get is GetReplicas and
