@@ -2,7 +2,7 @@
 of one size put one at a time, each phase of the client's put timed on the way (PutStart, the
 node's RESERVE, the copy, SEAL with PutEnd overlapped inside it, PutEnd alone), then of its
 get (with no master call unless --no-local-reads: over shm a read from the node's shm index,
-over tcp a READ_HELD at the place the put's PutEnd named; else GetReplicas, the node's READ:
+over tcp a READ_HELD at the place the put's PutStart named; else GetReplicas, the node's READ:
 each key read once, so each lookup opens a lease), the master's
 own time per call (its /metrics), so that what is left of a phase is wire, wake-ups and the
 other end's framing; and the CPU each process spent per call (on two cores a single put keeps
