@@ -50,7 +50,7 @@ log = get_logger(__name__)
 SLOT_MAX_BYTES = 4 << 20
 #: What one size class holds in slots at most: their space counts as puts started.
 SLOT_POOL_BYTES = 8 << 20
-SLOT_MAX_COUNT = 16
+SLOT_MAX_COUNT = 64   # DESIGN.md "Slots": batches of 32 cost each put less
 SLOT_MIN_CLASS = 4096
 #: Size classes kept at once (the least recently asked for goes).
 MAX_CLASSES = 8
