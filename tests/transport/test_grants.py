@@ -22,7 +22,7 @@ from kvpool.net.data_port import (
     encode_request,
 )
 from kvpool.net.sockets import recv_exact
-from kvpool.store_node.data_server import DataServer
+from kvpool.store_node.data_server import DataServer, _GrantChecker
 from kvpool.store_node.manifest import Manifest
 from kvpool.store_node.memory import create_dram_segment
 
@@ -90,6 +90,31 @@ def test_reads_and_writes_need_their_grant(keyed):
         assert "grant" in str(err)
     finally:
         tcp.close()
+
+
+def test_a_spent_write_grant_stays_spent_until_it_expires():
+    """The sweep forgets spent write grants that expired, in the order spent, and never one
+    that has not (it would then write again): one spent after a longer-lived grant waits for
+    it, so the sweep costs what expired, not all that is spent."""
+    checker = _GrantChecker()
+    checker.set_key(KEY)
+    sid = b"n/0-a"
+
+    def grant(offset: int, ttl_s: float) -> bytes:
+        return caps.mint(KEY, caps.WRITE, sid.decode(), offset, 64, 1, caps.expiry_ms(ttl_s))
+
+    short = [grant(0, 0.2), grant(64, 0.2)]
+    long, late = grant(128, 60), grant(192, 0.2)
+    for offset, g in zip((0, 64, 128, 192), (*short, long, late)):
+        assert checker.denied(Op.WRITE, g, sid, offset, 64) == ""
+    assert "spent" in checker.denied(Op.WRITE, long, sid, 128, 64)
+    time.sleep(0.3)
+    checker.forget_expired()
+    assert list(checker._spent.values()) == [    # noqa: SLF001 (what the sweep keeps)
+        caps.GRANT.unpack(g)[1] for g in (long, late)]
+    assert "spent" in checker.denied(Op.WRITE, long, sid, 128, 64)
+    for offset, g in zip((0, 64, 192), (*short, late)):
+        assert "expired" in checker.denied(Op.WRITE, g, sid, offset, 64)
 
 
 def test_reserve_and_seal_need_the_record_tag_of_their_key(keyed):
