@@ -177,8 +177,8 @@ class SlotPool:
 
     @staticmethod
     def _count(size: int) -> int:
-        return max(2, min(SLOT_POOL_BYTES // size,
-                          max(SLOT_BASE_COUNT, min(SLOT_MAX_COUNT, SLOT_MANY_BYTES // size))))
+        return max(2, min(SLOT_MAX_COUNT, SLOT_POOL_BYTES // size,
+                          max(SLOT_BASE_COUNT, SLOT_MANY_BYTES // size)))
 
     def _start(self) -> None:
         if self._thread is None:
