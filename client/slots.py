@@ -50,7 +50,13 @@ log = get_logger(__name__)
 SLOT_MAX_BYTES = 4 << 20
 #: What one size class holds in slots at most: their space counts as puts started.
 SLOT_POOL_BYTES = 8 << 20
-SLOT_MAX_COUNT = 16
+#: Slots of a class: up to 16, or more while they hold at most SLOT_MANY_BYTES (64 KiB slots:
+#: 64, asked for 32 at a time). A batch has a fixed cost (DESIGN.md "Slots"), a slot a small
+#: one. Larger classes keep 16: more of them held the DRAM a small cluster needed (32 slots of
+#: 256 KiB left test_disk_tier's 4 MiB of DRAM no room for a promotion).
+SLOT_MAX_COUNT = 64
+SLOT_BASE_COUNT = 16
+SLOT_MANY_BYTES = 4 << 20
 SLOT_MIN_CLASS = 4096
 #: Size classes kept at once (the least recently asked for goes).
 MAX_CLASSES = 8
@@ -171,7 +177,8 @@ class SlotPool:
 
     @staticmethod
     def _count(size: int) -> int:
-        return max(2, min(SLOT_MAX_COUNT, SLOT_POOL_BYTES // size))
+        return max(2, min(SLOT_MAX_COUNT, SLOT_POOL_BYTES // size,
+                          max(SLOT_BASE_COUNT, SLOT_MANY_BYTES // size)))
 
     def _start(self) -> None:
         if self._thread is None:
