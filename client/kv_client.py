@@ -388,9 +388,10 @@ class KVClient:
     def _put_in_slot(self, key: str, view: memoryview, parent: str | None, slot: Slot):
         """A single put into a slot (client/slots.py): the copy, then the SEAL at the node and
         the master's commit of the slot as ``key``, overlapped. Its error, None, or
-        ``_Unsure``: the slot could not be filled (no transport reaches it, (its master is gone or did not answer, the slot expired, the
-        node refused the seal); the put goes the usual way, and our seal may be what a
-        master indexes meanwhile (a restarted one indexes what nodes announce)."""
+        ``_Unsure``: the slot could not be filled (no transport reaches it, its master is gone
+        or did not answer, the slot expired, the node refused the seal); the put goes the
+        usual way, and our seal may be what a master indexes meanwhile (a restarted one
+        indexes what nodes announce)."""
         op = slot.op(view)
         t = self._transport_for(op.replica)
         unsure = _Unsure(slot.record.version, view.nbytes)
