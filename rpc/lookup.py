@@ -23,7 +23,7 @@ from google.protobuf.message import Message
 from kvpool.common.errors import KVPoolError, MasterUnavailable
 from kvpool.net import lookup_port
 from kvpool.net.lookup_port import Seal, Unsealed
-from kvpool.net.sockets import Spinner, recv_exact, spin_default_s
+from kvpool.net.sockets import FrameReader, Spinner, recv_exact, spin_default_s
 
 # After a port failed: use gRPC alone this long before trying the same port again.
 RETRY_AFTER_S = 10.0
@@ -65,13 +65,14 @@ class _Connection:
     """One connection to the port: its socket, and its seals when it is a session's (``out``
     for what we send, ``inn`` for what we receive), until ``renew_at``."""
 
-    __slots__ = ("sock", "out", "inn", "renew_at", "_sending", "_answer")
+    __slots__ = ("sock", "out", "inn", "renew_at", "_sending", "_answer", "_reader")
 
     def __init__(self, sock: socket.socket, out: Seal | None = None, inn: Seal | None = None,
                  renew_at: float = math.inf) -> None:
         self.sock, self.out, self.inn, self.renew_at = sock, out, inn, renew_at
         self._sending = threading.Lock()   # a stream's acks come from other threads
-        self._answer = Spinner(sock)   # polls a while for each answer before sleeping
+        self._reader = FrameReader(sock)   # an answer's header and body in one read
+        self._answer = Spinner(sock, reader=self._reader)   # polls a while before sleeping
 
     def send(self, method: int, body: bytes) -> None:
         with self._sending:
@@ -82,10 +83,10 @@ class _Connection:
         call's kind, for an answer to a call (net/sockets.py ``Spinner.wait``); not for a
         stream's frames, which come when they come."""
         self._answer.wait(kind)
-        head = recv_exact(self.sock, lookup_port.RESPONSE.size, "the master")
+        head = self._reader.read(lookup_port.RESPONSE.size, "the master")
         self._answer.arrived()
         status, length = _header(head)
-        data = recv_exact(self.sock, length, "the master")
+        data = self._reader.read(length, "the master")
         return status, _opened(self.inn, head, data, status)
 
     def close(self) -> None:

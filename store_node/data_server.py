@@ -81,7 +81,7 @@ from kvpool.net.data_port import (
     send_reply,
 )
 from kvpool.net import seal_board
-from kvpool.net.sockets import PeerClosed, Spinner, recv_exact_into
+from kvpool.net.sockets import FrameReader, PeerClosed, Spinner
 from kvpool.store_node.manifest import Board, Manifest, SealConflict, StaleEpoch
 from kvpool.store_node.memory import Segment
 from kvpool.store_node.rdma import RegionRefused
@@ -121,10 +121,10 @@ class _Disconnected(Exception):
         self.mid_frame = mid_frame
 
 
-def _recv_exact(sock: socket.socket, view: memoryview, *, frame_started: bool) -> None:
-    """Fill ``view`` from ``sock``; raise _Disconnected on EOF."""
+def _recv_exact(reader: FrameReader, view: memoryview, *, frame_started: bool) -> None:
+    """Fill ``view`` from ``reader``'s socket; raise _Disconnected on EOF."""
     try:
-        recv_exact_into(sock, view, "client")
+        reader.read_into(view, "client")
     except PeerClosed as exc:
         raise _Disconnected(mid_frame=frame_started or exc.received > 0) from None
 
@@ -244,8 +244,8 @@ class _Conn:
     """One client connection and what serving it keeps between frames."""
 
     __slots__ = ("board", "busy", "fd", "header", "keep_open", "last_active", "next_frame",
-                 "peer", "poll_next", "queue_pairs", "shm", "shake", "sid_buf", "sock",
-                 "trust")
+                 "peer", "poll_next", "queue_pairs", "reader", "shm", "shake", "sid_buf",
+                 "sock", "trust")
 
     def __init__(self, sock: socket.socket, peer: str, shm: bool, trust: int) -> None:
         self.sock, self.fd, self.peer, self.shm, self.trust = sock, sock.fileno(), peer, shm, trust
@@ -260,7 +260,8 @@ class _Conn:
         self.queue_pairs: list = []        # RDMA queue pairs set up on it: die with it
         # A worker polls a while for the client's next frame before it sleeps on it
         # ($KVPOOL_SPIN_US) where that frame follows at once (``poll_next``: _POLL_AFTER).
-        self.next_frame = Spinner(sock)
+        self.reader = FrameReader(sock)   # every read of the socket: a frame in one or two
+        self.next_frame = Spinner(sock, reader=self.reader)
         self.poll_next = False
         self.board: Board | None = None    # its seal board (shm writers: net/seal_board.py)
 
@@ -587,8 +588,8 @@ class DataServer:
 
     def _tcp_frame(self, c: _Conn) -> bool:
         """Serve one data-port frame of ``c``; False if the connection must end."""
-        conn, peer, header = c.sock, c.peer, c.header
-        _recv_exact(conn, memoryview(header), frame_started=False)
+        conn, peer, header, reader = c.sock, c.peer, c.header, c.reader
+        _recv_exact(reader, memoryview(header), frame_started=False)
         magic, op, sid_len, offset, length = REQUEST.unpack(header)
         c.poll_next = op in _POLL_AFTER
         if reason := malformed_request(magic, op, sid_len, offset, length):
@@ -597,20 +598,20 @@ class DataServer:
         granted = magic == MAGIC_GRANTED
         if op == Op.CONNECT_QP:
             self._count(Op.CONNECT_QP.name)
-            if not self._connect_qp(conn, peer, c.queue_pairs):
+            if not self._connect_qp(c):
                 return False
             # The client keeps this connection for the queue pair's life: never idle-closed.
             c.keep_open = bool(c.queue_pairs)
             return True
         sid_view = memoryview(c.sid_buf)[:sid_len]
-        _recv_exact(conn, sid_view, frame_started=True)
+        _recv_exact(reader, sid_view, frame_started=True)
         sid_bytes = sid_view.tobytes()
         try:
             segment_id = sid_bytes.decode("utf-8")
         except UnicodeDecodeError:
             self._refuse_malformed(conn, peer, "segment id is not utf-8")
             return False
-        grant = _recv_bytes(conn, GRANT_BYTES) if granted else b""
+        grant = _recv_bytes(reader, GRANT_BYTES) if granted else b""
         op = Op(op)
         if op is Op.RKEY_READ or op is Op.RKEY_WRITE:
             self._grant_region(c, op, segment_id, sid_bytes, offset, length, grant)
@@ -619,7 +620,7 @@ class DataServer:
             self._read_held(conn, segment_id, sid_bytes, offset, length, grant)
             return True
         if op in (Op.RESERVE, Op.SEAL):
-            got = recv_record(lambda n: _recv_bytes(conn, n))
+            got = recv_record(lambda n: _recv_bytes(reader, n))
             if isinstance(got, str):
                 self._refuse_malformed(conn, peer, got)
                 return False
@@ -652,7 +653,7 @@ class DataServer:
         if why and op is Op.WRITE:
             slot_why = self._slot_denied(op, grant, segment_id, sid_bytes, offset, length)
             why = why if slot_why is None else slot_why
-        if not why and self._serve_by_segment(conn, op, segment_id, offset, length):
+        if not why and self._serve_by_segment(c, op, segment_id, offset, length):
             self._count(op.name, length)
             return True
         self._count(op.name)
@@ -741,10 +742,11 @@ class DataServer:
                               status=status.name)
         send_refusal(c.sock, status, message)
 
-    def _connect_qp(self, conn: socket.socket, peer: str, queue_pairs: list) -> bool:
+    def _connect_qp(self, c: _Conn) -> bool:
         """Answer a CONNECT_QP; False if the connection was refused and must end."""
+        conn, peer, queue_pairs = c.sock, c.peer, c.queue_pairs
         payload = bytearray(QP_INFO.size)
-        _recv_exact(conn, memoryview(payload), frame_started=True)
+        _recv_exact(c.reader, memoryview(payload), frame_started=True)
         if self._rdma is None:
             reply, status = b"this node has no RDMA device", FrameStatus.UNSUPPORTED
         else:
@@ -764,20 +766,20 @@ class DataServer:
             log.debug("queue_pair_connected", peer=peer)
         return True
 
-    def _serve_by_segment(self, conn: socket.socket, op: Op, segment_id: str, offset: int,
+    def _serve_by_segment(self, c: _Conn, op: Op, segment_id: str, offset: int,
                           length: int) -> bool:
         """Serve a request with the segment's I/O (Segment.send_to / recv_from: a slice of
         the mapping, sendfile(2) on disk, staging for HBM). False, with nothing moved, if
         the segment is not mounted (or an unmount closed it meanwhile) or the range is
         outside it: the caller refuses the request."""
-        segment = self._segments.get(segment_id)
+        segment, conn = self._segments.get(segment_id), c.sock
         if segment is None or offset + length > segment.info.size_bytes:
             return False
         try:
             if op is Op.READ:
                 segment.send_to(conn, offset, length, encode_response(FrameStatus.OK, length))
             else:
-                segment.recv_from(lambda v: _recv_exact(conn, v, frame_started=True),
+                segment.recv_from(lambda v: _recv_exact(c.reader, v, frame_started=True),
                                   offset, length)
                 conn.sendall(encode_response(FrameStatus.OK, 0))
         except ValueError:   # closed by an unmount since the lookup
@@ -846,7 +848,7 @@ class DataServer:
     def _shm_frame(self, c: _Conn) -> bool:
         """Serve one hand-off socket frame of ``c``; False if the connection must end."""
         conn, peer, length_buf = c.sock, c.peer, c.header
-        _recv_exact(conn, memoryview(length_buf), frame_started=False)
+        _recv_exact(c.reader, memoryview(length_buf), frame_started=False)
         if c.trust == _ShmTrust.NONE:
             self._refuse_handoff(conn, peer, FrameStatus.DENIED,
                                  "this node does not trust your uid/gid with its shared memory "
@@ -870,7 +872,7 @@ class DataServer:
             self._refuse_handoff(conn, peer, FrameStatus.BAD_REQUEST, reason, close=True)
             return False
         sid_buf = bytearray(sid_len)
-        _recv_exact(conn, memoryview(sid_buf), frame_started=True)
+        _recv_exact(c.reader, memoryview(sid_buf), frame_started=True)
         try:
             segment_id = sid_buf.decode("utf-8")
         except UnicodeDecodeError:
@@ -927,12 +929,12 @@ class DataServer:
         """A RESERVE or SEAL on the hand-off socket; False if it was malformed (the
         connection ends)."""
         conn, peer = c.sock, c.peer
-        head = _recv_bytes(conn, HANDOFF_RECORD.size)
+        head = _recv_bytes(c.reader, HANDOFF_RECORD.size)
         sid_len, offset, length = HANDOFF_RECORD.unpack(head)
         if reason := check_segment_id_length(sid_len):
             self._refuse_handoff(conn, peer, FrameStatus.BAD_REQUEST, reason, close=True)
             return False
-        got = recv_record(lambda n: _recv_bytes(conn, n), sid_len=sid_len)
+        got = recv_record(lambda n: _recv_bytes(c.reader, n), sid_len=sid_len)
         if isinstance(got, str):
             self._refuse_handoff(conn, peer, FrameStatus.BAD_REQUEST, got, close=True)
             return False
@@ -954,11 +956,11 @@ class DataServer:
             _linger_close(conn)
 
 
-def _recv_bytes(conn: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    if n:
-        _recv_exact(conn, memoryview(buf), frame_started=True)
-    return bytes(buf)
+def _recv_bytes(reader: FrameReader, n: int) -> bytes:
+    try:
+        return reader.read(n, "client")
+    except PeerClosed:
+        raise _Disconnected(mid_frame=True) from None
 
 
 def _checksum_of(segment: Segment, offset: int, length: int) -> int:
