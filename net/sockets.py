@@ -9,7 +9,7 @@ import select
 import socket
 import ssl
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvpool.common.config import ConfigError
 from kvpool.common.errors import TransportError
@@ -39,14 +39,18 @@ class FrameReader:
     reading each apart costs one each (a store node's 64 KiB put over tcp: 14 reads, ~5 so).
     A read at least the buffer's size, once the buffer is drained, goes straight to its
     destination (a payload lands where it is stored, not copied twice). Every read of the
-    socket must go through it; :meth:`pending` tells a poller what it holds unread."""
+    socket must go through it; :meth:`pending` tells a poller what it holds unread.
+    ``before_wait``: called before each read of the socket, which may wait for the peer (a
+    server that holds answers back while more requests are buffered sends them there)."""
 
-    __slots__ = ("sock", "_buf", "_start", "_end")
+    __slots__ = ("sock", "_buf", "_start", "_end", "_before_wait")
 
-    def __init__(self, sock: socket.socket, size: int = 8192) -> None:
+    def __init__(self, sock: socket.socket, size: int = 8192,
+                 before_wait: Callable[[], object] | None = None) -> None:
         self.sock = sock
         self._buf = memoryview(bytearray(size))
         self._start = self._end = 0
+        self._before_wait = before_wait
 
     def pending(self) -> int:
         """Bytes read from the socket and not yet taken."""
@@ -59,6 +63,8 @@ class FrameReader:
             view[:got] = self._buf[self._start:self._start + got]
             self._start += got
         while got < size:
+            if self._before_wait is not None:
+                self._before_wait()
             if size - got >= len(self._buf):
                 n = self.sock.recv_into(view[got:], size - got)
                 take = n

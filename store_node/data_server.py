@@ -102,6 +102,7 @@ _LINGER_WORK_MS = 20
 # master round trip at least, and a node polling through it takes a core from that client and
 # the master (README "Security's cost": on two cores a 64 KiB tcp get was ~15% slower so).
 _POLL_AFTER = frozenset({Op.RESERVE, Op.WRITE})
+_RECORD_OK = encode_response(FrameStatus.OK, 0)
 _POLL_AFTER_HANDOFF = frozenset({HANDOFF_RESERVE})
 _FD_HEADROOM = 128       # fds kept for segments, the master's channel, logs (see _fit_fd_limit)
 _IN = select.EPOLLIN | select.EPOLLONESHOT
@@ -243,9 +244,9 @@ class _GrantChecker:
 class _Conn:
     """One client connection and what serving it keeps between frames."""
 
-    __slots__ = ("board", "busy", "fd", "header", "keep_open", "last_active", "next_frame",
-                 "peer", "poll_next", "queue_pairs", "reader", "shm", "shake", "sid_buf",
-                 "sock", "trust")
+    __slots__ = ("board", "busy", "fd", "header", "held", "keep_open", "last_active",
+                 "next_frame", "peer", "poll_next", "queue_pairs", "reader", "shm", "shake",
+                 "sid_buf", "sock", "trust")
 
     def __init__(self, sock: socket.socket, peer: str, shm: bool, trust: int) -> None:
         self.sock, self.fd, self.peer, self.shm, self.trust = sock, sock.fileno(), peer, shm, trust
@@ -260,10 +261,28 @@ class _Conn:
         self.queue_pairs: list = []        # RDMA queue pairs set up on it: die with it
         # A worker polls a while for the client's next frame before it sleeps on it
         # ($KVPOOL_SPIN_US) where that frame follows at once (``poll_next``: _POLL_AFTER).
-        self.reader = FrameReader(sock)   # every read of the socket: a frame in one or two
+        # Every read of the socket: a frame in one or two. A RESERVE's or SEAL's answer is
+        # held back while the client's next frame is read already (``held``): a batch of
+        # them pipelined is answered in one send, not one each (sent before anything else
+        # is, and before the worker waits for the client: :meth:`flush`).
+        self.held = bytearray()
+        self.reader = FrameReader(sock, before_wait=self.flush)
         self.next_frame = Spinner(sock, reader=self.reader)
         self.poll_next = False
         self.board: Board | None = None    # its seal board (shm writers: net/seal_board.py)
+
+    def answer_record(self) -> None:
+        """A RESERVE or SEAL taken: its OK, sent at once unless the next frame is read
+        already (then with that one's answer, or before the worker next waits)."""
+        self.held += _RECORD_OK
+        if not self.reader.pending():
+            self.flush()
+
+    def flush(self) -> None:
+        """Send the answers held back."""
+        if self.held:
+            held, self.held = self.held, bytearray()
+            self.sock.sendall(held)
 
 
 class DataServer:
@@ -592,6 +611,8 @@ class DataServer:
         _recv_exact(reader, memoryview(header), frame_started=False)
         magic, op, sid_len, offset, length = REQUEST.unpack(header)
         c.poll_next = op in _POLL_AFTER
+        if op != Op.RESERVE and op != Op.SEAL:
+            c.flush()   # answers go in order
         if reason := malformed_request(magic, op, sid_len, offset, length):
             self._refuse_malformed(conn, peer, reason)
             return False
@@ -622,6 +643,7 @@ class DataServer:
         if op in (Op.RESERVE, Op.SEAL):
             got = recv_record(lambda n: _recv_bytes(reader, n))
             if isinstance(got, str):
+                c.flush()
                 self._refuse_malformed(conn, peer, got)
                 return False
             self._count(op.name)
@@ -635,8 +657,9 @@ class DataServer:
             else:
                 status, message = self._take_record(op, segment_id, offset, length, got[1])
             if status is FrameStatus.OK:
-                conn.sendall(encode_response(FrameStatus.OK, 0))
+                c.answer_record()
                 return True
+            c.flush()
             client_errors.warning("put_record_refused", kind=status.name, peer=peer,
                                   op=op.name, key=got[1].key, reason=message)
             send_refusal(conn, status, message)
@@ -856,6 +879,8 @@ class DataServer:
             return False
         (sid_len,) = HANDOFF_REQUEST.unpack(length_buf)
         c.poll_next = sid_len in _POLL_AFTER_HANDOFF
+        if sid_len != HANDOFF_RESERVE and sid_len != HANDOFF_SEAL:
+            c.flush()   # answers go in order
         if sid_len == HANDOFF_INDEX:
             return self._hand_index(c)
         if sid_len in (HANDOFF_RESERVE, HANDOFF_SEAL, HANDOFF_BOARD):
@@ -932,18 +957,21 @@ class DataServer:
         head = _recv_bytes(c.reader, HANDOFF_RECORD.size)
         sid_len, offset, length = HANDOFF_RECORD.unpack(head)
         if reason := check_segment_id_length(sid_len):
+            c.flush()
             self._refuse_handoff(conn, peer, FrameStatus.BAD_REQUEST, reason, close=True)
             return False
         got = recv_record(lambda n: _recv_bytes(c.reader, n), sid_len=sid_len)
         if isinstance(got, str):
+            c.flush()
             self._refuse_handoff(conn, peer, FrameStatus.BAD_REQUEST, got, close=True)
             return False
         op = Op.RESERVE if marker == HANDOFF_RESERVE else Op.SEAL
         self._count(op.name)
         status, message = self._take_record(op, got[0], offset, length, got[1], c.board)
         if status is FrameStatus.OK:
-            conn.sendall(encode_response(FrameStatus.OK, 0))
+            c.answer_record()
         else:
+            c.flush()
             self._refuse_handoff(conn, peer, status, message)
         return True
 

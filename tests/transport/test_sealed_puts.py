@@ -211,3 +211,49 @@ def test_a_slot_put_over_shm_seals_on_the_board_with_no_round_trip_to_the_node(s
         assert all(r.size == 5000 for r in manifest.sealed())
     finally:
         shm.close()
+
+
+def _seal_batch_over_tcp(endpoints, seg, extents, records) -> list[str | None]:
+    """SEAL frames pipelined in one send on the data port: each answer, in order."""
+    host, _, port = endpoints.tcp_endpoint.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(b"".join(encode_record_request(Op.SEAL, seg.info.segment_id, offset,
+                                                    length, record)
+                              for (offset, length), record in zip(extents, records)))
+        answers = []
+        for _ in records:
+            status, length = RESPONSE.unpack(recv_exact(sock, RESPONSE.size))
+            answers.append(None if status == FrameStatus.OK else
+                           f"{FrameStatus(status).name}: {recv_refusal(sock, status, length)}")
+        return answers
+
+
+def _seal_batch_over_shm(endpoints, seg, extents, records) -> list[str | None]:
+    t = SHMTransport(timeout_s=5)
+    try:
+        ops = [_op(endpoints, seg, offset, memoryview(bytearray(length)))
+               for offset, length in extents]
+        return [None if e is None else str(e) for e in t._records(Op.SEAL, ops, records)]
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("seal_batch", [_seal_batch_over_tcp, _seal_batch_over_shm],
+                         ids=["tcp", "shm"])
+def test_pipelined_seals_are_answered_each_in_order_around_a_refused_one(node, seal_batch):
+    """The node answers a batch of pipelined RESERVEs or SEALs together (held back while the
+    next frame is read already): each still gets its own answer, in order, a refusal among
+    them where it falls, and the frames after it are served."""
+    endpoints, seg, manifest = node
+    n, size = 40, 1024
+    values = [os.urandom(size) for _ in range(n)]
+    for i, v in enumerate(values):
+        seg.buffer[i * size:(i + 1) * size] = v
+    bad = {7, 23}
+    records = [PutRecord(f"k{i}", i + 1, EPOCH, 30.0, checksum(v) ^ (i in bad))
+               for i, v in enumerate(values)]
+    answers = seal_batch(endpoints, seg, [(i * size, size) for i in range(n)], records)
+    assert [i for i, a in enumerate(answers) if a is not None] == sorted(bad)
+    assert all("CHECKSUM_MISMATCH" in answers[i] for i in bad)
+    assert sorted(r.key for r in manifest.records()) == sorted(f"k{i}" for i in range(n)
+                                                               if i not in bad)

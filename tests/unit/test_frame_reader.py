@@ -103,3 +103,16 @@ def test_bytes_the_reader_holds_count_as_readable(pair):
     assert spinner.readable_within(0) is True
     assert reader.read(3) == b"two"
     assert spinner.readable_within(0) is False
+
+
+def test_before_wait_runs_before_each_read_of_the_socket_only(pair):
+    """A server holds answers back while requests are buffered, and sends them before it
+    could wait for the client (else both would wait on each other)."""
+    a, b = pair
+    waits = []
+    reader = FrameReader(b, BUFFER, before_wait=lambda: waits.append(reader.pending()))
+    a.sendall(b"0123456789")
+    assert reader.read(4) == b"0123" and waits == [0]
+    assert reader.read(6) == b"456789" and waits == [0]   # from the buffer: no wait
+    a.sendall(b"ab")
+    assert reader.read(2) == b"ab" and waits == [0, 0]
