@@ -63,6 +63,9 @@ _PUT_DEADLINE_MARGIN_S = 0.5
 # "acknowledged" puts in test_master_restart; they had been evicted, the faster puts having
 # filled that test's cluster past its watermark. The test now writes within a budget.)
 SEAL_MAX_KEYS = 4
+# Puts of at most this many keys (each value of at most 4 MiB) go into slots when the client
+# holds one free for each (client/slots.py): copies, seals, one PutEnd.
+SLOT_BATCH_MAX = 8
 # A single put of at least this many bytes asks the master to keep polling while it copies
 # (MasterClient.spin): the copy outlasts the master's own polling after its last answer
 # ($KVPOOL_SPIN_US, 200 us), and its PutEnd would meet a core gone to sleep (~0.1 ms to wake
@@ -304,6 +307,16 @@ class KVClient:
                                                     result) \
                     if isinstance(result, _Unsure) else result   # our seal may be indexed
                 return results
+        if 1 < len(idx) <= SLOT_BATCH_MAX and slots and self._slots is not None \
+                and replicas in (None, self._replicas) and len({keys[i] for i in idx}) == len(idx):
+            taken = self._slots.take_many([views[i].nbytes for i in idx])
+            out = None if taken is None else self._put_in_slots(keys, idx, views, parents, taken)
+            if out is not None:
+                for i, result in zip(idx, out):
+                    results[i] = self._put_after_unsure(
+                        keys[i], views[i], [parents[i]] if parents else None, replicas, result) \
+                        if isinstance(result, _Unsure) else result
+                return results
         fenced = self._fenced and len(idx) <= SEAL_MAX_KEYS
         sent = time.monotonic()
         placed, put_timeout_s, grant = self._master.put_start_grant(
@@ -432,6 +445,51 @@ class KVClient:
         if self._metrics is not None:
             self._metrics.moved("put", t.scheme, view.nbytes)
         return None
+
+    def _put_in_slots(self, keys: Sequence[str], idx: list[int], views: dict[int, memoryview],
+                      parents: Sequence[str | None] | None, taken: list[Slot]) -> list | None:
+        """The values at ``idx`` put into the slots ``taken`` (one each), as
+        :meth:`_put_in_slot` puts one: the copies and their seals (over shm in the slots'
+        seal board cells: no round trip; over tcp WRITE and SEAL pipelined, one round trip),
+        then one PutEnd committing every slot sealed as its key. Each one's error, None, or
+        ``_Unsure``; None if no one transport reaches every slot (none was written)."""
+        ops = [slot.op(views[i]) for i, slot in zip(idx, taken)]
+        t = self._transport_for(ops[0].replica)
+        if t is None or not t.slots or any(self._transport_for(op.replica) is not t
+                                           for op in ops[1:]):
+            for slot in taken:
+                self._slots.discard(slot)
+            return None
+        parent = [parents[i] if parents else None for i in idx]
+        errors, sums = t.write_sealed(ops, [slot.record_of(keys[i], p) for i, slot, p in
+                                            zip(idx, taken, parent)], reserved=True)
+        out: list = [_Unsure(slot.record.version, views[i].nbytes) for i, slot in zip(idx, taken)]
+        now = time.monotonic()   # past a slot's deadline the master may be reclaiming it
+        ready = [k for k, e in enumerate(errors) if e is None and now <= taken[k].deadline]
+        for k in sorted(set(range(len(taken))) - set(ready)):
+            self._slots.discard(taken[k])   # not committed: revoked (its seal dropped)
+        if not ready:
+            return out
+        try:
+            ended = self._master.put_end(
+                [taken[k].key for k in ready], [sums[k] for k in ready], sealed=True,
+                as_keys=[keys[idx[k]] for k in ready], sizes=[ops[k].buffer.nbytes for k in ready],
+                parents=[parent[k] for k in ready])
+        except MasterUnavailable:
+            self._slots.reset()
+            return out
+        for k, error in zip(ready, ended):
+            if isinstance(error, (AlreadyExists, InvalidArgument, QuotaExceeded)):
+                out[k] = error   # the key's own answer (the master released the slot)
+            elif error is not None:   # the slot was reclaimed, or its master is gone
+                self._slots.reset()
+            else:
+                out[k] = None
+                self._put_held(t, keys[idx[k]], taken[k].replica, taken[k].held,
+                               ops[k].buffer.nbytes)
+                if self._metrics is not None:
+                    self._metrics.moved("put", t.scheme, ops[k].buffer.nbytes)
+        return out
 
     def _put_after_unsure(self, key: str, view: memoryview, parents, replicas: int | None,
                           unsure: _Unsure) -> KVPoolError | None:

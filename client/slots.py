@@ -18,7 +18,8 @@ acknowledged put survives a master kill as a sealed one does. Over shm the seal 
 at all: the put fills the cell of the link's seal board that the slot's RESERVE named
 (net/seal_board.py), in the node's memory before PutEnd is sent.
 
-Slots serve single puts of at most ``SLOT_MAX_BYTES`` through a transport that can reserve
+Slots serve single puts, and batches of up to ``kv_client.SLOT_BATCH_MAX`` keys (a slot for
+each, or none), of values of at most ``SLOT_MAX_BYTES`` through a transport that can reserve
 (shm, tcp), with one replica. On tcp the slot's grants name its placeholder and its whole
 extent: the node that holds the slot's reservation takes them for a shorter WRITE into it,
 and for a SEAL of a key of the placeholder's tenant there. A put that finds no slot goes the
@@ -122,29 +123,35 @@ class SlotPool:
 
     def take(self, nbytes: int) -> Slot | None:
         """A slot for a value of ``nbytes``, or None (more are asked for meanwhile)."""
-        if nbytes > SLOT_MAX_BYTES or os.getpid() != self._pid:
+        got = self.take_many([nbytes])
+        return None if got is None else got[0]
+
+    def take_many(self, sizes: list[int]) -> list[Slot] | None:
+        """A slot for each value of ``sizes`` (bytes), or None if any has none free (none is
+        taken then; more are asked for meanwhile)."""
+        if max(sizes) > SLOT_MAX_BYTES or os.getpid() != self._pid:
             return None
-        size = size_class(nbytes)
+        classes = [size_class(n) for n in sizes]
         now = time.monotonic()
         with self._cond:
             if self._closed:
                 return None
-            free = self._free.get(size)
-            slot = None
-            while free:
-                s = free.pop()
-                if s.deadline > now:
-                    slot = s
-                    break
-                self._stale.append(s)
-            if len(free or ()) <= self._count(size) // 2 and size not in self._wanted \
-                    and self._backoff.get(size, 0.0) <= now:
-                self._wanted[size] = None
-                self._start()
-                self._cond.notify()
-            if slot is not None:
-                self.used += 1
-            return slot
+            for size in dict.fromkeys(classes):
+                free = self._free.get(size)
+                while free and free[-1].deadline <= now:   # soonest deadline last
+                    self._stale.append(free.pop())
+            wants = {size: classes.count(size) for size in classes}
+            enough = all(len(self._free.get(size, ())) >= k for size, k in wants.items())
+            taken = [self._free[size].pop() for size in classes] if enough else None
+            for size in wants:
+                if len(self._free.get(size, ())) <= self._count(size) // 2 \
+                        and size not in self._wanted and self._backoff.get(size, 0.0) <= now:
+                    self._wanted[size] = None
+                    self._start()
+                    self._cond.notify()
+            if taken is not None:
+                self.used += len(taken)
+            return taken
 
     def reset(self) -> None:
         """Forget every slot (their master is gone, or refused one): made again on demand."""

@@ -66,15 +66,17 @@ class Transport(ABC):
     #: itself, and the master answers PutStart and PutEnd without waiting for the nodes.
     seals: bool = False
 
-    def write_sealed(self, ops: Sequence[IoOp], records: Sequence[PutRecord]
+    def write_sealed(self, ops: Sequence[IoOp], records: Sequence[PutRecord], *,
+                     reserved: bool = False
                      ) -> tuple[list[TransportError | None], list[int | None]]:
         """:meth:`write_summed`, fenced and sealed at the node (net/data_port.py RESERVE and
         SEAL): each op's extent is reserved with ``records[k]`` (key, version, the granting
         master's epoch) before any byte of it is written, refused if that master is not the
         node's; once written, the record is sealed with the CRC-32C, which the node checks
-        against the bytes it holds. An op is done (None) only when sealed. This default
-        refuses every op: a transport that cannot reach the node's records (``seals``
-        False) is never asked."""
+        against the bytes it holds. An op is done (None) only when sealed. ``reserved``: the
+        extents lie in slots the caller reserved already (:meth:`reserve`; only where
+        ``slots``): no RESERVE. This default refuses every op: a transport that cannot reach
+        the node's records (``seals`` False) is never asked."""
         error = TransportError(f"{self.scheme or type(self).__name__}: cannot seal puts")
         return [error] * len(ops), [None] * len(ops)
 

@@ -771,24 +771,47 @@ class SHMTransport(Transport):
 
     seals = True
 
-    def write_sealed(self, ops: Sequence[IoOp], records: Sequence[PutRecord]
+    def write_sealed(self, ops: Sequence[IoOp], records: Sequence[PutRecord], *,
+                     reserved: bool = False
                      ) -> tuple[list[TransportError | None], list[int | None]]:
         """:meth:`Transport.write_sealed`: a RESERVE round trip on each node's hand-off link,
-        the copy (checksummed as it goes), a SEAL round trip."""
-        results: list[TransportError | None] = list(self._records(Op.RESERVE, ops, records))
+        the copy (checksummed as it goes), a SEAL round trip. ``reserved``: the extents lie
+        in slots reserved already (no RESERVE); a slot's seal goes in its seal board cell
+        (no round trip), else in a SEAL."""
+        results: list[TransportError | None] = [None] * len(ops) if reserved else \
+            list(self._records(Op.RESERVE, ops, records))
         todo = [k for k, e in enumerate(results) if e is None]
         sums: list[int | None] = [None] * len(ops)
         if todo:
             errors, crcs = self.write_summed([ops[k] for k in todo])
             for k, e, c in zip(todo, errors, crcs):
                 results[k], sums[k] = e, c
-        todo = [k for k, e in enumerate(results) if e is None]
-        if todo:
-            sealed = [PutRecord(records[k].key, records[k].version, records[k].epoch,
-                                records[k].hold_s, sums[k], records[k].parent) for k in todo]
-            for k, e in zip(todo, self._records(Op.SEAL, [ops[k] for k in todo], sealed)):
+        sealed = {k: PutRecord(records[k].key, records[k].version, records[k].epoch,
+                               records[k].hold_s, sums[k], records[k].parent)
+                  for k, e in enumerate(results) if e is None}
+        if reserved:
+            for k, op in enumerate(ops):
+                if self._sealed_in_cell(op, sealed.get(k)):
+                    del sealed[k]
+        if sealed:
+            for k, e in zip(sealed, self._records(Op.SEAL, [ops[k] for k in sealed],
+                                                  list(sealed.values()))):
                 results[k] = e
         return results, [None if e is not None else c for e, c in zip(results, sums)]
+
+    def _sealed_in_cell(self, op: IoOp, sealed: PutRecord | None) -> bool:
+        """Seal ``sealed`` (None: its write failed) in the seal board cell of the slot ``op``
+        filled, and free the cell; False where that slot has no cell, or the record does not
+        fit one (seal it on the socket)."""
+        place = (op.replica.extent.segment_id, op.replica.extent.offset)
+        link = self._links.get(op.replica.node.shm_endpoint)
+        if link is None or (cell := link.cell_at(place)) is None:
+            return False
+        # The cell is freed only once filled: a cell taken again meanwhile would be bound to
+        # another slot at the node, and this record read as that slot's.
+        done = sealed is not None and link.seal_in(cell, sealed, op.replica.extent.length)
+        link.drop_cell(place)
+        return done
 
     slots = True
 
@@ -835,22 +858,15 @@ class SHMTransport(Transport):
             if error is not None:
                 return error, None, False
         [error], [crc] = self.write_summed([op])
-        place = (op.replica.extent.segment_id, op.replica.extent.offset)
-        link = self._links.get(op.replica.node.shm_endpoint) if reserved else None
         if error is not None or crc is None:
-            if link is not None:
-                link.drop_cell(place)
+            if reserved:
+                self._sealed_in_cell(op, None)   # its cell is free again
             return error, None, False
         sealed = PutRecord(record.key, record.version, record.epoch, record.hold_s, crc,
                            record.parent)
-        if link is not None and (cell := link.cell_at(place)) is not None:
-            # The cell is freed only once filled: a cell taken again meanwhile would be
-            # bound to another slot at the node, and this record read as that slot's.
-            sealed_in_cell = link.seal_in(cell, sealed, op.replica.extent.length)
-            link.drop_cell(place)
-            if sealed_in_cell:
-                then(crc)
-                return None, crc, True
+        if reserved and self._sealed_in_cell(op, sealed):
+            then(crc)
+            return None, crc, True
         called = False
 
         def once() -> None:

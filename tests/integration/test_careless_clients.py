@@ -12,6 +12,7 @@ import grpc
 import numpy as np
 import pytest
 from kvpool.client import KVClient
+from kvpool.client.kv_client import SLOT_BATCH_MAX
 from kvpool.client.router import RouterClient
 from kvpool.common.errors import InvalidArgument, LimitExceeded, NoSpace
 from kvpool.common.kv_events import BlockRemoved, BlockStored
@@ -58,9 +59,11 @@ def test_a_put_that_cannot_fit_beside_hard_pins_evicts_nothing(cluster, kv):
 
 def test_puts_started_and_abandoned_hold_at_most_their_share(cluster, kv):
     # PutStart of 2 x 63 MiB with no PutEnd: the second is refused (pending puts may hold half
-    # the capacity); a legitimate put still goes, and nothing was wiped.
-    small = [f"small{i}" for i in range(8)]
-    assert kv.batch_put(small, [np.full(MiB // 4, i, np.uint8) for i in range(8)]) == [None] * 8
+    # the capacity); a legitimate put still goes, and nothing was wiped. A batch larger than
+    # a slot batch: this client holds no slots (they count as puts started) when the hogs come.
+    small = [f"small{i}" for i in range(SLOT_BATCH_MAX + 2)]
+    assert kv.batch_put(small, [np.full(MiB // 4, i, np.uint8) for i in range(len(small))]
+                        ) == [None] * len(small)
     with MasterClient(cluster.master) as mc:
         [first], _ = mc.put_start(["hog1"], [63 * MiB])
         assert isinstance(first, tuple)

@@ -1,6 +1,7 @@
-"""Single puts into slots (client/slots.py) on a real cluster: one round trip a put, the
-guarantees of a sealed put kept (an acknowledged put survives a master kill -9), a duplicate
-put refused without the node forgetting the stored object, slots revoked at close."""
+"""Single puts, and small batches, into slots (client/slots.py) on a real cluster: one round
+trip a put, the guarantees of a sealed put kept (an acknowledged put survives a master kill
+-9), a duplicate put refused without the node forgetting the stored object, slots revoked at
+close."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 
 import pytest
 from kvpool.client import KVClient
+from kvpool.client.kv_client import SLOT_BATCH_MAX
 from kvpool.client.transport.base import IoOp
 from kvpool.client.transport.tcp import TCPTransport
 from kvpool.common.errors import AlreadyExists
@@ -26,6 +28,23 @@ def one_node(tmp_path):
     """One node, so that a duplicate's slot lies on the node holding the stored object; puts
     reclaimed after 30 s, so that slots outlast any slowness of this host."""
     yield from run_cluster(tmp_path, nodes=1, master_args=["--put-timeout", "30s"])
+
+
+def fill_slots_in_batches(kv: KVClient, prefix: str, n: int, size: int, batch: int
+                          ) -> dict[str, bytes]:
+    """Put ``batch`` values a call until ``n`` calls went through slots whole."""
+    values: dict[str, bytes] = {}
+    deadline = time.monotonic() + WAIT_S
+    whole = 0
+    while whole < n:
+        assert time.monotonic() < deadline, "no batch went into slots"
+        keys = [f"{prefix}-{len(values) + i}" for i in range(batch)]
+        new = {k: os.urandom(size) for k in keys}
+        used = kv._slots.used
+        assert kv.batch_put(keys, list(new.values())) == [None] * batch
+        whole += kv._slots.used - used == batch
+        values.update(new)
+    return values
 
 
 def fill_slots(kv: KVClient, prefix: str, n: int, size: int) -> dict[str, bytes]:
@@ -114,3 +133,35 @@ def test_on_tcp_a_slot_takes_only_a_shorter_write_and_a_key_of_its_tenant(one_no
         tcp.close()
     with KVClient(one_node.master) as kv:
         assert kv.batch_exists(["mine", "k"]) == [False, False]
+
+
+@pytest.mark.parametrize("scheme", ["shm", "tcp"])
+def test_small_batches_fill_slots_and_survive_a_master_kill(one_node, scheme):
+    with KVClient(one_node.master, transports=[scheme]) as kv:
+        values = fill_slots_in_batches(kv, "b", 6, 20_000, SLOT_BATCH_MAX)
+        assert kv.batch_get(list(values), verify=True) == list(values.values())
+        one_node.restart_master()   # right after the last batch was acknowledged
+        read_all_when_back(kv, values)
+
+
+@pytest.mark.parametrize("scheme", ["shm", "tcp"])
+def test_a_batch_in_slots_answers_each_key_its_own(one_node, scheme):
+    """A stored key among the batch's is refused alone, its stored bytes kept; a key given
+    twice goes the usual way (refused the second time); the others are stored."""
+    with KVClient(one_node.master, transports=[scheme]) as kv:
+        stored = fill_slots_in_batches(kv, "s", 2, 4096, 4)
+        old = next(iter(stored))
+        deadline = time.monotonic() + WAIT_S
+        while True:   # until a batch with the stored key in it went through slots whole
+            assert time.monotonic() < deadline, "no batch went into slots"
+            keys = [f"n-{time.monotonic_ns()}-{i}" for i in range(3)]
+            new = [os.urandom(4096) for _ in keys]
+            used = kv._slots.used
+            results = kv.batch_put([*keys, old], [*new, os.urandom(4096)])
+            if kv._slots.used - used == 4:
+                break
+        assert results[:3] == [None] * 3 and isinstance(results[3], AlreadyExists)
+        assert kv.batch_get([*keys, old], verify=True) == [*new, stored[old]]
+        twice = kv.batch_put(["t", "t"], [b"one", b"two"])
+        assert twice[0] is None and isinstance(twice[1], AlreadyExists)
+        assert kv.get("t") == b"one"

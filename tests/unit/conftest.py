@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import socket
 
 import pytest
 from kvpool.common import checksum
@@ -27,6 +28,15 @@ class FakeClock:
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
+
+
+@pytest.fixture
+def pair():
+    """Two connected sockets (socketpair), closed after the test."""
+    a, b = socket.socketpair()
+    yield a, b
+    a.close()
+    b.close()
 
 
 def get_replicas(state, keys) -> list[ObjectView | KVPoolError]:

@@ -17,14 +17,6 @@ from kvpool.net.sockets import FrameReader, PeerClosed, Spinner
 BUFFER = 64   # small, so that reads cross it often
 
 
-@pytest.fixture
-def pair():
-    a, b = socket.socketpair()
-    yield a, b
-    a.close()
-    b.close()
-
-
 def _send_in_pieces(sock: socket.socket, data: bytes, cuts: list[int]) -> threading.Thread:
     def send() -> None:
         at = 0

@@ -16,14 +16,6 @@ from kvpool.net.sockets import SPIN_ENV, LoopSpinner, Spinner, spin_default_s
 SPIN_S = 0.05   # long against a loaded machine's scheduling delays
 
 
-@pytest.fixture
-def pair():
-    a, b = socket.socketpair()
-    yield a, b
-    a.close()
-    b.close()
-
-
 def _timed(spinner: Spinner) -> tuple[bool, float]:
     start = time.perf_counter()
     return spinner.wait(), time.perf_counter() - start

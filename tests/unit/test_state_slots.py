@@ -122,3 +122,38 @@ def test_a_forked_child_takes_no_slot_of_its_parent(monkeypatch):
     monkeypatch.setattr(client_slots.os, "getpid", lambda: child)
     assert pool.take(4096) is None
     assert pool._thread is None   # and asks for none
+
+
+def test_a_batch_takes_a_slot_for_each_value_or_none():
+    """SlotPool.take_many: one free slot per value, of each value's size class, or nothing
+    taken at all (the batch then goes the usual way); slots past their deadline are passed
+    by."""
+    import math
+    import time
+
+    from kvpool.client import slots as client_slots
+    from kvpool.common.types import Extent, NodeEndpoints, Replica
+    from kvpool.net.data_port import PutRecord
+
+    pool = client_slots.SlotPool(None, lambda replica: None, 1)
+    now = time.monotonic()
+
+    def slot(n: int, size: int, deadline: float):
+        return client_slots.Slot(f"s{n}", Replica(NodeEndpoints("n", "b", "n:1"),
+                                                  Extent("seg", n * size, size)),
+                                 PutRecord(f"s{n}", n + 1, 1, 30.0), "", deadline)
+
+    small, large = client_slots.size_class(4096), client_slots.size_class(1 << 20)
+    for size in (small, large):
+        pool._backoff[size] = math.inf   # no helper asks the (absent) master for more
+    pool._free[small] = [slot(0, small, now + 60), slot(1, small, now + 30),
+                         slot(2, small, now - 1)]   # soonest deadline last: one expired
+    pool._free[large] = [slot(3, large, now + 60)]
+    assert pool.take_many([4096, 1 << 20, 4096, 4096]) is None   # 3 small asked, 2 live
+    assert [s.key for s in pool._free[small]] == ["s0", "s1"] and len(pool._free[large]) == 1
+    got = pool.take_many([100, 1 << 20, 4000])
+    assert [s.key for s in got] == ["s1", "s3", "s0"] and pool.used == 3
+    assert pool._free[small] == [] and pool._free[large] == []
+    assert pool.take_many([4096]) is None and pool.take(4096) is None
+    assert [s.key for s in pool._stale] == ["s2"]   # to be revoked
+    assert pool._thread is None
