@@ -123,8 +123,25 @@ class SlotPool:
 
     def take(self, nbytes: int) -> Slot | None:
         """A slot for a value of ``nbytes``, or None (more are asked for meanwhile)."""
-        got = self.take_many([nbytes])
-        return None if got is None else got[0]
+        if nbytes > SLOT_MAX_BYTES or os.getpid() != self._pid:
+            return None
+        size = size_class(nbytes)
+        now = time.monotonic()
+        with self._cond:
+            if self._closed:
+                return None
+            free = self._free.get(size)
+            slot = None
+            while free:
+                s = free.pop()
+                if s.deadline > now:
+                    slot = s
+                    break
+                self._stale.append(s)
+            self._ask_if_low(size, now)
+            if slot is not None:
+                self.used += 1
+            return slot
 
     def take_many(self, sizes: list[int]) -> list[Slot] | None:
         """A slot for each value of ``sizes`` (bytes), or None if any has none free (none is
@@ -132,26 +149,30 @@ class SlotPool:
         if max(sizes) > SLOT_MAX_BYTES or os.getpid() != self._pid:
             return None
         classes = [size_class(n) for n in sizes]
+        wants = {size: classes.count(size) for size in classes}
         now = time.monotonic()
         with self._cond:
             if self._closed:
                 return None
-            for size in dict.fromkeys(classes):
+            for size in wants:
                 free = self._free.get(size)
                 while free and free[-1].deadline <= now:   # soonest deadline last
                     self._stale.append(free.pop())
-            wants = {size: classes.count(size) for size in classes}
             enough = all(len(self._free.get(size, ())) >= k for size, k in wants.items())
             taken = [self._free[size].pop() for size in classes] if enough else None
             for size in wants:
-                if len(self._free.get(size, ())) <= self._count(size) // 2 \
-                        and size not in self._wanted and self._backoff.get(size, 0.0) <= now:
-                    self._wanted[size] = None
-                    self._start()
-                    self._cond.notify()
+                self._ask_if_low(size, now)
             if taken is not None:
                 self.used += len(taken)
             return taken
+
+    def _ask_if_low(self, size: int, now: float) -> None:
+        """Under the lock: the helper makes more of class ``size`` once half are used."""
+        if len(self._free.get(size, ())) <= self._count(size) // 2 and size not in self._wanted \
+                and self._backoff.get(size, 0.0) <= now:
+            self._wanted[size] = None
+            self._start()
+            self._cond.notify()
 
     def reset(self) -> None:
         """Forget every slot (their master is gone, or refused one): made again on demand."""
