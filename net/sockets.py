@@ -36,7 +36,7 @@ def recv_exact_into(sock: socket.socket, view: memoryview, what: str = "node") -
 class FrameReader:
     """Reads one socket's frames through a small buffer of its own: a frame's header and
     short fields, and as much of what follows as has arrived, come in one system call where
-    reading each apart costs one each (a store node's 64 KiB put over tcp: 14 reads, ~5 so).
+    reading each apart costs one each (a store node's 64 KiB put over tcp: 14 reads, 3 so).
     A read at least the buffer's size, once the buffer is drained, goes straight to its
     destination (a payload lands where it is stored, not copied twice). Every read of the
     socket must go through it; :meth:`pending` tells a poller what it holds unread.

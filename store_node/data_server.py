@@ -102,8 +102,8 @@ _LINGER_WORK_MS = 20
 # master round trip at least, and a node polling through it takes a core from that client and
 # the master (README "Security's cost": on two cores a 64 KiB tcp get was ~15% slower so).
 _POLL_AFTER = frozenset({Op.RESERVE, Op.WRITE})
-_RECORD_OK = encode_response(FrameStatus.OK, 0)
 _POLL_AFTER_HANDOFF = frozenset({HANDOFF_RESERVE})
+_RECORD_OK = encode_response(FrameStatus.OK, 0)   # a RESERVE's or SEAL's answer
 _FD_HEADROOM = 128       # fds kept for segments, the master's channel, logs (see _fit_fd_limit)
 _IN = select.EPOLLIN | select.EPOLLONESHOT
 _UCRED = struct.Struct("3i")   # struct ucred: pid, uid, gid
@@ -614,7 +614,7 @@ class DataServer:
         if op != Op.RESERVE and op != Op.SEAL:
             c.flush()   # answers go in order
         if reason := malformed_request(magic, op, sid_len, offset, length):
-            self._refuse_malformed(conn, peer, reason)
+            self._refuse_malformed(c, reason)
             return False
         granted = magic == MAGIC_GRANTED
         if op == Op.CONNECT_QP:
@@ -630,7 +630,7 @@ class DataServer:
         try:
             segment_id = sid_bytes.decode("utf-8")
         except UnicodeDecodeError:
-            self._refuse_malformed(conn, peer, "segment id is not utf-8")
+            self._refuse_malformed(c, "segment id is not utf-8")
             return False
         grant = _recv_bytes(reader, GRANT_BYTES) if granted else b""
         op = Op(op)
@@ -643,8 +643,7 @@ class DataServer:
         if op in (Op.RESERVE, Op.SEAL):
             got = recv_record(lambda n: _recv_bytes(reader, n))
             if isinstance(got, str):
-                c.flush()
-                self._refuse_malformed(conn, peer, got)
+                self._refuse_malformed(c, got)
                 return False
             self._count(op.name)
             why = self._grants.denied(op, grant, sid_bytes, offset, length, got[1].key)
@@ -778,7 +777,7 @@ class DataServer:
                 queue_pairs.append(qp)
                 status = FrameStatus.OK
             except ValueError as exc:
-                self._refuse_malformed(conn, peer, str(exc))
+                self._refuse_malformed(c, str(exc))
                 return False
             except Exception as exc:  # noqa: BLE001 - pyverbs errors: refuse, keep serving
                 log.warning("queue_pair_refused", peer=peer, error=str(exc))
@@ -861,10 +860,12 @@ class DataServer:
         return FrameStatus.OUT_OF_BOUNDS, (f"[{offset}, {offset + length}) is outside segment "
                                            f"{segment_id!r} of {segment.info.size_bytes} bytes")
 
-    def _refuse_malformed(self, conn: socket.socket, peer: str, reason: str) -> None:
-        client_errors.warning("malformed_frame", peer=peer, reason=reason)
-        send_refusal(conn, FrameStatus.BAD_REQUEST, reason)
-        _linger_close(conn)
+    def _refuse_malformed(self, c: _Conn, reason: str) -> None:
+        """BAD_REQUEST, after the answers held back (in order), then close."""
+        c.flush()
+        client_errors.warning("malformed_frame", peer=c.peer, reason=reason)
+        send_refusal(c.sock, FrameStatus.BAD_REQUEST, reason)
+        _linger_close(c.sock)
 
     # ---------------------------------------------------------------- shm hand-off
 

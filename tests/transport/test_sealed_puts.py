@@ -257,3 +257,24 @@ def test_pipelined_seals_are_answered_each_in_order_around_a_refused_one(node, s
     assert all("CHECKSUM_MISMATCH" in answers[i] for i in bad)
     assert sorted(r.key for r in manifest.records()) == sorted(f"k{i}" for i in range(n)
                                                                if i not in bad)
+
+
+def test_a_malformed_frame_behind_pipelined_seals_is_refused_after_their_answers(node):
+    """The answers held back go out before the BAD_REQUEST that ends the connection."""
+    endpoints, seg, manifest = node
+    value = os.urandom(1024)
+    seg.buffer[0:len(value)] = value
+    good = [encode_record_request(Op.SEAL, seg.info.segment_id, 0, len(value),
+                                  PutRecord(f"k{i}", i + 1, EPOCH, 30.0, checksum(value)))
+            for i in range(3)]
+    bad = b"BAD!" + good[0][4:]   # a SEAL frame with a wrong magic
+    host, _, port = endpoints.tcp_endpoint.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(b"".join(good) + bad)
+        statuses = []
+        for _ in range(4):
+            status, length = RESPONSE.unpack(recv_exact(sock, RESPONSE.size))
+            statuses.append(FrameStatus(status))
+            if status != FrameStatus.OK:
+                recv_refusal(sock, status, length)
+    assert statuses == [FrameStatus.OK] * 3 + [FrameStatus.BAD_REQUEST]
