@@ -98,23 +98,11 @@ def test_a_stale_epoch_write_is_refused_at_the_node_and_lands_nowhere(node, tran
 
 def _seal_over_tcp(endpoints, seg, offset: int, length: int, record: PutRecord) -> str | None:
     """A raw SEAL frame on the data port: None if answered OK, else the refusal."""
-    host, _, port = endpoints.tcp_endpoint.rpartition(":")
-    with socket.create_connection((host, int(port)), timeout=5) as sock:
-        sock.sendall(encode_record_request(Op.SEAL, seg.info.segment_id, offset, length, record))
-        status, length = RESPONSE.unpack(recv_exact(sock, RESPONSE.size))
-        if status == FrameStatus.OK:
-            return None
-        return f"{FrameStatus(status).name}: {recv_refusal(sock, status, length)}"
+    return _seal_batch_over_tcp(endpoints, seg, [(offset, length)], [record])[0]
 
 
 def _seal_over_shm(endpoints, seg, offset: int, length: int, record: PutRecord) -> str | None:
-    t = SHMTransport(timeout_s=5)
-    try:
-        value = memoryview(bytearray(length))   # only its extent is sent with a SEAL
-        [err] = t._records(Op.SEAL, [_op(endpoints, seg, offset, value)], [record])
-        return None if err is None else str(err)
-    finally:
-        t.close()
+    return _seal_batch_over_shm(endpoints, seg, [(offset, length)], [record])[0]
 
 
 @pytest.mark.parametrize("seal", [_seal_over_tcp, _seal_over_shm], ids=["tcp", "shm"])
