@@ -81,7 +81,7 @@ from kvpool.net.data_port import (
     send_reply,
 )
 from kvpool.net import seal_board
-from kvpool.net.sockets import FrameReader, PeerClosed, Spinner
+from kvpool.net.sockets import FrameReader, PeerClosed, Spinner, send_all
 from kvpool.store_node.manifest import Board, Manifest, SealConflict, StaleEpoch
 from kvpool.store_node.memory import Segment
 from kvpool.store_node.rdma import RegionRefused
@@ -104,6 +104,9 @@ _LINGER_WORK_MS = 20
 _POLL_AFTER = frozenset({Op.RESERVE, Op.WRITE})
 _POLL_AFTER_HANDOFF = frozenset({HANDOFF_RESERVE})
 _RECORD_OK = encode_response(FrameStatus.OK, 0)   # a RESERVE's or SEAL's answer
+# Answers held back (_Conn.answer) go out once this many bytes or buffers are held.
+_HELD_MAX_BYTES = 4 << 20
+_HELD_MAX_PARTS = 128
 _FD_HEADROOM = 128       # fds kept for segments, the master's channel, logs (see _fit_fd_limit)
 _IN = select.EPOLLIN | select.EPOLLONESHOT
 _UCRED = struct.Struct("3i")   # struct ucred: pid, uid, gid
@@ -244,9 +247,9 @@ class _GrantChecker:
 class _Conn:
     """One client connection and what serving it keeps between frames."""
 
-    __slots__ = ("board", "busy", "fd", "header", "held", "keep_open", "last_active",
-                 "next_frame", "peer", "poll_next", "queue_pairs", "reader", "shm", "shake",
-                 "sid_buf", "sock", "trust")
+    __slots__ = ("board", "busy", "fd", "header", "held", "held_bytes", "keep_open",
+                 "last_active", "next_frame", "peer", "poll_next", "queue_pairs", "reader", "shm",
+                 "shake", "sid_buf", "sock", "trust")
 
     def __init__(self, sock: socket.socket, peer: str, shm: bool, trust: int) -> None:
         self.sock, self.fd, self.peer, self.shm, self.trust = sock, sock.fileno(), peer, shm, trust
@@ -261,11 +264,13 @@ class _Conn:
         self.queue_pairs: list = []        # RDMA queue pairs set up on it: die with it
         # A worker polls a while for the client's next frame before it sleeps on it
         # ($KVPOOL_SPIN_US) where that frame follows at once (``poll_next``: _POLL_AFTER).
-        # Every read of the socket: a frame in one or two. A RESERVE's or SEAL's answer is
-        # held back while the client's next frame is read already (``held``): a batch of
+        # Every read of the socket: a frame in one or two. A RESERVE's or SEAL's answer, and
+        # a READ's from a segment that lends views of its bytes, is held back while the
+        # client's next frame is read already (``held``: the buffers, in order): a batch of
         # them pipelined is answered in one send, not one each (sent before anything else
         # is, and before the worker waits for the client: :meth:`flush`).
-        self.held = bytearray()
+        self.held: list[bytes | memoryview] = []
+        self.held_bytes = 0
         self.reader = FrameReader(sock, before_wait=self.flush)
         self.next_frame = Spinner(sock, reader=self.reader)
         self.poll_next = False
@@ -274,15 +279,22 @@ class _Conn:
     def answer_record(self) -> None:
         """A RESERVE or SEAL taken: its OK, sent at once unless the next frame is read
         already (then with that one's answer, or before the worker next waits)."""
-        self.held += _RECORD_OK
-        if not self.reader.pending():
+        self.answer(_RECORD_OK)
+
+    def answer(self, *parts: bytes | memoryview) -> None:
+        """An answer of ``parts``, held back as :meth:`answer_record`'s is (sent at once past
+        ``_HELD_MAX_BYTES`` held, or ``_HELD_MAX_PARTS`` buffers)."""
+        self.held += parts
+        self.held_bytes += sum(len(p) for p in parts)
+        if not self.reader.pending() or self.held_bytes >= _HELD_MAX_BYTES \
+                or len(self.held) >= _HELD_MAX_PARTS:
             self.flush()
 
     def flush(self) -> None:
         """Send the answers held back."""
         if self.held:
-            held, self.held = self.held, bytearray()
-            self.sock.sendall(held)
+            held, self.held, self.held_bytes = self.held, [], 0
+            send_all(self.sock, held)
 
 
 class DataServer:
@@ -611,8 +623,8 @@ class DataServer:
         _recv_exact(reader, memoryview(header), frame_started=False)
         magic, op, sid_len, offset, length = REQUEST.unpack(header)
         c.poll_next = op in _POLL_AFTER
-        if op != Op.RESERVE and op != Op.SEAL:
-            c.flush()   # answers go in order
+        if op != Op.RESERVE and op != Op.SEAL and op != Op.READ:
+            c.flush()   # answers go in order (a READ's is held too: _serve_by_segment)
         if reason := malformed_request(magic, op, sid_len, offset, length):
             self._refuse_malformed(c, reason)
             return False
@@ -679,6 +691,7 @@ class DataServer:
             self._count(op.name, length)
             return True
         self._count(op.name)
+        c.flush()
         status, message = (FrameStatus.DENIED, why) if why else \
             self._refusal(segment_id, offset, length)
         client_errors.warning("request_refused", kind=status.name, peer=peer, op=op.name,
@@ -799,7 +812,14 @@ class DataServer:
             return False
         try:
             if op is Op.READ:
-                segment.send_to(conn, offset, length, encode_response(FrameStatus.OK, length))
+                # Held back with the answers to the frames that follow at once, where the
+                # segment lends a view of its bytes: one send for a run of pipelined READs.
+                view = segment.view_to_send(offset, length)
+                if view is not None:
+                    c.answer(encode_response(FrameStatus.OK, length), view)
+                else:
+                    c.flush()
+                    segment.send_to(conn, offset, length, encode_response(FrameStatus.OK, length))
             else:
                 segment.recv_from(lambda v: _recv_exact(c.reader, v, frame_started=True),
                                   offset, length)

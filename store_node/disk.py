@@ -99,6 +99,9 @@ class DiskSegment(MappedSegment):
         while done < len(view):
             done += os.pwrite(self._fd, view[done:], offset + done)
 
+    def view_to_send(self, offset: int, length: int) -> None:
+        return None   # sent its own way (send_to)
+
     def send_to(self, sock, offset: int, length: int, header: bytes = b"") -> None:
         """With sendfile(2): the kernel reads ahead and copies page cache -> socket, with no
         page faults on the mapping (several times faster cold). OSError if the file came up

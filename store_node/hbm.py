@@ -107,6 +107,9 @@ class HbmSegment(Segment):
         if self._cuda:
             self._torch.cuda.synchronize(self._tensor.device)
 
+    def view_to_send(self, offset: int, length: int) -> None:
+        return None   # sent its own way (send_to)
+
     def send_to(self, sock, offset: int, length: int, header: bytes = b"") -> None:
         """A tcp READ: device -> pinned staging -> socket, piece by piece."""
         self.check_range(offset, length)

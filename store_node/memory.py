@@ -103,6 +103,14 @@ class Segment(ABC):
         with self.buffer[offset:offset + length] as view:
             send_all(sock, [header, view])
 
+    def view_to_send(self, offset: int, length: int) -> memoryview | None:
+        """``[offset, offset + length)`` as a view of :attr:`buffer`, for a READ's reply sent
+        later with others (store_node/data_server.py ``_Conn.answer``); None where the
+        segment sends its bytes its own way (disk: sendfile, HBM: staging). ValueError as
+        :meth:`send_to`."""
+        self.check_range(offset, length)
+        return self.buffer[offset:offset + length]
+
     def recv_from(self, recv_exact: Callable[[memoryview], None], offset: int,
                   length: int) -> None:
         """Fill ``[offset, offset + length)`` with ``recv_exact(view)`` (a tcp WRITE's

@@ -135,6 +135,28 @@ def test_out_of_bounds_read_keeps_the_connection(node):
         assert status is FrameStatus.OK and len(payload) == 2
 
 
+def test_pipelined_reads_are_answered_in_order_around_refusals_and_writes(node):
+    """READs that arrive together are answered in one send (the node holds each answer back
+    while the next frame is read already): a refusal or another op among them still gets
+    its answer in its place, after the READs before it."""
+    size, at = node.segments[0].size_bytes, 2 << 20
+    with connect(node) as sock:
+        sock.sendall(encode_request(Op.WRITE, sid(node), at, 6) + b"abcdef")
+        assert read_response(sock) == (FrameStatus.OK, b"")
+        sock.sendall(encode_request(Op.READ, sid(node), at, 3)
+                     + encode_request(Op.READ, sid(node), at + 3, 3)
+                     + encode_request(Op.READ, sid(node), size - 1, 2)
+                     + encode_request(Op.READ, sid(node), at, 6)
+                     + encode_request(Op.WRITE, sid(node), at + 6, 2) + b"gh"
+                     + encode_request(Op.READ, sid(node), at + 4, 4))
+        assert read_response(sock) == (FrameStatus.OK, b"abc")
+        assert read_response(sock) == (FrameStatus.OK, b"def")
+        assert read_response(sock)[0] is FrameStatus.OUT_OF_BOUNDS
+        assert read_response(sock) == (FrameStatus.OK, b"abcdef")
+        assert read_response(sock) == (FrameStatus.OK, b"")
+        assert read_response(sock) == (FrameStatus.OK, b"efgh")
+
+
 def test_refused_write_answers_then_closes(node):
     size = node.segments[1].size_bytes
     with connect(node) as sock:
