@@ -123,25 +123,8 @@ class SlotPool:
 
     def take(self, nbytes: int) -> Slot | None:
         """A slot for a value of ``nbytes``, or None (more are asked for meanwhile)."""
-        if nbytes > SLOT_MAX_BYTES or os.getpid() != self._pid:
-            return None
-        size = size_class(nbytes)
-        now = time.monotonic()
-        with self._cond:
-            if self._closed:
-                return None
-            free = self._free.get(size)
-            slot = None
-            while free:
-                s = free.pop()
-                if s.deadline > now:
-                    slot = s
-                    break
-                self._stale.append(s)
-            self._ask_if_low(size, now)
-            if slot is not None:
-                self.used += 1
-            return slot
+        got = self.take_many([nbytes])
+        return None if got is None else got[0]
 
     def take_many(self, sizes: list[int]) -> list[Slot] | None:
         """A slot for each value of ``sizes`` (bytes), or None if any has none free (none is
